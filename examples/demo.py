@@ -1,0 +1,86 @@
+"""kernforge demo: pre-warm, run every op, check it against torch, time both.
+
+Run with `make demo`. Timings are medians over repeated calls at 2 threads (or
+torch's thread count); both sides allocate their output per call. See
+benchmarks/ for the full comparison (torch.compile, preallocated outputs, GB/s).
+"""
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernforge
+
+TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 11008
+EPS = 1e-6
+
+
+def median_us(fn, reps=50):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3
+
+
+def torch_fused_add(x, r, w):
+    r.add_(x)
+    return F.rms_norm(r, (HIDDEN,), w, EPS)
+
+
+def main():
+    info = kernforge.cpu_info()
+    print(f"kernforge {kernforge.__version__}: tier {info['selected_tier']} "
+          f"(runnable: {', '.join(info['runnable_tiers'])}), {torch.get_num_threads()} threads")
+
+    print("\n== pre-warm (all ops, bf16 and fp32) ==")
+    results = kernforge.prewarm({"kernels": [{"op": op, "dtype": ["bf16", "fp32"]} for op in (
+        "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
+        "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")]})
+    compiled = [r for r in results if r.compiled]
+    print(f"{len(compiled)} compiled, {len(results) - len(compiled)} already cached")
+    for r in compiled:
+        print(f"  {r.key}  {r.seconds:.2f} s")
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(TOKENS, HIDDEN, dtype=dt)
+    w = torch.randn(HIDDEN, dtype=dt)
+    h = torch.randn(TOKENS, 2 * INTERMEDIATE, dtype=dt) * 2
+    d = INTERMEDIATE
+    cases = [
+        ("rmsnorm", lambda: kernforge.rmsnorm(x, w, EPS), lambda: F.rms_norm(x, (HIDDEN,), w, EPS)),
+        ("gemma_rmsnorm", lambda: kernforge.gemma_rmsnorm(x, w, EPS),
+         lambda: F.rms_norm(x.float(), (HIDDEN,), 1 + w.float(), EPS).to(dt)),
+        ("silu_and_mul", lambda: kernforge.silu_and_mul(h), lambda: F.silu(h[:, :d]) * h[:, d:]),
+        ("gelu_and_mul", lambda: kernforge.gelu_and_mul(h), lambda: F.gelu(h[:, :d]) * h[:, d:]),
+        ("gelu_tanh_and_mul", lambda: kernforge.gelu_tanh_and_mul(h),
+         lambda: F.gelu(h[:, :d], approximate="tanh") * h[:, d:]),
+    ]
+    print(f"\n== ops, bf16, [{TOKENS}, ...], output allocated per call ==")
+    print(f"{'op':26} {'max |diff|':>10} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
+    for name, ours, theirs in cases:
+        diff = (ours().float() - theirs().float()).abs().max().item()
+        t_ours, t_theirs = median_us(ours), median_us(theirs)
+        print(f"{name:26} {diff:10.4f} {t_ours:13.1f} {t_theirs:9.1f} {t_theirs / t_ours:7.2f}x")
+
+    for name, fused, ref_scale in (("fused_add_rmsnorm", kernforge.fused_add_rmsnorm, lambda w: w),
+                                   ("gemma_fused_add_rmsnorm", kernforge.gemma_fused_add_rmsnorm, lambda w: 1 + w.float())):
+        xa, ra = x.clone(), torch.randn_like(x)
+        xb, rb = xa.clone(), ra.clone()
+        fused(xa, ra, w, EPS)
+        s = xb.float() + rb.float()
+        ref = F.rms_norm(s, (HIDDEN,), ref_scale(w).float(), EPS)
+        diff = max((xa.float() - ref).abs().max().item(), (ra.float() - s.to(dt).float()).abs().max().item())
+        t_ours = median_us(lambda: fused(xa, ra, w, EPS))
+        t_theirs = median_us(lambda: torch_fused_add(xb, rb, w))
+        print(f"{name:26} {diff:10.4f} {t_ours:13.1f} {t_theirs:9.1f} {t_theirs / t_ours:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from kernforge.cache.cli import main
+
+sys.exit(main())

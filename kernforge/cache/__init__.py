@@ -1,0 +1,1 @@
+"""The disk cache, pre-warm and the command line."""

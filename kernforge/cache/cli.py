@@ -1,0 +1,95 @@
+"""``python -m kernforge {info,list,clear,prewarm}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kernforge.cache import disk, prewarm
+from kernforge.jit import compiler, core, isa, loader
+
+
+def _info(args) -> int:
+    info = isa.cpu_info()
+    root = disk.cache_root()
+    found = disk.entries(root)
+    features = " ".join(f for f, present in info["features"].items() if present) or "(none)"
+    print(f"features:        {features}")
+    print(f"runnable tiers:  {', '.join(info['runnable_tiers'])}")
+    print(f"selected tier:   {info['selected_tier']}")
+    print(f"compiler:        {' '.join(compiler.compiler_argv())}")
+    print(f"cffi mode:       {loader.cffi_mode()}")
+    print(f"jit enabled:     {core.jit_enabled()}")
+    print(f"cache dir:       {root}")
+    print(f"cache entries:   {sum(meta is not None for _, meta in found)} ready, "
+          f"{sum(meta is None for _, meta in found)} incomplete")
+    print(f"cache size:      {disk.size_bytes(root) / 2**20:.1f} MiB")
+    return 0
+
+
+def _list(args) -> int:
+    for entry, meta in disk.entries():
+        if meta is None:
+            print(f"{entry.key}  (incomplete: will be rebuilt)")
+        else:
+            print(f"{entry.key}  {meta['so_size'] / 1024:7.1f} KiB  compiled in {meta['compile_seconds']:.2f} s")
+    return 0
+
+
+def _clear(args) -> int:
+    print(f"removed {disk.clear()} entries from {disk.cache_root()}")
+    return 0
+
+
+def _parse_param(text: str):
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--param takes NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def _prewarm(args) -> int:
+    if args.model_config:
+        manifest = prewarm.manifest_from_model_config(args.model_config)
+    elif args.manifest:
+        manifest = json.loads(open(args.manifest).read())
+    elif args.op:
+        manifest = {"kernels": [{"op": op, "dtype": args.dtype or list(prewarm.ALL_DTYPES)} for op in args.op]}
+    elif args.template:
+        manifest = {"kernels": [{"template": args.template, "params": dict(args.param or [])}]}
+    else:
+        manifest = prewarm.all_ops_manifest(args.dtype or prewarm.ALL_DTYPES)
+    if args.print_manifest:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    prewarm.prewarm(manifest, isa_tier=args.isa, jobs=args.jobs)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="CPU features, tier, compiler and cache").set_defaults(run=_info)
+    sub.add_parser("list", help="cached variants").set_defaults(run=_list)
+    sub.add_parser("clear", help="delete every cached variant").set_defaults(run=_clear)
+    p = sub.add_parser("prewarm", help="compile variants ahead of time (default: every op and dtype)")
+    p.add_argument("manifest", nargs="?", help="JSON manifest of kernels to build")
+    p.add_argument("--model-config", help="derive the manifest from a model's config.json")
+    p.add_argument("--op", action="append", help="an op to build (repeatable)")
+    p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
+    p.add_argument("--template", help="a template to build, with --param NAME=VALUE")
+    p.add_argument("--param", action="append", type=_parse_param, help="template parameter NAME=VALUE")
+    p.add_argument("--isa", help="tier to build for (default: the tier in use)")
+    p.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
+    p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")
+    p.set_defaults(run=_prewarm)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
+        print(f"kernforge: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,96 @@
+"""Render kernel templates.
+
+A template emits the C++ config block and the exported entry point; its
+top-level ``{% set cdecl = "..." %}`` is the entry's C declaration, which cffi
+reads, so the declaration has one source of truth. Kernel bodies live in the
+headers under ``templates/include``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+PACKAGE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+PACKAGE_INCLUDE = PACKAGE_TEMPLATES / "include"
+
+_user_dirs: list[Path] = []
+_lock = threading.Lock()
+_ENTRY_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+@dataclass(frozen=True)
+class Rendered:
+    source: str
+    cdecl: str  # C declaration of the entry point, without ';'
+    entry: str  # the entry point's name
+
+
+def register_template_dir(path: str | Path) -> None:
+    """Search ``path`` for templates before the built-in ones.
+
+    Its ``include/`` subfolder, if any, goes on the compiler's include path.
+    """
+    path = Path(path).resolve()
+    if not path.is_dir():
+        raise ValueError(f"template directory {path} does not exist")
+    with _lock:
+        if path not in _user_dirs:
+            _user_dirs.insert(0, path)
+            _environment.cache_clear()
+            include_digest.cache_clear()
+    from kernforge.jit import core
+
+    core.invalidate_dispatch()
+
+
+def template_dirs() -> list[Path]:
+    return [*_user_dirs, PACKAGE_TEMPLATES]
+
+
+def include_dirs() -> list[Path]:
+    return [d / "include" for d in _user_dirs if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(d) for d in template_dirs()]),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(template: str, variables: dict) -> Rendered:
+    try:
+        module = _environment().get_template(template).make_module(variables)
+    except jinja2.TemplateNotFound as exc:
+        raise ValueError(
+            f"kernel template {template!r} not found in {', '.join(map(str, template_dirs()))}"
+        ) from exc
+    cdecl = getattr(module, "cdecl", None)
+    if not isinstance(cdecl, str):
+        raise ValueError(f"template {template!r} must set a top-level `cdecl` (the entry's C declaration)")
+    cdecl = cdecl.strip().rstrip(";")
+    match = _ENTRY_NAME.search(cdecl)
+    if match is None:
+        raise ValueError(f"template {template!r}: cannot find the function name in cdecl {cdecl!r}")
+    return Rendered(str(module), cdecl, match.group(1))
+
+
+@lru_cache(maxsize=1)
+def include_digest() -> str:
+    """Hash of every header a kernel may include: part of each variant's key,
+    so an edited header can never load a stale artifact."""
+    digest = hashlib.sha256()
+    for root in include_dirs():
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

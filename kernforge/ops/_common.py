@@ -1,0 +1,116 @@
+"""Argument checks and row geometry shared by the ops.
+
+Checks raise ``TypeError`` for a wrong type or dtype and ``ValueError`` for a
+wrong device, shape or layout, always naming the argument. They are written
+for the warm path: a few attribute reads per tensor, no new tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+}
+
+
+def dtype_name(value: str | torch.dtype) -> str:
+    """'bf16' for torch.bfloat16, 'bfloat16', 'torch.bfloat16', 'bf16' ..."""
+    if isinstance(value, torch.dtype):
+        name = DTYPE_NAMES.get(value)
+    else:
+        name = _DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
+    if name is None:
+        raise TypeError(f"unsupported dtype {value!r}; kernforge ops take float32, bfloat16 or float16")
+    return name
+
+
+def float_tensor(t: object, name: str) -> str:
+    """Check a CPU float tensor; returns its dtype's short name."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtype = DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    return dtype
+
+
+def same_dtype(t: torch.Tensor, name: str, like: torch.Tensor) -> None:
+    float_tensor(t, name)
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but input has {like.dtype}; they must match")
+
+
+def writable_rows(t: torch.Tensor, name: str) -> None:
+    """Tensors the kernel writes need a contiguous last dimension."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+
+
+def readable_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inputs only read may have any layout: copy when the last dim is strided."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def row_geometry(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(n0, n1, stride0, stride1) of the rows of a tensor of rank <= 3.
+
+    Row (i0, i1) starts at element i0*stride0 + i1*stride1: enough for 2-D
+    and 3-D tensors with any row strides, without making views per call.
+    """
+    nd = t.dim()
+    if nd == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    if nd == 3:
+        s = t.stride()
+        return t.shape[0], t.shape[1], s[0], s[1]
+    return 1, 1, 0, 0  # rank 1: one row
+
+
+def rows_view(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
+    """``t`` as a tensor of rank <= 3 over the same memory (ops with ``[..., D]`` inputs)."""
+    if t.dim() <= 3:
+        return t
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        if writable:
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} and strides {tuple(t.stride())}: its leading dimensions "
+                "cannot be merged into one without a copy"
+            ) from None
+        return t.reshape(-1, *t.shape[-2:])
+
+
+_threads_override: int | None = None
+
+
+def _read_thread_env() -> int | None:
+    value = os.environ.get("KERNFORGE_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KERNFORGE_NUM_THREADS must be a positive integer, not {value!r}")
+    return int(value)
+
+
+_threads_override = _read_thread_env()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads per kernel call; None follows ``torch.get_num_threads()``."""
+    global _threads_override
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"num_threads must be a positive integer or None, not {n!r}")
+    _threads_override = n
+
+
+def num_threads() -> int:
+    return _threads_override or torch.get_num_threads()
