@@ -32,45 +32,75 @@ def dtype_name(value: str | torch.dtype) -> str:
 
 def float_tensor(t: object, name: str) -> str:
     """Check a CPU float tensor; returns its dtype's short name."""
+    try:  # warm path: two attribute reads; anything unusual is explained below
+        if t.is_cpu:
+            return DTYPE_NAMES[t.dtype]
+    except (AttributeError, KeyError):
+        pass
+    _explain_float_tensor(t, name)
+
+
+def same_dtype(t: object, name: str, like: torch.Tensor) -> None:
+    """Check a CPU tensor with ``like``'s dtype."""
+    try:
+        if t.dtype is like.dtype and t.is_cpu:
+            return
+    except AttributeError:
+        pass
+    _explain_float_tensor(t, name)
+    raise TypeError(f"{name} has dtype {t.dtype} but input has {like.dtype}; they must match")
+
+
+def _explain_float_tensor(t: object, name: str) -> None:
+    """Raise the error that says what is wrong with ``t`` (returns if nothing is)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dtype = DTYPE_NAMES.get(t.dtype)
-    if dtype is None:
+    if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
     if not t.is_cpu:
         raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
-    return dtype
 
 
-def same_dtype(t: torch.Tensor, name: str, like: torch.Tensor) -> None:
-    float_tensor(t, name)
-    if t.dtype != like.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but input has {like.dtype}; they must match")
+# The helpers below work on a tensor's shape and stride tuples, read once per
+# call: tensor.stride(i) and tensor.size(i) cost twice as much as the tuples.
 
 
-def writable_rows(t: torch.Tensor, name: str) -> None:
+def writable_rows(shape: torch.Size, strides: tuple[int, ...], name: str) -> None:
     """Tensors the kernel writes need a contiguous last dimension."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+    if strides[-1] != 1 and shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {strides}")
 
 
-def readable_rows(t: torch.Tensor) -> torch.Tensor:
-    """Inputs only read may have any layout: copy when the last dim is strided."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+def readable_rows(t: torch.Tensor, shape: torch.Size, strides: tuple[int, ...]):
+    """Inputs only read may have any layout: copy when the last dim is strided.
+    Returns the tensor to read and its strides."""
+    if strides[-1] == 1 or shape[-1] <= 1:
+        return t, strides
+    t = t.contiguous()
+    return t, t.stride()
 
 
-def row_geometry(t: torch.Tensor) -> tuple[int, int, int, int]:
+def checked_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> tuple[int, ...]:
+    """Check a caller's ``out`` (dtype, device, shape, layout); returns its strides."""
+    same_dtype(out, "out", like)
+    if out.shape != shape:
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    strides = out.stride()
+    writable_rows(shape, strides, "out")
+    return strides
+
+
+def row_geometry(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, int, int, int]:
     """(n0, n1, stride0, stride1) of the rows of a tensor of rank <= 3.
 
     Row (i0, i1) starts at element i0*stride0 + i1*stride1: enough for 2-D
     and 3-D tensors with any row strides, without making views per call.
     """
-    nd = t.dim()
+    nd = len(shape)
     if nd == 2:
-        return t.shape[0], 1, t.stride(0), 0
+        return shape[0], 1, strides[0], 0
     if nd == 3:
-        s = t.stride()
-        return t.shape[0], t.shape[1], s[0], s[1]
+        return shape[0], shape[1], strides[0], strides[1]
     return 1, 1, 0, 0  # rank 1: one row
 
 
@@ -112,5 +142,5 @@ def set_num_threads(n: int | None) -> None:
     _threads_override = n
 
 
-def num_threads() -> int:
-    return _threads_override or torch.get_num_threads()
+def num_threads(_torch_threads=torch.get_num_threads) -> int:
+    return _threads_override or _torch_threads()

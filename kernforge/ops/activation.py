@@ -7,13 +7,12 @@ import torch
 from kernforge.jit.core import Variant
 from kernforge.ops._common import (
     DTYPE_NAMES,
+    checked_out,
     float_tensor,
     num_threads,
     readable_rows,
     row_geometry,
     rows_view,
-    same_dtype,
-    writable_rows,
 )
 
 TEMPLATE = "activation.cpp.jinja"
@@ -43,24 +42,23 @@ def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 def _gated(input, out, act):
     dtype = float_tensor(input, "input")
-    if input.dim() == 0 or input.shape[-1] % 2:
-        raise ValueError(f"input's last dimension must be even (2 * d), got shape {tuple(input.shape)}")
-    d = input.shape[-1] // 2
-    out_shape = (*input.shape[:-1], d)
+    shape = input.shape
+    if not shape or shape[-1] % 2:
+        raise ValueError(f"input's last dimension must be even (2 * d), got shape {tuple(shape)}")
+    d = shape[-1] // 2
+    out_shape = (*shape[:-1], d)
     if out is None:
         out = torch.empty(out_shape, dtype=input.dtype)
     else:
-        same_dtype(out, "out", input)
-        if tuple(out.shape) != out_shape:
-            raise ValueError(f"out must have shape {out_shape} for input of shape {tuple(input.shape)}, got {tuple(out.shape)}")
-        writable_rows(out, "out")
-    if out.numel() == 0:
-        return out
-    rows_in = rows_view(readable_rows(input), "input", writable=False)
-    rows_out = rows_view(out, "out", writable=True)
-    n0, n1, in_s0, in_s1 = row_geometry(rows_in)
-    _, _, out_s0, out_s1 = row_geometry(rows_out)
-    VARIANTS[dtype, act].kernel()(
-        rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
-    )
+        checked_out(out, out_shape, input)
+    rows_out = out
+    if len(shape) > 3:  # kernels see at most 3 dims: merge the leading ones (a view where possible)
+        input, rows_out = rows_view(input, "input", writable=False), rows_view(out, "out", writable=True)
+    rows_in, in_strides = readable_rows(input, input.shape, input.stride())
+    n0, n1, in_s0, in_s1 = row_geometry(rows_in.shape, in_strides)
+    _, _, out_s0, out_s1 = row_geometry(rows_out.shape, rows_out.stride())
+    if n0 * n1 * d:
+        VARIANTS[dtype, act].kernel()(
+            rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
+        )
     return out

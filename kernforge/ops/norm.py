@@ -7,6 +7,7 @@ import torch
 from kernforge.jit.core import Variant
 from kernforge.ops._common import (
     DTYPE_NAMES,
+    checked_out,
     float_tensor,
     num_threads,
     readable_rows,
@@ -52,55 +53,55 @@ def gemma_fused_add_rmsnorm(
     _fused_add(input, residual, weight, eps, gemma=True)
 
 
-def _check_input(input: torch.Tensor) -> str:
+def _check_input(input: torch.Tensor) -> tuple[str, torch.Size]:
     dtype = float_tensor(input, "input")
-    if input.dim() not in (2, 3):
-        raise ValueError(f"input must be 2-D [tokens, hidden] or 3-D [batch, heads, hidden], got shape {tuple(input.shape)}")
-    return dtype
+    shape = input.shape
+    if len(shape) not in (2, 3):
+        raise ValueError(f"input must be 2-D [tokens, hidden] or 3-D [batch, heads, hidden], got shape {tuple(shape)}")
+    return dtype, shape
 
 
-def _checked_weight(weight: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> torch.Tensor:
     same_dtype(weight, "weight", input)
-    if weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
-        raise ValueError(f"weight must have shape ({input.shape[-1]},) to match input's last dimension, got {tuple(weight.shape)}")
-    return weight if weight.stride(0) == 1 else weight.contiguous()
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match input's last dimension, got {tuple(weight.shape)}")
+    return weight if weight.is_contiguous() else weight.contiguous()
 
 
 def _normalize(input, weight, eps, out, gemma):
-    dtype = _check_input(input)
-    weight = _checked_weight(weight, input)
-    input = readable_rows(input)
+    dtype, shape = _check_input(input)
+    weight = _checked_weight(weight, input, shape[-1])
+    input, strides = readable_rows(input, shape, input.stride())
     if out is None:
-        out = torch.empty(input.shape, dtype=input.dtype)
+        out = torch.empty_like(input)  # as FlashInfer; keeps a dense input's layout
+        out_strides = out.stride()
     else:
-        same_dtype(out, "out", input)
-        if out.shape != input.shape:
-            raise ValueError(f"out must have the input's shape {tuple(input.shape)}, got {tuple(out.shape)}")
-        writable_rows(out, "out")
-    if input.numel() == 0:
+        out_strides = checked_out(out, shape, input)
+    n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
+    _, _, out_s0, out_s1 = row_geometry(shape, out_strides)
+    if n0 * n1 * shape[-1] == 0:
         return out
-    n0, n1, in_s0, in_s1 = row_geometry(input)
-    _, _, out_s0, out_s1 = row_geometry(out)
     VARIANTS[dtype, False, gemma].kernel()(
         out.data_ptr(), out_s0, out_s1, input.data_ptr(), in_s0, in_s1, 0, 0, 0,
-        weight.data_ptr(), n0, n1, input.shape[-1], float(eps), num_threads(),
+        weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )
     return out
 
 
 def _fused_add(input, residual, weight, eps, gemma):
-    dtype = _check_input(input)
+    dtype, shape = _check_input(input)
     same_dtype(residual, "residual", input)
-    if residual.shape != input.shape:
-        raise ValueError(f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
-    writable_rows(input, "input")
-    writable_rows(residual, "residual")
-    weight = _checked_weight(weight, input)
-    if input.numel() == 0:
+    if residual.shape != shape:
+        raise ValueError(f"residual must have the input's shape {tuple(shape)}, got {tuple(residual.shape)}")
+    strides, res_strides = input.stride(), residual.stride()
+    writable_rows(shape, strides, "input")
+    writable_rows(shape, res_strides, "residual")
+    weight = _checked_weight(weight, input, shape[-1])
+    n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
+    _, _, res_s0, res_s1 = row_geometry(shape, res_strides)
+    if n0 * n1 * shape[-1] == 0:
         return
-    n0, n1, in_s0, in_s1 = row_geometry(input)
-    _, _, res_s0, res_s1 = row_geometry(residual)
     VARIANTS[dtype, True, gemma].kernel()(
         input.data_ptr(), in_s0, in_s1, input.data_ptr(), in_s0, in_s1, residual.data_ptr(), res_s0, res_s1,
-        weight.data_ptr(), n0, n1, input.shape[-1], float(eps), num_threads(),
+        weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )
