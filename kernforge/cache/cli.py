@@ -7,7 +7,7 @@ import json
 import sys
 
 from kernforge.cache import disk, prewarm
-from kernforge.jit import compiler, core, isa, loader
+from kernforge.jit import compiler, core, isa, loader, render
 
 
 def _info(args) -> int:
@@ -53,6 +53,8 @@ def _parse_param(text: str):
 
 
 def _prewarm(args) -> int:
+    for directory in args.template_dir:
+        render.register_template_dir(directory)
     if args.model_config:
         manifest = prewarm.manifest_from_model_config(args.model_config)
     elif args.manifest:
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
     p.add_argument("--template", help="a template to build, with --param NAME=VALUE")
     p.add_argument("--param", action="append", type=_parse_param, help="template parameter NAME=VALUE")
+    p.add_argument("--template-dir", action="append", default=[], help="extra template directory (repeatable)")
     p.add_argument("--isa", help="tier to build for (default: the tier in use)")
     p.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
     p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")

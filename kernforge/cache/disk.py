@@ -167,6 +167,11 @@ def entries(root: Path | None = None) -> list[tuple[Entry, dict | None]]:
     return found
 
 
+def entries_with_prefix(root: Path, prefix: str) -> list[Entry]:
+    """Entries whose key is ``<prefix>-<hash>`` (one per compiler that built it)."""
+    return [Entry(root, p.name) for p in sorted(root.glob(f"{prefix}-*")) if p.name.rsplit("-", 1)[0] == prefix]
+
+
 def size_bytes(root: Path | None = None) -> int:
     root = root or cache_root()
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

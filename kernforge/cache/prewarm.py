@@ -114,7 +114,8 @@ def prewarm(
     bar = _Progress(len(specs), enabled=progress)
     results: list[core.BuildResult] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(lambda spec: core.build(spec, load=None)[0], spec) for spec in specs]
+        # Pre-warm is the way to fill the cache, so it compiles even under KERNFORGE_JIT=0.
+        futures = [pool.submit(lambda spec: core.build(spec, load=None, allow_compile=True)[0], spec) for spec in specs]
         for future in as_completed(futures):
             result = future.result()
             results.append(result)

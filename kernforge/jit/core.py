@@ -82,12 +82,12 @@ class _Plan:
 
     spec: KernelSpec
     rendered: render.Rendered
-    command: list[str]  # with placeholders for source and output
     mode: str
-    key: str
-    module: str
     requires: tuple[str, ...]
     runnable: bool
+    content_digest: str  # what the binary is made of, whatever compiler builds it
+    command: list[str] | None  # with placeholders for source and output; None: no compiler
+    key: str | None  # None: no compiler, so only a cached entry with this content can serve
 
 
 def _plan(spec: KernelSpec) -> _Plan:
@@ -96,16 +96,27 @@ def _plan(spec: KernelSpec) -> _Plan:
     runnable = all(f in features for f in tier.requires)
     flags = tier.compile_flags(features if runnable else None)  # cross-build: every optional flag
     rendered = render.render(spec.template, spec.variables())
-    argv = compiler.compiler_argv()
     mode = loader.cffi_mode()
+    # Header contents and the Python ABI stand in for include paths, so a cache
+    # copied to another install location or machine still matches.
+    content = [rendered.source, render.include_digest(), flags, __version__, mode, loader.python_abi(mode)]
+    content_digest = _sha(content)
+    try:
+        argv = compiler.compiler_argv()
+    except compiler.CompilerNotFoundError:
+        if jit_enabled():
+            raise
+        # KERNFORGE_JIT=0 on a machine without a compiler: serve a prewarmed entry.
+        return _Plan(spec, rendered, mode, tier.used_features(flags), runnable, content_digest, None, None)
     includes = render.include_dirs() + ([loader.python_include()] if mode == "api" else [])
     command = compiler.build_command(argv, flags, includes, "<source>", "<output>")
-    fingerprint = json.dumps(
-        [rendered.source, render.include_digest(), command, compiler.compiler_version(tuple(argv)), __version__, mode]
-    )
-    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:20]
-    return _Plan(spec, rendered, command, mode, f"{spec.prefix()}-{digest}", f"_kf_{digest}",
-                 tier.used_features(flags), runnable)
+    compiler_identity = [compiler.build_command(argv, flags, [], "", ""), compiler.compiler_version(tuple(argv))]
+    key = f"{spec.prefix()}-{_sha([content_digest, compiler_identity])[:20]}"
+    return _Plan(spec, rendered, mode, tier.used_features(flags), runnable, content_digest, command, key)
+
+
+def _sha(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def jit_enabled() -> bool:
@@ -113,20 +124,24 @@ def jit_enabled() -> bool:
 
 
 def _prewarm_hint(spec: KernelSpec) -> str:
-    params = " ".join(f"--param {k}={_short(v)}" for k, v in spec.params)
-    return f"python -m kernforge prewarm --template {spec.template} {params} --isa {spec.tier}".replace("  ", " ")
+    words = ["python -m kernforge prewarm --template", spec.template]
+    origin = render.template_origin(spec.template)
+    if origin is not None:
+        words += ["--template-dir", str(origin)]
+    words += [f"--param {k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in spec.params]
+    return " ".join(words + ["--isa", spec.tier])
 
 
 def _load(plan: _Plan, entry: disk.Entry) -> Callable | None:
     """The entry point if the entry is intact and loads, else None."""
     meta = entry.trusted_meta()
-    if meta is None:
+    if meta is None or meta.get("content_digest") != plan.content_digest:
         return None
     missing = [f for f in meta.get("requires", []) if f not in isa.cpu_features()]
     if missing:
         raise isa.IsaError(f"cached kernel {entry.key} needs {', '.join(missing)}, which this CPU lacks")
     try:
-        return loader.load(plan.mode, entry.so, plan.module, plan.rendered.cdecl, plan.rendered.entry)
+        return loader.load(plan.mode, entry.so, meta["module"], plan.rendered.cdecl, plan.rendered.entry)
     except (OSError, ImportError, AttributeError) as exc:
         log.warning("cached %s does not load (%s); rebuilding it", entry.key, exc)
         return None
@@ -138,7 +153,7 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
     entry.source.write_text(plan.rendered.source)
     source = entry.source
     if plan.mode == "api":
-        loader.write_api_wrapper(plan.module, plan.rendered.cdecl, plan.rendered.source, entry.wrapper)
+        loader.write_api_wrapper(_module_name(plan.key), plan.rendered.cdecl, plan.rendered.source, entry.wrapper)
         source = entry.wrapper
     tmp = entry.temp_so()
     command = [str(source) if a == "<source>" else str(tmp) if a == "<output>" else a for a in plan.command]
@@ -151,22 +166,33 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
     entry.commit(tmp, {
         "template": plan.spec.template, "params": dict(plan.spec.params), "tier": plan.spec.tier,
         "requires": list(plan.requires), "command": command, "cffi_mode": plan.mode,
-        "module": plan.module, "cdecl": plan.rendered.cdecl, "compile_seconds": round(seconds, 3),
+        "content_digest": plan.content_digest, "module": _module_name(plan.key), "cdecl": plan.rendered.cdecl, "compile_seconds": round(seconds, 3),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     log.info("compiled %s in %.2f s", plan.key, seconds)
     return seconds
 
 
-def build(spec: KernelSpec, load: bool | None = True) -> tuple[BuildResult, Callable | None]:
+def _module_name(key: str) -> str:
+    """The cffi extension's name: unique per key, a valid identifier."""
+    return "_kf_" + key.rsplit("-", 1)[1]
+
+
+def build(
+    spec: KernelSpec, load: bool | None = True, allow_compile: bool | None = None
+) -> tuple[BuildResult, Callable | None]:
     """Make sure ``spec`` is in the cache (compiling it if needed); load it if
-    asked (``load=None``: load only if this CPU can run the tier)."""
+    asked (``load=None``: load only if this CPU can run the tier).
+    ``allow_compile`` defaults to ``KERNFORGE_JIT``; prewarm passes True."""
     plan = _plan(spec)
     if load is None:
         load = plan.runnable
     if load and not plan.runnable:
         isa._validate(spec.tier)  # raises with the missing features
-    entry = disk.Entry(disk.cache_root(), plan.key)
+    root = disk.cache_root()
+    if plan.key is None:
+        return _build_without_compiler(plan, root, load)
+    entry = disk.Entry(root, plan.key)
 
     def ready() -> Callable | None | bool:
         return _load(plan, entry) if load else entry.trusted_meta() is not None
@@ -174,11 +200,8 @@ def build(spec: KernelSpec, load: bool | None = True) -> tuple[BuildResult, Call
     found = ready()  # fast path: no lock once the entry is committed
     seconds, compiled = 0.0, False
     if not found:
-        if not jit_enabled():
-            raise KernelNotCachedError(
-                f"kernel {plan.key} is not in the cache {entry.root} and KERNFORGE_JIT=0 forbids compiling it; "
-                f"build it first with: {_prewarm_hint(spec)}"
-            )
+        if not (jit_enabled() if allow_compile is None else allow_compile):
+            raise _not_cached(spec, plan.key, root)
         with entry.lock():
             found = ready()  # another process may have built it while we waited
             if not found:
@@ -188,6 +211,22 @@ def build(spec: KernelSpec, load: bool | None = True) -> tuple[BuildResult, Call
             raise RuntimeError(f"kernforge: {plan.key} was just built but does not load; see {entry.log}")
     result = BuildResult(spec, plan.key, compiled, seconds, entry.dir)
     return result, (found if load else None)
+
+
+def _build_without_compiler(plan: _Plan, root: Path, load: bool) -> tuple[BuildResult, Callable | None]:
+    """No compiler and KERNFORGE_JIT=0: use a prewarmed entry with the same content."""
+    for entry in disk.entries_with_prefix(root, plan.spec.prefix()):
+        found = _load(plan, entry) if load else entry.trusted_meta() is not None
+        if found:
+            return BuildResult(plan.spec, entry.key, False, 0.0, entry.dir), (found if load else None)
+    raise _not_cached(plan.spec, f"{plan.spec.prefix()}-*", root)
+
+
+def _not_cached(spec: KernelSpec, key: str, root: Path) -> KernelNotCachedError:
+    return KernelNotCachedError(
+        f"kernel {key} is not in the cache {root} and KERNFORGE_JIT=0 forbids compiling it; "
+        f"build it first with: {_prewarm_hint(spec)}"
+    )
 
 
 _memo: dict[KernelSpec, Callable] = {}

@@ -159,10 +159,10 @@ def selected_tier() -> str:
     """The tier kernels are built for: forced (env or set_isa) or the best runnable."""
     global _forced, _forced_read_env
     if not _forced_read_env:
-        _forced_read_env = True
         env = os.environ.get("KERNFORGE_ISA", "").strip().lower()
         if env and _forced is None:
-            _forced = _validate(env)
+            _forced = _validate(env)  # a bad value raises on every call until fixed
+        _forced_read_env = True
     return _forced or best_tier()
 
 

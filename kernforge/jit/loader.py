@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import sys
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,11 @@ MODES = ("api", "abi")
 def python_include() -> Path | None:
     include = Path(sysconfig.get_paths()["include"])
     return include if (include / "Python.h").is_file() else None
+
+
+def python_abi(mode: str) -> str:
+    """The interpreter ABI an API-mode extension is built for ('' in ABI mode)."""
+    return (sysconfig.get_config_var("SOABI") or sys.version) if mode == "api" else ""
 
 
 def cffi_mode() -> str:

@@ -9,6 +9,7 @@ headers under ``templates/include``.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -43,29 +44,41 @@ def register_template_dir(path: str | Path) -> None:
     with _lock:
         if path not in _user_dirs:
             _user_dirs.insert(0, path)
-            _environment.cache_clear()
-            include_digest.cache_clear()
     from kernforge.jit import core
 
     core.invalidate_dispatch()
 
 
 def template_dirs() -> list[Path]:
-    return [*_user_dirs, PACKAGE_TEMPLATES]
+    """Registered directories, then ``KERNFORGE_TEMPLATE_PATH`` (os.pathsep-separated), then the built-ins."""
+    env = [Path(p).resolve() for p in os.environ.get("KERNFORGE_TEMPLATE_PATH", "").split(os.pathsep) if p]
+    return [*_user_dirs, *env, PACKAGE_TEMPLATES]
 
 
 def include_dirs() -> list[Path]:
-    return [d / "include" for d in _user_dirs if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
+    return [d / "include" for d in template_dirs()[:-1] if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
 
 
-@lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
+    return _environment_for(tuple(template_dirs()))
+
+
+@lru_cache(maxsize=8)
+def _environment_for(dirs: tuple[Path, ...]) -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(d) for d in template_dirs()]),
+        loader=jinja2.FileSystemLoader([str(d) for d in dirs]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
     )
+
+
+def template_origin(template: str) -> Path | None:
+    """The user directory a template comes from (None: a built-in one)."""
+    for d in template_dirs()[:-1]:
+        if (d / template).is_file():
+            return d
+    return None
 
 
 def render(template: str, variables: dict) -> Rendered:
@@ -85,12 +98,16 @@ def render(template: str, variables: dict) -> Rendered:
     return Rendered(str(module), cdecl, match.group(1))
 
 
-@lru_cache(maxsize=1)
 def include_digest() -> str:
     """Hash of every header a kernel may include: part of each variant's key,
     so an edited header can never load a stale artifact."""
+    return _digest_of(tuple(include_dirs()))
+
+
+@lru_cache(maxsize=8)
+def _digest_of(roots: tuple[Path, ...]) -> str:
     digest = hashlib.sha256()
-    for root in include_dirs():
+    for root in roots:
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

@@ -1,0 +1,364 @@
+"""Pre-warming the cache and the ``python -m kernforge`` command line.
+
+Builds use the test template ``tests/templates/axpy.cpp.jinja``. The CLI runs as a
+real subprocess; for a user template the child registers ``tests/templates`` and then
+calls the same ``main`` that ``python -m kernforge`` runs (the CLI itself has no
+option to add a template folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernforge
+from kernforge.cache import cli, disk, prewarm
+from kernforge.jit import core, isa, render
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+AXPY = "axpy.cpp.jinja"
+_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE")
+
+LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
+         "model_type": "llama"}
+GEMMA2 = {"hidden_size": 2304, "intermediate_size": 9216, "hidden_activation": "gelu_pytorch_tanh",
+          "torch_dtype": "bfloat16", "model_type": "gemma2"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _test_templates():
+    saved = list(render._user_dirs)
+    kernforge.register_template_dir(TEMPLATES)
+    yield
+    render._user_dirs[:] = saved
+    core.invalidate_dispatch()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "kf-cache"
+    root.mkdir()
+    os.chmod(root, 0o700)
+    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(root))
+    for var in _ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(core, "_memo", {})
+    return root
+
+
+def axpy_manifest(*dtypes, **extra) -> dict:
+    return {**extra, "kernels": [{"template": AXPY, "params": {"dtype": d}} for d in dtypes]}
+
+
+def entry_keys(root: Path) -> list[str]:
+    return [entry.key for entry, meta in disk.entries(root) if meta is not None]
+
+
+# --------------------------------------------------------------------------- prewarm()
+
+
+def _timing_compiler(tmp_path: Path, log: Path) -> Path:
+    """g++ behind a wrapper that logs when each compile starts and ends (and takes >= 0.6 s)."""
+    gxx = shutil.which("g++")
+    script = tmp_path / "timed-g++"
+    script.write_text(f"""#!/bin/sh
+[ "$1" = "--version" ] && exec {shlex.quote(gxx)} "$@"
+echo "start $$ $(date +%s.%N)" >> {shlex.quote(str(log))}
+sleep 0.6
+{shlex.quote(gxx)} "$@"; rc=$?
+echo "end $$ $(date +%s.%N)" >> {shlex.quote(str(log))}
+exit $rc
+""")
+    script.chmod(0o755)
+    return script
+
+
+def _intervals(log: Path) -> list[tuple[float, float]]:
+    times: dict[str, dict[str, float]] = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        what, pid, when = line.split()
+        times.setdefault(pid, {})[what] = float(when)
+    return [(t["start"], t["end"]) for t in times.values()]
+
+
+def test_prewarm_builds_in_parallel_then_compiles_nothing(cache, tmp_path, monkeypatch, capsys):
+    log = tmp_path / "compiles.log"
+    monkeypatch.setenv("KERNFORGE_CXX", str(_timing_compiler(tmp_path, log)))
+    manifest = axpy_manifest("fp32", "fp64", isa="generic")
+
+    first = kernforge.prewarm(manifest, jobs=2, progress=False)
+    assert sorted(r.spec.params for r in first) == [(("dtype", "fp32"),), (("dtype", "fp64"),)]
+    assert all(r.compiled and r.spec.tier == "generic" for r in first)
+    assert sorted(entry_keys(cache)) == sorted(r.key for r in first)
+    spans = _intervals(log)
+    assert len(spans) == 2
+    assert max(s for s, _ in spans) < min(e for _, e in spans), f"the two compiles did not overlap: {spans}"
+
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    second = kernforge.prewarm(str(path), jobs=2, progress=True)  # a manifest file this time
+    assert [r.compiled for r in second] == [False, False]
+    assert [r.key for r in second] == [r.key for r in first]
+    assert len(_intervals(log)) == 2, "the second prewarm ran the compiler"
+    assert "prewarm done: 0 compiled, 2 already cached" in capsys.readouterr().err
+
+
+def test_prewarm_results_load_and_run(cache):
+    (result,) = kernforge.prewarm(axpy_manifest("i64"), isa_tier="generic", progress=False)
+    assert result.compiled
+    loaded, fn = core.build(result.spec)
+    assert not loaded.compiled
+    import torch
+    x, y = torch.arange(5, dtype=torch.int64), torch.ones(5, dtype=torch.int64)
+    fn(x.data_ptr(), y.data_ptr(), 5, 3.0)
+    assert y.tolist() == [1, 4, 7, 10, 13]
+
+
+def test_prewarm_default_tier_is_the_selected_tier(cache):
+    (result,) = kernforge.prewarm(axpy_manifest("fp32"), progress=False)
+    assert result.spec.tier == isa.selected_tier()
+
+
+def test_prewarm_same_variant_from_two_threads_compiles_once(cache):
+    spec = core.KernelSpec.make(AXPY, {"dtype": "fp32"}, "generic")
+    results = kernforge.prewarm([spec, spec, spec], jobs=3, progress=False)
+    assert sorted(r.compiled for r in results) == [False, False, True]
+    assert len({r.key for r in results}) == 1
+
+
+def test_prewarm_cross_builds_a_tier_this_cpu_lacks(cache, monkeypatch):
+    if "amx" in isa.runnable_tiers():
+        pytest.skip("this CPU runs amx; nothing to cross-build")
+    (result,) = kernforge.prewarm(axpy_manifest("fp32"), isa_tier="amx", progress=False)
+    assert result.compiled and result.spec.tier == "amx"
+    meta = disk.Entry(cache, result.key).trusted_meta()
+    assert meta is not None and "amx_tile" in meta["requires"]
+
+
+def test_prewarm_op_form(cache):
+    if not (render.PACKAGE_TEMPLATES / "norm.cpp.jinja").is_file():
+        pytest.skip("the norm template is not there yet")
+    (result,) = kernforge.prewarm({"kernels": [{"op": "rmsnorm", "dtype": "bfloat16"}]}, isa_tier="generic",
+                                  progress=False)
+    assert result.compiled
+    assert result.spec == core.KernelSpec.make("norm.cpp.jinja", {"dtype": "bf16", "fused_add": False,
+                                                                   "gemma": False}, "generic")
+
+
+def test_specs_from_manifest_expands_and_dedups():
+    specs = prewarm.specs_from_manifest({"kernels": [
+        {"op": "rmsnorm", "dtype": ["bfloat16", "fp16", "bf16"]},
+        {"op": "silu_and_mul", "dtype": "float32"},
+        {"template": AXPY, "params": {"dtype": "fp32"}},
+        {"template": AXPY, "params": {"dtype": "fp32"}},
+    ]}, tier="avx2")
+    assert [(s.template, dict(s.params).get("dtype"), s.tier) for s in specs] == [
+        ("norm.cpp.jinja", "bf16", "avx2"), ("norm.cpp.jinja", "fp16", "avx2"),
+        ("activation.cpp.jinja", "fp32", "avx2"), (AXPY, "fp32", "avx2"),
+    ]
+
+
+@pytest.mark.parametrize("item, match", [
+    ({"dtype": "bf16"}, "needs an 'op' or a 'template'"),
+    ({"op": "layernorm", "dtype": "bf16"}, "unknown op 'layernorm'"),
+])
+def test_bad_manifest_entries_are_rejected(item, match):
+    with pytest.raises(ValueError, match=match):
+        prewarm.specs_from_manifest({"kernels": [item]}, tier="generic")
+
+
+def test_prewarm_of_a_broken_template_raises(cache):
+    with pytest.raises(kernforge.KernelCompileError, match="kf_undeclared_identifier_generic"):
+        kernforge.prewarm({"kernels": [{"template": "broken.cpp.jinja"}]}, isa_tier="generic", progress=False)
+
+
+# --------------------------------------------------------------------------- model configs
+
+
+def test_manifest_from_llama_config():
+    manifest = prewarm.manifest_from_model_config(LLAMA)
+    assert manifest["kernels"] == [{"op": "rmsnorm", "dtype": "bfloat16"},
+                                   {"op": "fused_add_rmsnorm", "dtype": "bfloat16"},
+                                   {"op": "silu_and_mul", "dtype": "bfloat16"}]
+    assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
+
+
+def test_manifest_from_gemma2_config_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA2))
+    manifest = prewarm.manifest_from_model_config(path)
+    assert {k["op"] for k in manifest["kernels"]} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm",
+                                                       "gelu_tanh_and_mul"}
+    assert {k["dtype"] for k in manifest["kernels"]} == {"bfloat16"}
+    specs = prewarm.specs_from_manifest(manifest, tier="generic")
+    assert {(s.template, dict(s.params).get("gemma")) for s in specs} >= {("norm.cpp.jinja", True)}
+    assert all(dict(s.params)["dtype"] == "bf16" for s in specs)
+
+
+def test_manifest_from_multimodal_config_reads_the_text_config():
+    config = {"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text"}}
+    ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"]]
+    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_act": "relu2"}, "activation 'relu2'"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"hidden_size": "4096"}, "hidden_size"),
+    ({"intermediate_size": 0}, "intermediate_size"),
+], ids=["unknown-activation", "no-hidden-size", "string-hidden-size", "zero-intermediate"])
+def test_bad_model_config_raises_value_error(change, match):
+    config = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        prewarm.manifest_from_model_config(config)
+
+
+# --------------------------------------------------------------------------- the CLI in-process
+
+
+def test_cli_print_manifest_from_model_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    assert cli.main(["prewarm", "--model-config", str(path), "--print-manifest"]) == 0
+    assert json.loads(capsys.readouterr().out) == prewarm.manifest_from_model_config(LLAMA)
+
+
+def test_cli_print_manifest_for_ops(capsys):
+    assert cli.main(["prewarm", "--op", "rmsnorm", "--op", "silu_and_mul", "--dtype", "bf16",
+                     "--print-manifest"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"kernels": [{"op": "rmsnorm", "dtype": ["bf16"]},
+                                                               {"op": "silu_and_mul", "dtype": ["bf16"]}]}
+
+
+def test_cli_param_needs_name_value(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["prewarm", "--template", AXPY, "--param", "dtype"])
+    assert info.value.code == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_cli_unknown_template_is_an_error(cache, capsys):
+    assert cli.main(["prewarm", "--template", "no_such.cpp.jinja", "--isa", "generic"]) == 1
+    assert re.search(r"kernforge: error: .*no_such.cpp.jinja.*not found", capsys.readouterr().err)
+
+
+def test_cli_bad_model_config_is_an_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "hidden_act": "relu2"}))
+    assert cli.main(["prewarm", "--model-config", str(path)]) == 1
+    assert "kernforge: error:" in capsys.readouterr().err
+
+
+def test_not_cached_hint_is_a_working_command(cache, monkeypatch):
+    """The command KernelNotCachedError suggests builds exactly the missing variant."""
+    spec = core.KernelSpec.make(AXPY, {"dtype": "fp64"}, "generic")
+    monkeypatch.setenv("KERNFORGE_JIT", "0")
+    with pytest.raises(kernforge.KernelNotCachedError) as info:
+        core.build(spec)
+    hint = str(info.value).split("build it first with: ", 1)[1]
+    argv = shlex.split(hint)
+    assert argv[:3] == ["python", "-m", "kernforge"]
+    monkeypatch.delenv("KERNFORGE_JIT")
+    assert cli.main(argv[3:]) == 0
+    monkeypatch.setenv("KERNFORGE_JIT", "0")
+    result, fn = core.build(spec)
+    assert not result.compiled and fn is not None
+
+
+def test_prewarm_compiles_even_when_jit_is_disabled(cache, monkeypatch):
+    monkeypatch.setenv("KERNFORGE_JIT", "0")
+    (result,) = kernforge.prewarm(axpy_manifest("fp32"), isa_tier="generic", progress=False)
+    assert result.compiled
+
+
+# --------------------------------------------------------------------------- the CLI in a subprocess
+
+# ``python -m kernforge`` with tests/templates registered first
+_CLI_WITH_TEST_TEMPLATES = (
+    "import sys, kernforge; kernforge.register_template_dir(sys.argv.pop(1)); "
+    "from kernforge.cache.cli import main; sys.exit(main())"
+)
+
+
+def run_cli(cache_root: Path, *args: str, user_templates: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
+    env["KERNFORGE_CACHE_DIR"] = str(cache_root)
+    if user_templates:
+        command = [sys.executable, "-c", _CLI_WITH_TEST_TEMPLATES, str(TEMPLATES), *args]
+    else:
+        command = [sys.executable, "-m", "kernforge", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+def assert_rc0(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def test_cli_prewarm_template_with_params(cache):
+    spec = core.KernelSpec.make(AXPY, {"dtype": "fp32"}, "generic")
+    key = core._plan(spec).key
+    proc = run_cli(cache, "prewarm", "--template", AXPY, "--param", "dtype=fp32", "--isa", "generic",
+                   "--jobs", "2", user_templates=True)
+    assert_rc0(proc)
+    assert f"kernforge: compiling {key} ..." in proc.stderr
+    assert "prewarm done: 1 compiled, 0 already cached" in proc.stderr
+    assert entry_keys(cache) == [key]
+    result, fn = core.build(spec)  # usable here, without compiling
+    assert not result.compiled and fn is not None
+
+
+def test_cli_list(cache):
+    (result,) = kernforge.prewarm(axpy_manifest("fp32"), isa_tier="generic", progress=False)
+    incomplete = cache / "axpy_dtype-fp64_generic-00000000000000000000"
+    incomplete.mkdir(mode=0o700)
+    (incomplete / "kernel.so").write_bytes(b"\x7fELF half")
+    proc = run_cli(cache, "list")
+    assert_rc0(proc)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert re.match(rf"{re.escape(result.key)}\s+[\d.]+ KiB\s+compiled in [\d.]+ s$", lines[0]), lines[0]
+    assert lines[1] == f"{incomplete.name}  (incomplete: will be rebuilt)"
+
+
+def test_cli_info(cache):
+    kernforge.prewarm(axpy_manifest("fp32", "fp64"), isa_tier="generic", progress=False)
+    core.build(core.KernelSpec.make("cpu_probe.cpp.jinja", {}, "generic"), load=False)  # info probes the CPU
+    (cache / "axpy_dtype-i64_generic-00000000000000000000").mkdir(mode=0o700)
+    proc = run_cli(cache, "info")
+    assert_rc0(proc)
+    fields = dict(re.findall(r"^([a-z ]+):\s+(.*)$", proc.stdout, re.MULTILINE))
+    assert fields["cache dir"] == str(cache)
+    assert fields["cache entries"] == "3 ready, 1 incomplete"
+    assert fields["selected tier"] == isa.selected_tier()
+    assert fields["runnable tiers"] == ", ".join(isa.runnable_tiers())
+    assert fields["jit enabled"] == "True"
+    assert fields["cffi mode"] == "api"
+    assert fields["compiler"].split()[0] == shutil.which("g++")
+    assert set(fields["features"].split()) == {f for f in isa.FEATURES if f in isa.cpu_features()}
+    assert "compiling" not in proc.stderr, "info compiled something although the probe was cached"
+
+
+def test_cli_clear(cache):
+    results = kernforge.prewarm(axpy_manifest("fp32", "fp64"), isa_tier="generic", progress=False)
+    proc = run_cli(cache, "clear")
+    assert_rc0(proc)
+    assert proc.stdout.strip() == f"removed 2 entries from {cache}"
+    assert disk.entries(cache) == []
+    assert (cache / ".locks").is_dir(), "the lock files must survive a clear"
+    again, _ = core.build(results[0].spec, load=False)
+    assert again.compiled
+
+
+def test_cli_without_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2 and "usage:" in capsys.readouterr().err
