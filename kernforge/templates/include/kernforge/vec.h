@@ -1,0 +1,29 @@
+// One vector abstraction, kf::VecF, with the same interface on every tier. The kernel template
+// defines exactly one of KF_TIER_GENERIC / KF_TIER_AVX2 / KF_TIER_AVX512 / KF_TIER_AMX first.
+//
+// Interface (T is kf::fp32, kf::bf16 or kf::fp16; arithmetic is always fp32):
+//   VecF::kWidth                          lanes per vector (8 generic/avx2, 16 avx512)
+//   VecF::zero(), VecF::broadcast(f)
+//   VecF::load(const T*), VecF::load(const T*, count)      count >= kWidth means a full vector;
+//   v.store(T*),          v.store(T*, count)               partial forms never touch lanes >= count
+//   + - * / unary-, fma(a, b, c) = a*b+c, abs, copysign, clamp (NaN-preserving), rint, ldexp
+//   reduce_add(v) -> float; MaskF from a < b; select(mask, if_true, if_false)
+//   exp, erf, tanh, sigmoid                                 (vec_math.h, shared by all tiers)
+#pragma once
+
+#include "kernforge/types.h"
+
+#if defined(KF_TIER_GENERIC)
+#include "kernforge/vec_generic.h"
+#elif defined(KF_TIER_AVX2)
+#include "kernforge/vec_avx2.h"
+#elif defined(KF_TIER_AVX512)
+#include "kernforge/vec_avx512.h"
+#elif defined(KF_TIER_AMX)
+#include "kernforge/vec_avx512.h"  // AMX machines run the AVX-512 vector code ...
+#include "kernforge/amx.h"         // ... plus the tile helpers for matmul kernels
+#else
+#error "define one of KF_TIER_GENERIC, KF_TIER_AVX2, KF_TIER_AVX512, KF_TIER_AMX before kernforge/vec.h"
+#endif
+
+#include "kernforge/vec_math.h"

@@ -1,0 +1,127 @@
+// AVX2 tier (AVX2 + FMA + F16C): kf::VecF holds 8 fp32 lanes in one ymm register.
+// AVX2 has no 16-bit masked load/store, so bf16/fp16 tails go through a small stack buffer.
+#pragma once
+
+#include "kernforge/intrinsics.h"
+
+#include <cstring>
+
+#include "kernforge/types.h"
+
+namespace kf {
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  __m256 v;
+
+  static VecF zero() { return {_mm256_setzero_ps()}; }
+  static VecF broadcast(float x) { return {_mm256_set1_ps(x)}; }
+
+  // Full loads/stores touch kWidth elements; the (p, count) forms touch min(count, kWidth),
+  // reading zeros into the missing lanes.
+  static VecF load(const fp32* p) { return {_mm256_loadu_ps(p)}; }
+  static VecF load(const bf16* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static VecF load(const fp16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+
+  static VecF load(const fp32* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return {_mm256_maskload_ps(p, tail_mask(count))};  // masked-off lanes are not accessed
+  }
+  template <class Half>  // bf16 or fp16
+  static VecF load(const Half* p, int64_t count) {
+    static_assert(sizeof(Half) == 2, "16-bit storage types only");
+    if (count >= kWidth) return load(p);
+    Half staged[kWidth] = {};
+    std::memcpy(staged, p, count * sizeof(Half));
+    return load(staged);
+  }
+
+  void store(fp32* p) const { _mm256_storeu_ps(p, v); }
+  void store(bf16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16()); }
+  void store(fp16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_fp16()); }
+
+  void store(fp32* p, int64_t count) const {
+    if (count >= kWidth) return store(p);
+    _mm256_maskstore_ps(p, tail_mask(count), v);
+  }
+  template <class Half>  // bf16 or fp16
+  void store(Half* p, int64_t count) const {
+    static_assert(sizeof(Half) == 2, "16-bit storage types only");
+    if (count >= kWidth) return store(p);
+    Half staged[kWidth];
+    store(staged);
+    std::memcpy(p, staged, count * sizeof(Half));
+  }
+
+ private:
+  // All-ones in lanes [0, count).
+  static __m256i tail_mask(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+
+  static VecF widen_bf16(__m128i h) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+
+  __m128i narrow_fp16() const { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  // Same rounding as kf::float_to_bf16_bits: add 0x7fff plus the kept LSB, keep the top half.
+  __m128i narrow_bf16() const {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i kept_lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(kept_lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i quiet_nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+    const __m256i top_halves = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet_nan, is_nan), 16);
+    // Values fit in 16 bits, so the unsigned-saturating pack is a plain narrowing.
+    return _mm_packus_epi32(_mm256_castsi256_si128(top_halves), _mm256_extracti128_si256(top_halves, 1));
+  }
+};
+
+struct MaskF { __m256 m; };
+
+inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a) { return {_mm256_xor_ps(a.v, _mm256_set1_ps(-0.0f))}; }
+inline VecF& operator+=(VecF& a, VecF b) { return a = a + b; }
+inline VecF& operator*=(VecF& a, VecF b) { return a = a * b; }
+
+// a * b + c with a single rounding.
+inline VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF abs(VecF a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
+// |magnitude| with the sign bit of sign_source.
+inline VecF copysign(VecF magnitude, VecF sign_source) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(_mm256_andnot_ps(sign_bit, magnitude.v), _mm256_and_ps(sign_bit, sign_source.v))};
+}
+// min(max(x, lo), hi), but a NaN x stays NaN (vmaxps/vminps return their second operand on NaN).
+inline VecF clamp(VecF x, VecF lo, VecF hi) { return {_mm256_min_ps(hi.v, _mm256_max_ps(lo.v, x.v))}; }
+// Round to the nearest integral value, ties to even.
+inline VecF rint(VecF x) { return {_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+
+// x * 2^n for integral-valued n in [-252, 254]. 2^n is built in two halves so that each factor is
+// a normal float: results that overflow become Inf and results in the subnormal range are rounded
+// once, by the last multiply.
+inline VecF ldexp(VecF x, VecF n) {
+  const __m256i n_int = _mm256_cvtps_epi32(n.v);
+  const __m256i half = _mm256_srai_epi32(n_int, 1);
+  const __m256i rest = _mm256_sub_epi32(n_int, half);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 scale_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 scale_rest = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  return {_mm256_mul_ps(_mm256_mul_ps(x.v, scale_half), scale_rest)};
+}
+
+inline float reduce_add(VecF a) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+inline MaskF operator<(VecF a, VecF b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)}; }
+inline VecF select(MaskF m, VecF if_true, VecF if_false) { return {_mm256_blendv_ps(if_false.v, if_true.v, m.m)}; }
+
+}  // namespace kf

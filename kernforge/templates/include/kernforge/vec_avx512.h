@@ -1,0 +1,111 @@
+// AVX-512 tier (F/BW/VL/DQ): kf::VecF holds 16 fp32 lanes in one zmm register.
+// Tails use AVX-512 masked loads/stores, which never touch (or fault on) masked-off memory.
+#pragma once
+
+#include "kernforge/intrinsics.h"
+
+#include "kernforge/types.h"
+
+namespace kf {
+
+struct VecF {
+  static constexpr int kWidth = 16;
+  __m512 v;
+
+  static VecF zero() { return {_mm512_setzero_ps()}; }
+  static VecF broadcast(float x) { return {_mm512_set1_ps(x)}; }
+
+  // Full loads/stores touch kWidth elements; the (p, count) forms touch min(count, kWidth),
+  // reading zeros into the missing lanes.
+  static VecF load(const fp32* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF load(const bf16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static VecF load(const fp16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+
+  static VecF load(const fp32* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return {_mm512_maskz_loadu_ps(tail_mask(count), p)};
+  }
+  static VecF load(const bf16* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return widen_bf16(_mm256_maskz_loadu_epi16(tail_mask(count), p));
+  }
+  static VecF load(const fp16* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(count), p))};
+  }
+
+  void store(fp32* p) const { _mm512_storeu_ps(p, v); }
+  void store(bf16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16()); }
+  void store(fp16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_fp16()); }
+
+  void store(fp32* p, int64_t count) const {
+    if (count >= kWidth) return store(p);
+    _mm512_mask_storeu_ps(p, tail_mask(count), v);
+  }
+  void store(bf16* p, int64_t count) const {
+    if (count >= kWidth) return store(p);
+    _mm256_mask_storeu_epi16(p, tail_mask(count), narrow_bf16());
+  }
+  void store(fp16* p, int64_t count) const {
+    if (count >= kWidth) return store(p);
+    _mm256_mask_storeu_epi16(p, tail_mask(count), narrow_fp16());
+  }
+
+ private:
+  // Lanes [0, count) set; count in [0, kWidth].
+  static __mmask16 tail_mask(int64_t count) { return __mmask16(0xffffu >> (kWidth - count)); }
+
+  static VecF widen_bf16(__m256i h) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+
+  __m256i narrow_fp16() const { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  __m256i narrow_bf16() const {
+#if defined(__AVX512BF16__)
+    // One instruction, RNE, NaN-preserving. (It flushes fp32 subnormals to zero; torch keeps them.)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    // Same rounding as kf::float_to_bf16_bits: add 0x7fff plus the kept LSB, keep the top half.
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(kept_lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i quiet_nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
+    const __m512i result = _mm512_mask_blend_epi32(is_nan, rounded, quiet_nan);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(result, 16));
+#endif
+  }
+};
+
+struct MaskF { __mmask16 m; };
+
+inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a) { return {_mm512_xor_ps(a.v, _mm512_set1_ps(-0.0f))}; }
+inline VecF& operator+=(VecF& a, VecF b) { return a = a + b; }
+inline VecF& operator*=(VecF& a, VecF b) { return a = a * b; }
+
+// a * b + c with a single rounding.
+inline VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF abs(VecF a) { return {_mm512_abs_ps(a.v)}; }
+// |magnitude| with the sign bit of sign_source.
+inline VecF copysign(VecF magnitude, VecF sign_source) {
+  const __m512 sign_bit = _mm512_set1_ps(-0.0f);
+  return {_mm512_or_ps(_mm512_andnot_ps(sign_bit, magnitude.v), _mm512_and_ps(sign_bit, sign_source.v))};
+}
+// min(max(x, lo), hi), but a NaN x stays NaN (vmaxps/vminps return their second operand on NaN).
+inline VecF clamp(VecF x, VecF lo, VecF hi) { return {_mm512_min_ps(hi.v, _mm512_max_ps(lo.v, x.v))}; }
+// Round to the nearest integral value, ties to even.
+inline VecF rint(VecF x) { return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// x * 2^n for integral-valued n; vscalefps gets overflow to Inf and gradual underflow right.
+inline VecF ldexp(VecF x, VecF n) { return {_mm512_scalef_ps(x.v, n.v)}; }
+
+inline float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
+
+inline MaskF operator<(VecF a, VecF b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
+inline VecF select(MaskF m, VecF if_true, VecF if_false) { return {_mm512_mask_blend_ps(m.m, if_false.v, if_true.v)}; }
+
+}  // namespace kf

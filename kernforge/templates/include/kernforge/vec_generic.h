@@ -1,0 +1,138 @@
+// Generic tier: plain C++ for any x86-64 CPU. kf::VecF is an array of 8 floats and every operation
+// is a fixed-length loop, which gcc -O3 turns into SSE2 code where it can.
+#pragma once
+
+#include "kernforge/types.h"
+
+namespace kf {
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  float lane[kWidth];
+
+  static VecF zero() { return broadcast(0.0f); }
+  static VecF broadcast(float x) {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.lane[i] = x;
+    return r;
+  }
+
+  // Full loads/stores touch kWidth elements; the (p, count) forms touch min(count, kWidth),
+  // reading zeros into the missing lanes.
+  template <class T>
+  static VecF load(const T* p) {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.lane[i] = to_float(p[i]);
+    return r;
+  }
+  template <class T>
+  static VecF load(const T* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    VecF r = zero();
+    for (int64_t i = 0; i < count; ++i) r.lane[i] = to_float(p[i]);
+    return r;
+  }
+
+  template <class T>
+  void store(T* p) const {
+    for (int i = 0; i < kWidth; ++i) p[i] = from_float<T>(lane[i]);
+  }
+  template <class T>
+  void store(T* p, int64_t count) const {
+    if (count >= kWidth) return store(p);
+    for (int64_t i = 0; i < count; ++i) p[i] = from_float<T>(lane[i]);
+  }
+};
+
+// All-ones or all-zeros per lane, so select is pure bit logic (vectorizes to and/andnot/or).
+struct MaskF { uint32_t lane[VecF::kWidth]; };
+
+namespace generic_detail {
+template <class F>
+inline VecF map(VecF a, F f) {
+  for (float& x : a.lane) x = f(x);
+  return a;
+}
+template <class F>
+inline VecF zip(VecF a, VecF b, F f) {
+  for (int i = 0; i < VecF::kWidth; ++i) a.lane[i] = f(a.lane[i], b.lane[i]);
+  return a;
+}
+}  // namespace generic_detail
+
+inline VecF operator+(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x + y; }); }
+inline VecF operator-(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x - y; }); }
+inline VecF operator*(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x * y; }); }
+inline VecF operator/(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x / y; }); }
+inline VecF operator-(VecF a) { return generic_detail::map(a, [](float x) { return -x; }); }
+inline VecF& operator+=(VecF& a, VecF b) { return a = a + b; }
+inline VecF& operator*=(VecF& a, VecF b) { return a = a * b; }
+
+inline MaskF operator<(VecF a, VecF b) {
+  MaskF m;
+  for (int i = 0; i < VecF::kWidth; ++i) m.lane[i] = a.lane[i] < b.lane[i] ? ~0u : 0u;
+  return m;
+}
+inline VecF select(MaskF m, VecF if_true, VecF if_false) {
+  for (int i = 0; i < VecF::kWidth; ++i) {
+    const uint32_t t = bit_cast<uint32_t>(if_true.lane[i]), f = bit_cast<uint32_t>(if_false.lane[i]);
+    if_true.lane[i] = bit_cast<float>((t & m.lane[i]) | (f & ~m.lane[i]));
+  }
+  return if_true;
+}
+
+// a * b + c. Without hardware FMA this rounds twice (std::fma in software would be far slower);
+// the math functions below stay within their error budget either way.
+inline VecF fma(VecF a, VecF b, VecF c) {
+  for (int i = 0; i < VecF::kWidth; ++i) a.lane[i] = a.lane[i] * b.lane[i] + c.lane[i];
+  return a;
+}
+inline VecF abs(VecF a) {
+  return generic_detail::map(a, [](float x) { return bit_cast<float>(bit_cast<uint32_t>(x) & 0x7fffffffu); });
+}
+// |magnitude| with the sign bit of sign_source.
+inline VecF copysign(VecF magnitude, VecF sign_source) {
+  return generic_detail::zip(magnitude, sign_source, [](float m, float s) {
+    return bit_cast<float>((bit_cast<uint32_t>(m) & 0x7fffffffu) | (bit_cast<uint32_t>(s) & 0x80000000u));
+  });
+}
+// min(max(x, lo), hi), but a NaN x stays NaN (both comparisons are false for it).
+inline VecF clamp(VecF x, VecF lo, VecF hi) {
+  for (int i = 0; i < VecF::kWidth; ++i) {
+    float& xi = x.lane[i];
+    xi = xi < lo.lane[i] ? lo.lane[i] : xi;
+    xi = xi > hi.lane[i] ? hi.lane[i] : xi;
+  }
+  return x;
+}
+// Round to the nearest integral value, ties to even. Adding and subtracting 2^23 makes the FPU
+// round away the fraction (valid below 2^23, where floats still have one); larger floats are
+// already integral.
+inline VecF rint(VecF x) {
+  const VecF two_23 = VecF::broadcast(8388608.0f);
+  const VecF magnitude = abs(x);
+  const VecF rounded = copysign((magnitude + two_23) - two_23, x);
+  return select(magnitude < two_23, rounded, x);
+}
+// x * 2^n for integral-valued n in [-252, 254]. 2^n is built in two halves so that each factor is
+// a normal float: results that overflow become Inf and results in the subnormal range are rounded
+// once, by the last multiply.
+inline VecF ldexp(VecF x, VecF n) {
+  return generic_detail::zip(x, n, [](float xi, float ni) {
+    const int32_t n_int = int32_t(ni);
+    const int32_t half = n_int >> 1;
+    const int32_t rest = n_int - half;
+    const float scale_half = bit_cast<float>(uint32_t(half + 127) << 23);
+    const float scale_rest = bit_cast<float>(uint32_t(rest + 127) << 23);
+    return xi * scale_half * scale_rest;
+  });
+}
+
+// Pairwise tree, the same association order on every call.
+inline float reduce_add(VecF a) {
+  for (int width = VecF::kWidth / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) a.lane[i] += a.lane[i + width];
+  return a.lane[0];
+}
+
+}  // namespace kf
