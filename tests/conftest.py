@@ -1,0 +1,87 @@
+"""Shared fixtures for the kernforge op tests.
+
+* ``kernforge_cache_dir`` (session, autouse): every test session compiles into
+  a brand-new, private ``KERNFORGE_CACHE_DIR`` (pre-warmed in parallel), so a
+  stale cache can never make CI green.
+* ``tier``: parametrizes a test over every ISA tier this CPU can run and
+  forces that tier for the duration of the test.
+* ``assert_close_ref``: compares a kernel result against a float32 PyTorch
+  reference with per-dtype tolerances.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernforge
+import kernforge.jit.isa
+
+# Tolerances (atol, rtol) per *kernel* dtype. The reference is always computed
+# in float32 from the same, already-rounded inputs.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 1e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+
+_CACHE_ENV = "KERNFORGE_CACHE_DIR"
+
+# Every session compiles into a brand-new private cache (mkdtemp makes it 0700),
+# so a stale cache can never make CI green. It is set at import, before
+# collection, because discovering the tiers already runs the JIT-compiled CPU probe.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="kernforge-test-cache-")
+_SAVED_CACHE_ENV = os.environ.get(_CACHE_ENV)
+os.environ[_CACHE_ENV] = _SESSION_CACHE
+_TIERS = list(kernforge.jit.isa.runnable_tiers())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernforge_cache_dir():
+    """The session's fresh cache, pre-warmed with every op variant on every
+    runnable tier (in parallel on all cores, instead of one by one in the tests)."""
+    specs = [
+        kernforge.ops.variant_for(op, dtype).spec(tier)
+        for tier in _TIERS for op in kernforge.ops.OP_VARIANTS for dtype in ("fp32", "bf16", "fp16")
+    ]
+    kernforge.prewarm(specs, progress=False)
+    yield Path(_SESSION_CACHE)
+    if _SAVED_CACHE_ENV is None:
+        os.environ.pop(_CACHE_ENV, None)
+    else:
+        os.environ[_CACHE_ENV] = _SAVED_CACHE_ENV
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(params=_TIERS, ids=[f"isa={t}" for t in _TIERS])
+def tier(request):
+    """Run the test with ``kernforge.use_isa(tier)`` active, for every runnable tier."""
+    with kernforge.use_isa(request.param):
+        yield request.param
+
+
+def _assert_close_ref(actual, expected, dtype, msg=None):
+    """Compare ``actual`` (kernel output, any float dtype) against a float32 reference.
+
+    ``dtype`` selects the tolerance (the dtype the kernel computed in).
+    """
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.shape == expected.shape, (
+        f"{msg + ': ' if msg else ''}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    kwargs = {}
+    if msg is not None:
+        kwargs["msg"] = lambda m: f"{msg}\n{m}"
+    torch.testing.assert_close(
+        actual.to(torch.float32), expected.to(torch.float32),
+        atol=atol, rtol=rtol, check_device=True, **kwargs,
+    )
+
+
+@pytest.fixture
+def assert_close_ref():
+    """The tolerance helper: ``assert_close_ref(actual, expected_fp32, dtype, msg=None)``."""
+    return _assert_close_ref
