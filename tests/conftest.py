@@ -19,6 +19,7 @@ import torch
 
 import kernforge
 import kernforge.jit.isa
+from kernforge.jit import core, render
 
 # Tolerances (atol, rtol) per *kernel* dtype. The reference is always computed
 # in float32 from the same, already-rounded inputs.
@@ -61,6 +62,42 @@ def tier(request):
     """Run the test with ``kernforge.use_isa(tier)`` active, for every runnable tier."""
     with kernforge.use_isa(request.param):
         yield request.param
+
+
+TEST_TEMPLATES = Path(__file__).resolve().parent / "templates"
+# Settings a JIT/cache test must not inherit from the caller's environment.
+_JIT_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE",
+                 "KERNFORGE_LOCK_TIMEOUT")
+
+
+def clean_env(**extra) -> dict:
+    """This process's environment without kernforge JIT settings, plus ``extra``: for child processes."""
+    env = {k: v for k, v in os.environ.items() if k not in _JIT_ENV_VARS}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture(scope="module")
+def test_templates():
+    """Put tests/templates on the template search path for a module, then take it off again."""
+    saved = list(render._user_dirs)
+    kernforge.register_template_dir(TEST_TEMPLATES)
+    yield TEST_TEMPLATES
+    render._user_dirs[:] = saved
+    core.invalidate_dispatch()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh private cache root, a neutral environment and an empty in-process memo."""
+    root = tmp_path / "kf-cache"
+    root.mkdir()
+    os.chmod(root, 0o700)
+    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(root))
+    for var in _JIT_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(core, "_memo", {})
+    return root
 
 
 def _assert_close_ref(actual, expected, dtype, msg=None):

@@ -7,21 +7,16 @@ can run (``tier`` fixture), for float32, bfloat16 and float16, against a
 float32 PyTorch reference computed from the same (already rounded) inputs.
 """
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernforge
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
+from op_helpers import (
+    DTYPE_IDS, DTYPES, PAD, ROWS, SHAPES_2D, SHAPES_3D, assert_outside_untouched, make_rows, randn, seeded,
+)
 
 HIDDEN = [1, 111, 4109, 11008]  # d; the input's last dim is 2*d
-ROWS = [1, 7, 33, 130]
-SHAPES_2D = [1, 7, 33]
-SHAPES_3D = [(1, 1), (2, 3), (5, 7)]
 
 OPS = ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"]
 ACT = {
@@ -30,17 +25,8 @@ ACT = {
     "gelu_tanh_and_mul": lambda a: F.gelu(a, approximate="tanh"),
 }
 
-PAD = 5  # odd: padded rows start at addresses that are not vector-aligned
-
 
 # --------------------------------------------------------------------------- helpers
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, g, scale=1.0):
-    return torch.randn(shape, generator=g, dtype=torch.float32) * scale
 
 
 def ref_act_and_mul(op, x):
@@ -48,52 +34,6 @@ def ref_act_and_mul(op, x):
     xf = x.to(torch.float32)
     d = xf.shape[-1] // 2
     return ACT[op](xf[..., :d]) * xf[..., d:]
-
-
-def make_rows(values, layout, g, *, pad=PAD, fill=None):
-    """Place ``values`` ([..., D]) into a tensor with the requested row layout.
-
-    Returns ``(view, backing, mask)``: ``view`` is the tensor handed to the op,
-    ``backing`` the whole storage (pre-filled with random finite values) and
-    ``mask`` marks the elements of ``backing`` that belong to ``view``.
-    The last dim of ``view`` is always contiguous.
-
-    layouts: "contig"; "padded" (row stride D + pad); "transposed" (3-D only:
-    a [H, B, D+pad] buffer viewed as [B, H, D]); "gap" (3-D only: the middle H
-    rows of a [B, H+2, D] buffer).
-    """
-    shape = tuple(values.shape)
-    D = shape[-1]
-    if layout == "contig":
-        bshape, fn = shape, (lambda t: t)
-    elif layout == "padded":
-        bshape, fn = shape[:-1] + (D + pad,), (lambda t: t[..., :D])
-    elif layout == "transposed":
-        assert len(shape) == 3
-        B, H = shape[:2]
-        bshape, fn = (H, B, D + pad), (lambda t: t[..., :D].transpose(0, 1))
-    elif layout == "gap":
-        assert len(shape) == 3
-        B, H = shape[:2]
-        bshape, fn = (B, H + 2, D), (lambda t: t[:, 1:H + 1, :])
-    else:
-        raise AssertionError(layout)
-    backing = _randn(bshape, g).to(values.dtype)
-    view = fn(backing)
-    assert view.shape == values.shape and view.stride(-1) == 1
-    if fill is None:
-        view.copy_(values)
-    else:
-        view.fill_(fill)
-    mask = torch.zeros(bshape, dtype=torch.bool)
-    fn(mask).fill_(True)
-    return view, backing, mask
-
-
-def assert_outside_untouched(backing, before, mask, what):
-    outside = ~mask
-    assert torch.equal(backing[outside], before[outside]), (
-        f"{what}: the op wrote to memory outside the tensor's view (row padding / gaps)")
 
 
 def _op(name):
@@ -106,10 +46,10 @@ def _op(name):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
 def test_act_values(op, dtype, d, tier, assert_close_ref):
-    g = _gen(op, dtype, d)
+    g = seeded(op, dtype, d)
     for N in ROWS:
         # randn * 4: |x| reaches ~16, so the activation tails matter.
-        x = _randn((N, 2 * d), g, 4.0).to(dtype)
+        x = randn((N, 2 * d), g, 4.0).to(dtype)
         x_before = x.clone()
         y = _op(op)(x)
         ctx = f"{op} dtype={dtype} tier={tier} N={N} d={d}"
@@ -129,7 +69,7 @@ def test_act_tails(op, dtype, tier, assert_close_ref):
     Row 3: log-spaced magnitudes 1e-30 .. 1e30 of both signs (3e4 for float16),
     shuffled. The up half is in [-1, 1] so the product stays finite."""
     d = 4109
-    g = _gen(op, dtype, "tails")
+    g = seeded(op, dtype, "tails")
     ramp = torch.linspace(-80.0, 80.0, d)
     limit = 3e4 if dtype == torch.float16 else 1e30
     mags = torch.logspace(-30.0, float(torch.tensor(limit).log10()), 64)
@@ -165,13 +105,13 @@ LAYOUTS = {
 @pytest.mark.parametrize("op", OPS)
 def test_act_layouts(op, dtype, case, tier, assert_close_ref):
     in_layout, out_layout, ndim = LAYOUTS[case]
-    g = _gen(op, dtype, case)
+    g = seeded(op, dtype, case)
     lead_shapes = SHAPES_3D if ndim == 3 else [(n,) for n in SHAPES_2D]
     for d in HIDDEN:
         for lead in lead_shapes:
             lead = tuple(lead)
             ctx = f"{op} {case} dtype={dtype} tier={tier} shape={lead + (2 * d,)}"
-            x, xb, _ = make_rows(_randn(lead + (2 * d,), g, 4.0).to(dtype), in_layout, g)
+            x, xb, _ = make_rows(randn(lead + (2 * d,), g, 4.0).to(dtype), in_layout, g)
             xb_before = xb.clone()
             expected = ref_act_and_mul(op, x)
             if out_layout is None:
@@ -198,12 +138,12 @@ def test_silu_and_mul_64bit_row_offsets(tier, assert_close_ref):
     d = 4109
     D = 2 * d
     stride = 2**31 + D
-    g = _gen("silu64", tier)
+    g = seeded("silu64", tier)
     base = torch.empty(2**31 + 3 * D, dtype=dtype)
     # input rows: [D, 2D) and [2^31 + 2D, 2^31 + 3D); out rows: [0, d) and [2^31 + D, 2^31 + D + d)
     x = base.as_strided((2, D), (stride, 1), D)
     out = base.as_strided((2, d), (stride, 1), 0)
-    vals = _randn((2, D), g, 4.0).to(dtype)
+    vals = randn((2, D), g, 4.0).to(dtype)
     x.copy_(vals)
     out.fill_(float("nan"))
     expected = ref_act_and_mul("silu_and_mul", vals)

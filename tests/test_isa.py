@@ -21,34 +21,15 @@ import pytest
 import torch
 
 import kernforge
+from conftest import clean_env
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE")
 AMX_TEMPLATE = "amx_tile_matmul.cpp.jinja"
 AMX_FEATURES = ("amx_tile", "amx_bf16", "amx_int8")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _test_templates():
-    saved = list(render._user_dirs)
-    kernforge.register_template_dir(TEMPLATES)
-    yield
-    render._user_dirs[:] = saved
-    core.invalidate_dispatch()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "kf-cache"
-    root.mkdir()
-    os.chmod(root, 0o700)
-    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(root))
-    for var in _ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(core, "_memo", {})
-    return root
+pytestmark = pytest.mark.usefixtures("test_templates")
 
 
 @pytest.fixture
@@ -306,7 +287,7 @@ except Exception as exc:
 
 
 def test_kernforge_isa_env_in_new_processes(cache):
-    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
+    env = clean_env()
     wanted = {"avx2": "avx2", " AVX2 ": "avx2", "generic": "generic", "amx": None}
     procs = {value: subprocess.Popen([sys.executable, "-c", _INFO_CHILD], env={**env, "KERNFORGE_ISA": value},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -30,40 +30,19 @@ import pytest
 import torch
 
 import kernforge
+from conftest import TEST_TEMPLATES, clean_env
 from kernforge.cache import disk
 from kernforge.jit import compiler, core, loader, render
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
 AXPY = "axpy.cpp.jinja"
 CHILD_TIMEOUT = 180
-_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE", "KERNFORGE_LOCK_TIMEOUT")
 _COMPILING = re.compile(r"^kernforge: compiling (\S+) \.\.\.$", re.MULTILINE)
 
 
 # --------------------------------------------------------------------------- fixtures and helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _test_templates():
-    """Put tests/templates on the template search path for this module, then take it off again."""
-    saved = list(render._user_dirs)
-    kernforge.register_template_dir(TEMPLATES)
-    yield
-    render._user_dirs[:] = saved
-    core.invalidate_dispatch()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh private cache root, a neutral environment and an empty in-process memo."""
-    root = tmp_path / "kf-cache"
-    root.mkdir()
-    os.chmod(root, 0o700)
-    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(root))
-    for var in _ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(core, "_memo", {})
-    return root
+pytestmark = pytest.mark.usefixtures("test_templates")
 
 
 @pytest.fixture
@@ -142,15 +121,12 @@ print("RESULT " + json.dumps(result), flush=True)
 
 
 def child_env(cache_root: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
-    env["KERNFORGE_CACHE_DIR"] = str(cache_root)
-    env["KERNFORGE_LOCK_TIMEOUT"] = "120"  # a leaked lock fails the test instead of hanging it
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    # KERNFORGE_LOCK_TIMEOUT: a leaked lock fails the test instead of hanging it
+    return clean_env(KERNFORGE_CACHE_DIR=cache_root, KERNFORGE_LOCK_TIMEOUT=120, **extra)
 
 
 def start_child(cache_root: Path, args: dict | None = None, **env) -> subprocess.Popen:
-    args = {"templates": str(TEMPLATES), **(args or {})}
+    args = {"templates": str(TEST_TEMPLATES), **(args or {})}
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, json.dumps(args)], env=child_env(cache_root, **env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,

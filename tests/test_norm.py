@@ -10,21 +10,18 @@ rounded) inputs the kernel sees.
 """
 
 import os
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 import kernforge
+from op_helpers import (
+    DTYPE_IDS, DTYPES, PAD, ROWS, SHAPES_2D, SHAPES_3D, assert_outside_untouched, make_rows, randn, seeded,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 HIDDEN = [1, 111, 4109, 16384]
-ROWS = [1, 7, 33, 130]
-SHAPES_2D = [1, 7, 33]
-SHAPES_3D = [(1, 1), (2, 3), (5, 7)]
 
 PLAIN_OPS = ["rmsnorm", "gemma_rmsnorm"]
 FUSED_OPS = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
@@ -32,18 +29,9 @@ GEMMA = {"rmsnorm": False, "gemma_rmsnorm": True,
          "fused_add_rmsnorm": False, "gemma_fused_add_rmsnorm": True}
 
 DEFAULT_EPS = 1e-6
-PAD = 5  # odd: padded rows start at addresses that are not vector-aligned
 
 
 # --------------------------------------------------------------------------- helpers
-
-def _gen(*key):
-    """A generator seeded deterministically from the test parameters."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, g, scale=1.0):
-    return torch.randn(shape, generator=g, dtype=torch.float32) * scale
 
 
 def _rows_varied(shape, g):
@@ -51,14 +39,14 @@ def _rows_varied(shape, g):
 
     The large rows overflow float16 if squares were accumulated in half
     precision (x ~ 400 -> x^2 ~ 1.6e5 > 65504)."""
-    x = _randn(shape, g)
+    x = randn(shape, g)
     row_scale = 10.0 ** (torch.rand(shape[:-1] + (1,), generator=g) * 4.0 - 2.0)
     return x * row_scale
 
 
 def _weight(D, dtype, g, gemma):
     # Gemma weights are stored as an offset from 1.
-    w = _randn((D,), g, 0.5 if gemma else 1.0)
+    w = randn((D,), g, 0.5 if gemma else 1.0)
     return w.to(dtype)
 
 
@@ -76,53 +64,6 @@ def ref_fused(x, residual, weight, eps, gemma):
     return ref_rmsnorm(s, weight, eps, gemma), s.to(x.dtype)
 
 
-def make_rows(values, layout, g, *, pad=PAD, fill=None):
-    """Place ``values`` ([..., D]) into a tensor with the requested row layout.
-
-    Returns ``(view, backing, mask)``: ``view`` is the tensor handed to the op,
-    ``backing`` the whole storage (pre-filled with random finite values) and
-    ``mask`` marks the elements of ``backing`` that belong to ``view``.
-    The last dim of ``view`` is always contiguous.
-
-    layouts: "contig"; "padded" (row stride D + pad); "transposed" (3-D only:
-    a [H, B, D+pad] buffer viewed as [B, H, D], so row strides are
-    (D+pad, B*(D+pad)); "gap" (3-D only: the middle H rows of a [B, H+2, D]
-    buffer, so consecutive batches are not contiguous).
-    """
-    shape = tuple(values.shape)
-    D = shape[-1]
-    if layout == "contig":
-        bshape, fn = shape, (lambda t: t)
-    elif layout == "padded":
-        bshape, fn = shape[:-1] + (D + pad,), (lambda t: t[..., :D])
-    elif layout == "transposed":
-        assert len(shape) == 3
-        B, H = shape[:2]
-        bshape, fn = (H, B, D + pad), (lambda t: t[..., :D].transpose(0, 1))
-    elif layout == "gap":
-        assert len(shape) == 3
-        B, H = shape[:2]
-        bshape, fn = (B, H + 2, D), (lambda t: t[:, 1:H + 1, :])
-    else:
-        raise AssertionError(layout)
-    backing = _randn(bshape, g).to(values.dtype)
-    view = fn(backing)
-    assert view.shape == values.shape and view.stride(-1) == 1
-    if fill is None:
-        view.copy_(values)
-    else:
-        view.fill_(fill)
-    mask = torch.zeros(bshape, dtype=torch.bool)
-    fn(mask).fill_(True)
-    return view, backing, mask
-
-
-def assert_outside_untouched(backing, before, mask, what):
-    outside = ~mask
-    assert torch.equal(backing[outside], before[outside]), (
-        f"{what}: the op wrote to memory outside the tensor's view (row padding / gaps)")
-
-
 def _op(name):
     return getattr(kernforge, name)
 
@@ -134,7 +75,7 @@ def _op(name):
 @pytest.mark.parametrize("op", PLAIN_OPS)
 def test_norm_values(op, dtype, D, tier, assert_close_ref):
     gemma = GEMMA[op]
-    g = _gen(op, dtype, D)
+    g = seeded(op, dtype, D)
     w = _weight(D, dtype, g, gemma)
     for N in ROWS:
         x = _rows_varied((N, D), g).to(dtype)
@@ -168,7 +109,7 @@ PLAIN_LAYOUTS = {
 def test_norm_layouts(op, dtype, case, tier, assert_close_ref):
     in_layout, out_layout, ndim = PLAIN_LAYOUTS[case]
     gemma = GEMMA[op]
-    g = _gen(op, dtype, case)
+    g = seeded(op, dtype, case)
     lead_shapes = SHAPES_3D if ndim == 3 else [(n,) for n in SHAPES_2D]
     for D in HIDDEN:
         w = _weight(D, dtype, g, gemma)
@@ -213,7 +154,7 @@ def _check_fused(op, x, r, w, eps, dtype, ctx, assert_close_ref, call_kw=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", FUSED_OPS)
 def test_fused_values(op, dtype, D, tier, assert_close_ref):
-    g = _gen(op, dtype, D)
+    g = seeded(op, dtype, D)
     w = _weight(D, dtype, g, GEMMA[op])
     for N in ROWS:
         x = _rows_varied((N, D), g).to(dtype)
@@ -238,7 +179,7 @@ FUSED_LAYOUTS = {
 @pytest.mark.parametrize("op", FUSED_OPS)
 def test_fused_layouts(op, dtype, case, tier, assert_close_ref):
     in_layout, res_layout, ndim = FUSED_LAYOUTS[case]
-    g = _gen(op, dtype, case)
+    g = seeded(op, dtype, case)
     lead_shapes = SHAPES_3D if ndim == 3 else [(n,) for n in SHAPES_2D]
     for D in HIDDEN:
         w = _weight(D, dtype, g, GEMMA[op])
@@ -266,11 +207,11 @@ def test_eps_is_honoured(op, dtype, tier, assert_close_ref):
     D, N = 4109, 5
     gemma = GEMMA[op]
     fused = op in FUSED_OPS
-    g = _gen(op, dtype, "eps")
+    g = seeded(op, dtype, "eps")
     w = _weight(D, dtype, g, gemma)
     for scale, eps in ((0.1, 1.0), (1e-3, None)):
-        x = _randn((N, D), g, scale).to(dtype)
-        r = _randn((N, D), g, scale).to(dtype)
+        x = randn((N, D), g, scale).to(dtype)
+        r = randn((N, D), g, scale).to(dtype)
         eff_eps = DEFAULT_EPS if eps is None else eps
         kw = {} if eps is None else {"eps": eps}
         ctx = f"{op} dtype={dtype} tier={tier} eps={eps if eps is not None else 'default'}"
@@ -296,7 +237,7 @@ def test_rmsnorm_64bit_row_offsets(tier, assert_close_ref):
     dtype = torch.bfloat16
     D = 4109
     stride = 2**31 + D
-    g = _gen("rmsnorm64", tier)
+    g = seeded("rmsnorm64", tier)
     base = torch.empty(2**31 + 3 * D, dtype=dtype)
     # input rows: [D, 2D) and [2^31 + 2D, 2^31 + 3D); out rows: [0, D) and [2^31 + D, 2^31 + 2D)
     x = base.as_strided((2, D), (stride, 1), D)

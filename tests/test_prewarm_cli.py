@@ -9,7 +9,6 @@ option to add a template folder).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -20,12 +19,11 @@ from pathlib import Path
 import pytest
 
 import kernforge
+from conftest import TEST_TEMPLATES, clean_env
 from kernforge.cache import cli, disk, prewarm
 from kernforge.jit import core, isa, render
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
 AXPY = "axpy.cpp.jinja"
-_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE")
 
 LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
          "model_type": "llama"}
@@ -33,25 +31,7 @@ GEMMA2 = {"hidden_size": 2304, "intermediate_size": 9216, "hidden_activation": "
           "torch_dtype": "bfloat16", "model_type": "gemma2"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _test_templates():
-    saved = list(render._user_dirs)
-    kernforge.register_template_dir(TEMPLATES)
-    yield
-    render._user_dirs[:] = saved
-    core.invalidate_dispatch()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "kf-cache"
-    root.mkdir()
-    os.chmod(root, 0o700)
-    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(root))
-    for var in _ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(core, "_memo", {})
-    return root
+pytestmark = pytest.mark.usefixtures("test_templates")
 
 
 def axpy_manifest(*dtypes, **extra) -> dict:
@@ -283,17 +263,17 @@ def test_prewarm_compiles_even_when_jit_is_disabled(cache, monkeypatch):
 # --------------------------------------------------------------------------- the CLI in a subprocess
 
 # ``python -m kernforge`` with tests/templates registered first
-_CLI_WITH_TEST_TEMPLATES = (
+_CLI_WITH_USER_TEMPLATES = (
     "import sys, kernforge; kernforge.register_template_dir(sys.argv.pop(1)); "
     "from kernforge.cache.cli import main; sys.exit(main())"
 )
 
 
 def run_cli(cache_root: Path, *args: str, user_templates: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
+    env = clean_env()
     env["KERNFORGE_CACHE_DIR"] = str(cache_root)
     if user_templates:
-        command = [sys.executable, "-c", _CLI_WITH_TEST_TEMPLATES, str(TEMPLATES), *args]
+        command = [sys.executable, "-c", _CLI_WITH_USER_TEMPLATES, str(TEST_TEMPLATES), *args]
     else:
         command = [sys.executable, "-m", "kernforge", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
