@@ -9,6 +9,17 @@ DTYPE_IDS = ["fp32", "bf16", "fp16"]
 ROWS = [1, 7, 33, 130]
 SHAPES_2D = [1, 7, 33]
 SHAPES_3D = [(1, 1), (2, 3), (5, 7)]
+# Layouts for out-of-place ops: (input layout, out layout or None, ndim);
+# 3-D cases run on SHAPES_3D, 2-D ones on SHAPES_2D.
+IN_OUT_LAYOUTS = {
+    "2d_strided_rows": ("padded", None, 2),
+    "3d": ("contig", None, 3),
+    "3d_transposed": ("transposed", None, 3),
+    "3d_gap": ("gap", None, 3),
+    "2d_out": ("contig", "contig", 2),
+    "2d_strided_out": ("padded", "padded", 2),
+    "3d_transposed_gap_out": ("transposed", "gap", 3),
+}
 PAD = 5  # odd: padded rows start at addresses that are not vector-aligned
 
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import kernforge
 from op_helpers import (
-    DTYPE_IDS, DTYPES, PAD, ROWS, SHAPES_2D, SHAPES_3D, assert_outside_untouched, make_rows, randn, seeded,
+    DTYPE_IDS, DTYPES, IN_OUT_LAYOUTS, PAD, ROWS, SHAPES_2D, SHAPES_3D,
+    assert_outside_untouched, make_rows, randn, seeded,
 )
 
 HIDDEN = [1, 111, 4109, 11008]  # d; the input's last dim is 2*d
@@ -88,23 +89,11 @@ def test_act_tails(op, dtype, tier, assert_close_ref):
     assert_close_ref(y, ref_act_and_mul(op, x), dtype, ctx)
 
 
-# (input layout, out layout or None, ndim)
-LAYOUTS = {
-    "2d_strided_rows": ("padded", None, 2),
-    "3d": ("contig", None, 3),
-    "3d_transposed": ("transposed", None, 3),
-    "3d_gap": ("gap", None, 3),
-    "2d_out": ("contig", "contig", 2),
-    "2d_strided_out": ("padded", "padded", 2),
-    "3d_transposed_gap_out": ("transposed", "gap", 3),
-}
-
-
-@pytest.mark.parametrize("case", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(IN_OUT_LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
 def test_act_layouts(op, dtype, case, tier, assert_close_ref):
-    in_layout, out_layout, ndim = LAYOUTS[case]
+    in_layout, out_layout, ndim = IN_OUT_LAYOUTS[case]
     g = seeded(op, dtype, case)
     lead_shapes = SHAPES_3D if ndim == 3 else [(n,) for n in SHAPES_2D]
     for d in HIDDEN:

@@ -17,7 +17,8 @@ import torch
 
 import kernforge
 from op_helpers import (
-    DTYPE_IDS, DTYPES, PAD, ROWS, SHAPES_2D, SHAPES_3D, assert_outside_untouched, make_rows, randn, seeded,
+    DTYPE_IDS, DTYPES, IN_OUT_LAYOUTS, PAD, ROWS, SHAPES_2D, SHAPES_3D,
+    assert_outside_untouched, make_rows, randn, seeded,
 )
 
 
@@ -91,23 +92,11 @@ def test_norm_values(op, dtype, D, tier, assert_close_ref):
         assert torch.equal(w, w_before), f"{ctx}: weight was modified"
 
 
-# (input layout, out layout or None); 3-D cases run on SHAPES_3D, 2-D on SHAPES_2D.
-PLAIN_LAYOUTS = {
-    "2d_strided_rows": ("padded", None, 2),
-    "3d": ("contig", None, 3),
-    "3d_transposed": ("transposed", None, 3),
-    "3d_gap": ("gap", None, 3),
-    "2d_out": ("contig", "contig", 2),
-    "2d_strided_out": ("padded", "padded", 2),
-    "3d_transposed_gap_out": ("transposed", "gap", 3),
-}
-
-
-@pytest.mark.parametrize("case", list(PLAIN_LAYOUTS))
+@pytest.mark.parametrize("case", list(IN_OUT_LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", PLAIN_OPS)
 def test_norm_layouts(op, dtype, case, tier, assert_close_ref):
-    in_layout, out_layout, ndim = PLAIN_LAYOUTS[case]
+    in_layout, out_layout, ndim = IN_OUT_LAYOUTS[case]
     gemma = GEMMA[op]
     g = seeded(op, dtype, case)
     lead_shapes = SHAPES_3D if ndim == 3 else [(n,) for n in SHAPES_2D]
