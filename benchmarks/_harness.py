@@ -1,0 +1,413 @@
+"""Shared benchmark plumbing: timing, machine limits, tables.
+
+Timing
+    ``measure`` runs warm-up calls, then takes samples until a time budget is
+    spent (and at least ``min_samples``). A sample is the mean of ``inner``
+    back-to-back calls, with ``inner`` chosen so a sample lasts >= ~20 us
+    (perf_counter_ns costs ~50 ns; a 1 us call timed alone would be mostly
+    clock). Every figure reported is the median of the samples.
+    ``compare`` measures several implementations of one case in round-robin
+    rounds, so a burst of noise on this shared VM hits all of them alike.
+
+Limits
+    ``load_roof`` reads the measured roofline, ``../shared/roofline/roof.json``
+    beside the repository first, the committed copy ``benchmarks/roof.json``
+    as fallback. ``roof_level`` picks the level a working set is compared
+    with: L2 if it fits 1 MiB per core in use, L3 if < 32 MiB, else DRAM.
+    ``copy_bandwidth`` re-measures a torch copy per level in the same run,
+    as a sanity figure next to the stored roof (the DRAM roof of this VM is
+    noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+ROOF_PATHS = (REPO_ROOT.parent / "shared" / "roofline" / "roof.json", BENCH_DIR / "roof.json")
+
+KiB, MiB = 1 << 10, 1 << 20
+L2_PER_CORE = 1 * MiB
+L3_SIZE = 32 * MiB
+
+THREADS = 2
+
+
+# --------------------------------------------------------------------------- timing
+
+@dataclass
+class Timing:
+    median_ns: float
+    p25_ns: float
+    p75_ns: float
+    samples: int
+    inner: int
+    values_ns: list = field(default_factory=list, repr=False)
+
+    @property
+    def us(self) -> float:
+        return self.median_ns / 1e3
+
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.p75_ns - self.p25_ns) / self.median_ns if self.median_ns else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("values_ns")
+        return d
+
+
+def _summarize(values: list[float], inner: int) -> Timing:
+    values = sorted(values)
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return Timing(statistics.median(values), q[0], q[2], len(values), inner, values)
+
+
+def _estimate(fn: Callable[[], object], warmup: int, warmup_s: float) -> float:
+    """Warm up; returns the per-call time estimate in ns."""
+    n, start = 0, time.perf_counter_ns()
+    while True:
+        t0 = time.perf_counter_ns()
+        fn()
+        last = time.perf_counter_ns() - t0
+        n += 1
+        if n >= warmup and (time.perf_counter_ns() - start) >= warmup_s * 1e9:
+            break
+        if n >= 100_000:
+            break
+    return max(last, 1.0)
+
+
+class _Sampler:
+    """Collects samples of one function over several rounds."""
+
+    def __init__(self, fn: Callable[[], object], warmup: int, warmup_s: float, sample_ns: float):
+        self.fn = fn
+        self.values: list[float] = []
+        est = _estimate(fn, warmup, warmup_s)
+        # re-estimate over a short batch: the single last call can be an outlier
+        k = max(1, min(1000, int(sample_ns / est)))
+        t0 = time.perf_counter_ns()
+        for _ in range(k):
+            fn()
+        est = max((time.perf_counter_ns() - t0) / k, 1.0)
+        self.inner = max(1, int(sample_ns / est))
+
+    def run(self, budget_s: float, min_samples: int, max_samples: int) -> None:
+        fn, inner = self.fn, self.inner
+        deadline = time.perf_counter_ns() + budget_s * 1e9
+        taken = 0
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            while taken < max_samples and (taken < min_samples or time.perf_counter_ns() < deadline):
+                t0 = time.perf_counter_ns()
+                for _ in range(inner):
+                    fn()
+                self.values.append((time.perf_counter_ns() - t0) / inner)
+                taken += 1
+        finally:
+            if gc_was:
+                gc.enable()
+
+    def timing(self) -> Timing:
+        return _summarize(self.values, self.inner)
+
+
+def measure(fn: Callable[[], object], *, budget_s: float = 0.5, min_samples: int = 7, max_samples: int = 20_000,
+            warmup: int = 3, warmup_s: float = 0.02, sample_ns: float = 20_000) -> Timing:
+    """Median time of ``fn()`` after warm-up, over many samples within ``budget_s``."""
+    s = _Sampler(fn, warmup, warmup_s, sample_ns)
+    s.run(budget_s, min_samples, max_samples)
+    return s.timing()
+
+
+def compare(fns: dict[str, Callable[[], object]], *, budget_s: float = 0.5, rounds: int = 3,
+            min_samples: int = 7, warmup: int = 3, warmup_s: float = 0.02,
+            sample_ns: float = 20_000) -> dict[str, Timing]:
+    """Median times of several implementations, sampled round-robin.
+
+    ``budget_s`` is per implementation, split over ``rounds``."""
+    samplers = {name: _Sampler(fn, warmup, warmup_s, sample_ns) for name, fn in fns.items()}
+    per_round_min = max(1, -(-min_samples // rounds))
+    for _ in range(rounds):
+        for s in samplers.values():
+            s.run(budget_s / rounds, per_round_min, 20_000)
+    return {name: s.timing() for name, s in samplers.items()}
+
+
+# --------------------------------------------------------------------------- limits
+
+def load_roof() -> tuple[dict, Path]:
+    """The measured roofline and the file it came from (shared first, then the copy)."""
+    for path in ROOF_PATHS:
+        if path.is_file():
+            return json.loads(path.read_text()), path
+    raise FileNotFoundError(f"no roof.json at {' or '.join(map(str, ROOF_PATHS))}")
+
+
+def roof_level(working_set_bytes: float, threads: int = THREADS) -> str:
+    """L2 if the working set fits 1 MiB per core in use, L3 if < 32 MiB, else DRAM."""
+    if working_set_bytes <= L2_PER_CORE * threads:
+        return "L2"
+    if working_set_bytes < L3_SIZE:
+        return "L3"
+    return "DRAM"
+
+
+def roof_gbs(roof: dict, level: str, kind: str = "rw", threads: int = THREADS) -> float:
+    """Bandwidth limit in GB/s; ``kind`` 'rw' (copy) or 'r' (read-only)."""
+    return roof[str(threads)][f"{level}_{kind}"]
+
+
+# The working sets of the in-run copy: well inside L2 (2 cores), inside L3, far beyond L3.
+_COPY_SIZES = {"L2": 512 * KiB, "L3": 16 * MiB, "DRAM": 512 * MiB}
+
+
+def copy_bandwidth(levels=("L2", "L3", "DRAM"), budget_s: float = 0.4) -> dict[str, float]:
+    """GB/s of ``dst.copy_(src)`` (torch, current thread count) per level; bytes = read + write."""
+    import torch
+
+    found = {}
+    for level in levels:
+        ws = _COPY_SIZES[level]
+        n = ws // 2 // 4
+        src = torch.ones(n, dtype=torch.float32)
+        dst = torch.zeros(n, dtype=torch.float32)
+        t = measure(lambda: dst.copy_(src), budget_s=budget_s, min_samples=9)
+        found[level] = ws / t.median_ns  # bytes/ns == GB/s
+        del src, dst
+    return found
+
+
+# Working sets of the in-run stream probe, as roofline.c: L2 2 x 256 KiB per thread, L3 2 x 3 MiB
+# per thread, DRAM 2 x 256 MiB.
+def _stream_sizes(threads: int) -> dict[str, int]:
+    return {"L2": 256 * KiB * threads, "L3": 3 * MiB * threads, "DRAM": 256 * MiB}
+
+
+def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str, dict[str, float]] | None:
+    """Re-measure the roof now, with benchmarks/templates/bench_stream.cpp.jinja built by kernforge.
+
+    Per level: 'copy' (regular stores), 'r' (read-only sum), for DRAM also 'copy_nt' (streaming
+    stores); 'rw' is the copy figure roof.json's method uses (DRAM: the better of the two copies).
+    GB/s; copy counts read + write bytes, as STREAM does. None if the probe cannot be built here."""
+    import torch
+
+    import kernforge
+    from kernforge.jit import core, isa
+
+    try:
+        if "avx512" not in isa.runnable_tiers():
+            return None
+        kernforge.register_template_dir(BENCH_DIR / "templates")
+        _, fn = core.build(core.KernelSpec.make("bench_stream.cpp.jinja", {}, "avx512"))
+    except Exception as exc:  # a sanity figure: never fail a benchmark over it
+        print(f"(in-run stream probe unavailable: {exc})", file=sys.stderr)
+        return None
+    found = {}
+    for level, size in _stream_sizes(threads).items():
+        n = size // 4
+        src = torch.ones(n, dtype=torch.float32)
+        dst = torch.zeros(n, dtype=torch.float32)
+        sp, dp = src.data_ptr(), dst.data_ptr()
+        reps = max(1, (64 * MiB) // size)  # >= ~64 MiB streamed per call: fork/join cost amortized
+        res = {}
+        for name, mode, nbytes in (("copy", 0, 2 * size), ("copy_nt", 1, 2 * size), ("r", 2, size)):
+            if name == "copy_nt" and level != "DRAM":
+                continue
+            t = measure(lambda: fn(dp, sp, n, mode, reps, threads), budget_s=budget_s, min_samples=7,
+                        sample_ns=0)
+            res[name] = nbytes * reps / t.median_ns
+        res["rw"] = max(res["copy"], res.get("copy_nt", 0.0))
+        found[level] = res
+        del src, dst
+    return found
+
+
+# --------------------------------------------------------------------------- machine state
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _proc_stat() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        parts = [int(v) for v in f.readline().split()[1:]]
+    idle = parts[3] + parts[4]  # idle + iowait
+    return sum(parts), idle
+
+
+def _self_ticks() -> int:
+    """CPU ticks (user + system, all threads) used by this process so far."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+
+
+class LoadMeter:
+    """Other processes' share of all cores while the body runs (busy time minus ours), 0..1."""
+
+    def __enter__(self):
+        self._t0, self._i0 = _proc_stat()
+        self._s0 = _self_ticks()
+        return self
+
+    def __exit__(self, *exc):
+        t1, i1 = _proc_stat()
+        total = t1 - self._t0
+        busy = total - (i1 - self._i0)
+        mine = _self_ticks() - self._s0
+        self.other = max(0.0, (busy - mine) / total) if total else 0.0
+        return False
+
+
+def background_load(seconds: float = 1.0) -> float:
+    """Share of all cores busy while this process sleeps (other processes' load), 0..1."""
+    total0, idle0 = _proc_stat()
+    time.sleep(seconds)
+    total1, idle1 = _proc_stat()
+    dt = total1 - total0
+    return 1.0 - (idle1 - idle0) / dt if dt else 0.0
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.10) -> float:
+    """Wait (up to ``max_wait_s``) until other processes use < ``threshold`` of the cores; returns the last load."""
+    deadline = time.monotonic() + max_wait_s
+    load = background_load(0.5)
+    while load >= threshold and time.monotonic() < deadline:
+        print(f"(waiting for a quiet machine: background load {100 * load:.0f}%)", file=sys.stderr, flush=True)
+        time.sleep(2.0)
+        load = background_load(0.5)
+    return load
+
+
+def machine_summary() -> dict:
+    import torch
+
+    import kernforge
+
+    flags = _cpu_flags()
+    isa = {f: f in flags for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
+    try:
+        tier = kernforge.jit.isa.selected_tier()
+    except Exception as exc:  # report, do not die: the header must print
+        tier = f"unknown ({exc})"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "isa": isa,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kernforge": kernforge.__version__,
+        "kernforge_tier": tier,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg": open("/proc/loadavg").read().split()[:3],
+    }
+
+
+def print_header(title: str, args=None, extra: dict | None = None) -> dict:
+    info = machine_summary()
+    print(f"# {title}")
+    print()
+    flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["isa"].items())
+    print(f"- date {info['date']}; {info['cpu']}, {info['cores']} cores ({flags})")
+    print(f"- python {info['python']}, torch {info['torch']}, kernforge {info['kernforge']} (tier {info['kernforge_tier']})")
+    print(f"- threads: {info['torch_threads']} (torch.set_num_threads({info['torch_threads']}); kernforge follows torch)")
+    print(f"- command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"- load average at start: {' '.join(info['loadavg'])}")
+    for k, v in (extra or {}).items():
+        print(f"- {k}: {v}")
+    print()
+    sys.stdout.flush()
+    return info
+
+
+def setup_threads(n: int = THREADS) -> None:
+    import torch
+
+    import kernforge
+
+    torch.set_num_threads(n)
+    kernforge.set_num_threads(None)  # follow torch
+
+
+# --------------------------------------------------------------------------- output
+
+def fmt(value, digits: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, str):
+        return value
+    if value != 0 and abs(value) < 10 ** -digits * 5:
+        return f"{value:.2g}{suffix}"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def us(t: Timing | None) -> str:
+    if t is None:
+        return "n/a"
+    v = t.us
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+def table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """A markdown table; ``align`` one char per column ('l' or 'r')."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(values):
+        out = []
+        for v, w, a in zip(values, widths, align):
+            out.append(v.ljust(w) if a == "l" else v.rjust(w))
+        return "| " + " | ".join(out) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else ("-" * (w + 2)) for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer cases, short budgets")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--threads", type=int, default=THREADS, help=f"threads (default {THREADS})")
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                   help="first wait up to S seconds for other processes to go idle (< 10%% CPU)")
+    return p
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1, default=str))
+        print(f"\n(wrote {path})")
