@@ -30,11 +30,16 @@ def dtype_name(value: str | torch.dtype) -> str:
     return name
 
 
-def float_tensor(t: object, name: str) -> str:
-    """Check a CPU float tensor; returns its dtype's short name."""
-    try:  # warm path: two attribute reads; anything unusual is explained below
+def by_torch_dtype(variants: dict, **params) -> dict:
+    """{torch.dtype: variant} for one op, from a dict keyed by (dtype name, *params)."""
+    return {dtype: variants[(name, *params.values())] for dtype, name in DTYPE_NAMES.items()}
+
+
+def variant_for_input(variants: dict, t: object, name: str):
+    """The op's variant for a CPU float tensor ``t``: the dtype check and the lookup in one."""
+    try:  # warm path: two attribute reads and a dict lookup
         if t.is_cpu:
-            return DTYPE_NAMES[t.dtype]
+            return variants[t.dtype]
     except (AttributeError, KeyError):
         pass
     _explain_float_tensor(t, name)

@@ -7,12 +7,13 @@ import torch
 from kernforge.jit.core import Variant
 from kernforge.ops._common import (
     DTYPE_NAMES,
+    by_torch_dtype,
     checked_out,
-    float_tensor,
     num_threads,
     readable_rows,
     row_geometry,
     rows_view,
+    variant_for_input,
 )
 
 TEMPLATE = "activation.cpp.jinja"
@@ -23,6 +24,9 @@ VARIANTS = {
     for dtype in DTYPE_NAMES.values()
     for act in ACTIVATIONS
 }
+
+
+_BY_ACT = {act: by_torch_dtype(VARIANTS, act=act) for act in ACTIVATIONS}
 
 
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +45,7 @@ def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 def _gated(input, out, act):
-    dtype = float_tensor(input, "input")
+    variant = variant_for_input(_BY_ACT[act], input, "input")
     shape = input.shape
     if not shape or shape[-1] % 2:
         raise ValueError(f"input's last dimension must be even (2 * d), got shape {tuple(shape)}")
@@ -58,7 +62,7 @@ def _gated(input, out, act):
     n0, n1, in_s0, in_s1 = row_geometry(rows_in.shape, in_strides)
     _, _, out_s0, out_s1 = row_geometry(rows_out.shape, rows_out.stride())
     if n0 * n1 * d:
-        VARIANTS[dtype, act].kernel()(
+        variant.kernel()(
             rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
         )
     return out

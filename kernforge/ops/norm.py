@@ -7,12 +7,13 @@ import torch
 from kernforge.jit.core import Variant
 from kernforge.ops._common import (
     DTYPE_NAMES,
+    by_torch_dtype,
     checked_out,
-    float_tensor,
     num_threads,
     readable_rows,
     row_geometry,
     same_dtype,
+    variant_for_input,
     writable_rows,
 )
 
@@ -27,14 +28,21 @@ VARIANTS = {
 }
 
 
+# {torch.dtype: Variant} per op, so a call finds its kernel without building a key.
+_RMSNORM = by_torch_dtype(VARIANTS, fused_add=False, gemma=False)
+_GEMMA_RMSNORM = by_torch_dtype(VARIANTS, fused_add=False, gemma=True)
+_FUSED_ADD = by_torch_dtype(VARIANTS, fused_add=True, gemma=False)
+_GEMMA_FUSED_ADD = by_torch_dtype(VARIANTS, fused_add=True, gemma=True)
+
+
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """``out = input / sqrt(mean(input**2, -1) + eps) * weight``; input ``[N, D]`` or ``[B, H, D]``."""
-    return _normalize(input, weight, eps, out, gemma=False)
+    return _normalize(input, weight, eps, out, _RMSNORM)
 
 
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """Gemma's RMSNorm: scales by ``1 + weight``."""
-    return _normalize(input, weight, eps, out, gemma=True)
+    return _normalize(input, weight, eps, out, _GEMMA_RMSNORM)
 
 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> None:
@@ -43,22 +51,22 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
     The sum is formed in fp32 and normalized before rounding; ``residual``
     stores it rounded to the dtype.
     """
-    _fused_add(input, residual, weight, eps, gemma=False)
+    _fused_add(input, residual, weight, eps, _FUSED_ADD)
 
 
 def gemma_fused_add_rmsnorm(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> None:
     """In place, Gemma scaling: ``residual += input; input = gemma_rmsnorm(residual)``."""
-    _fused_add(input, residual, weight, eps, gemma=True)
+    _fused_add(input, residual, weight, eps, _GEMMA_FUSED_ADD)
 
 
-def _check_input(input: torch.Tensor) -> tuple[str, torch.Size]:
-    dtype = float_tensor(input, "input")
+def _variant_and_shape(variants: dict, input: torch.Tensor) -> tuple[Variant, torch.Size]:
+    variant = variant_for_input(variants, input, "input")
     shape = input.shape
     if len(shape) not in (2, 3):
         raise ValueError(f"input must be 2-D [tokens, hidden] or 3-D [batch, heads, hidden], got shape {tuple(shape)}")
-    return dtype, shape
+    return variant, shape
 
 
 def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -68,8 +76,8 @@ def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> t
     return weight if weight.is_contiguous() else weight.contiguous()
 
 
-def _normalize(input, weight, eps, out, gemma):
-    dtype, shape = _check_input(input)
+def _normalize(input, weight, eps, out, variants):
+    variant, shape = _variant_and_shape(variants, input)
     weight = _checked_weight(weight, input, shape[-1])
     input, strides = readable_rows(input, shape, input.stride())
     if out is None:
@@ -81,15 +89,15 @@ def _normalize(input, weight, eps, out, gemma):
     _, _, out_s0, out_s1 = row_geometry(shape, out_strides)
     if n0 * n1 * shape[-1] == 0:
         return out
-    VARIANTS[dtype, False, gemma].kernel()(
+    variant.kernel()(
         out.data_ptr(), out_s0, out_s1, input.data_ptr(), in_s0, in_s1, 0, 0, 0,
         weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )
     return out
 
 
-def _fused_add(input, residual, weight, eps, gemma):
-    dtype, shape = _check_input(input)
+def _fused_add(input, residual, weight, eps, variants):
+    variant, shape = _variant_and_shape(variants, input)
     same_dtype(residual, "residual", input)
     if residual.shape != shape:
         raise ValueError(f"residual must have the input's shape {tuple(shape)}, got {tuple(residual.shape)}")
@@ -101,7 +109,7 @@ def _fused_add(input, residual, weight, eps, gemma):
     _, _, res_s0, res_s1 = row_geometry(shape, res_strides)
     if n0 * n1 * shape[-1] == 0:
         return
-    VARIANTS[dtype, True, gemma].kernel()(
+    variant.kernel()(
         input.data_ptr(), in_s0, in_s1, input.data_ptr(), in_s0, in_s1, residual.data_ptr(), res_s0, res_s1,
         weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )
