@@ -132,11 +132,14 @@ def _prewarm_hint(spec: KernelSpec) -> str:
     return " ".join(words + ["--isa", spec.tier])
 
 
-def _load(plan: _Plan, entry: disk.Entry) -> Callable | None:
-    """The entry point if the entry is intact and loads, else None."""
+def _ready(plan: _Plan, entry: disk.Entry, load: bool) -> Callable | bool | None:
+    """If the entry is intact and built from the plan's content: its entry
+    point (``load``) or True; else None, and the caller rebuilds it."""
     meta = entry.trusted_meta()
     if meta is None or meta.get("content_digest") != plan.content_digest:
         return None
+    if not load:
+        return True
     missing = [f for f in meta.get("requires", []) if f not in isa.cpu_features()]
     if missing:
         raise isa.IsaError(f"cached kernel {entry.key} needs {', '.join(missing)}, which this CPU lacks")
@@ -160,14 +163,14 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
     log.info("compiling %s ...", plan.key)
     try:
         seconds = compiler.run(command, plan.key, entry.source, entry.log)
-    finally:
-        if not tmp.exists() or tmp.stat().st_size == 0:
-            tmp.unlink(missing_ok=True)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     entry.commit(tmp, {
         "template": plan.spec.template, "params": dict(plan.spec.params), "tier": plan.spec.tier,
         "requires": list(plan.requires), "command": command, "cffi_mode": plan.mode,
-        "content_digest": plan.content_digest, "module": _module_name(plan.key), "cdecl": plan.rendered.cdecl, "compile_seconds": round(seconds, 3),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "content_digest": plan.content_digest, "module": _module_name(plan.key), "cdecl": plan.rendered.cdecl,
+        "compile_seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     log.info("compiled %s in %.2f s", plan.key, seconds)
     return seconds
@@ -193,20 +196,16 @@ def build(
     if plan.key is None:
         return _build_without_compiler(plan, root, load)
     entry = disk.Entry(root, plan.key)
-
-    def ready() -> Callable | None | bool:
-        return _load(plan, entry) if load else entry.trusted_meta() is not None
-
-    found = ready()  # fast path: no lock once the entry is committed
+    found = _ready(plan, entry, load)  # fast path: no lock once the entry is committed
     seconds, compiled = 0.0, False
     if not found:
         if not (jit_enabled() if allow_compile is None else allow_compile):
             raise _not_cached(spec, plan.key, root)
         with entry.lock():
-            found = ready()  # another process may have built it while we waited
+            found = _ready(plan, entry, load)  # another process may have built it while we waited
             if not found:
                 seconds, compiled = _compile(plan, entry), True
-                found = ready()
+                found = _ready(plan, entry, load)
         if not found:
             raise RuntimeError(f"kernforge: {plan.key} was just built but does not load; see {entry.log}")
     result = BuildResult(spec, plan.key, compiled, seconds, entry.dir)
@@ -216,7 +215,7 @@ def build(
 def _build_without_compiler(plan: _Plan, root: Path, load: bool) -> tuple[BuildResult, Callable | None]:
     """No compiler and KERNFORGE_JIT=0: use a prewarmed entry with the same content."""
     for entry in disk.entries_with_prefix(root, plan.spec.prefix()):
-        found = _load(plan, entry) if load else entry.trusted_meta() is not None
+        found = _ready(plan, entry, load)
         if found:
             return BuildResult(plan.spec, entry.key, False, 0.0, entry.dir), (found if load else None)
     raise _not_cached(plan.spec, f"{plan.spec.prefix()}-*", root)
