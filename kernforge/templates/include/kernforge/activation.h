@@ -50,10 +50,11 @@ inline RowChunks split_row(int64_t d) {
   return {ceil_div(d, length), length};
 }
 
+// Chunks start at multiples of kChunkAlign elements, so a streaming (aligned) row stays aligned.
 template <class Act, class T>
-inline void act_and_mul_span(T* out, const T* gate, const T* up, int64_t begin, int64_t end) {
+inline void act_and_mul_span(T* out, const T* gate, const T* up, int64_t begin, int64_t end, bool stream) {
   for_each_vector(begin, end, [&](int64_t j, int64_t count) {
-    (Act::apply(VecF::load(gate + j, count)) * VecF::load(up + j, count)).store(out + j, count);
+    store_out(Act::apply(VecF::load(gate + j, count)) * VecF::load(up + j, count), out + j, count, stream);
   });
 }
 
@@ -78,7 +79,10 @@ void act_and_mul(StridedRows<T> out, StridedRows<const T> input, int64_t n0, int
     const int64_t i0 = r / n1, i1 = r % n1;
     const int64_t begin = chunk * chunks.length, end = std::min(d, begin + chunks.length);
     const T* gate = input.row(i0, i1);
-    activation_detail::act_and_mul_span<Act>(out.row(i0, i1), gate, gate + d, begin, end);
+    T* out_row = out.row(i0, i1);
+    const bool stream = streams(num_rows * d * int64_t(sizeof(T)), out_row);
+    activation_detail::act_and_mul_span<Act>(out_row, gate, gate + d, begin, end, stream);
+    fence_streaming_stores(stream);
   });
 }
 

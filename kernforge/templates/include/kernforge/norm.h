@@ -47,11 +47,11 @@ inline VecF load_scale(const T* weight, int64_t j, int64_t count) {
 
 // out = x / rms(x) * scale
 template <bool kGemma, class T>
-inline void rmsnorm_row(T* out, const T* x, const T* weight, int64_t n, double eps) {
+inline void rmsnorm_row(T* out, const T* x, const T* weight, int64_t n, double eps, bool stream) {
   const auto load_x = [&](int64_t j, int64_t count) { return VecF::load(x + j, count); };
   const VecF inv_rms = inverse_rms(sum_of_squares(n, load_x), n, eps);
   for_each_vector(0, n, [&](int64_t j, int64_t count) {
-    (load_x(j, count) * inv_rms * load_scale<kGemma>(weight, j, count)).store(out + j, count);
+    store_out(load_x(j, count) * inv_rms * load_scale<kGemma>(weight, j, count), out + j, count, stream);
   });
 }
 
@@ -93,7 +93,11 @@ void rmsnorm(StridedRows<T> out, StridedRows<const T> input, StridedRows<T> resi
       norm_detail::fused_add_rmsnorm_row<kGemma>(out.row(i0, i1), residual.row(i0, i1), input.row(i0, i1),
                                                  weight, hidden, eps);
     } else {
-      norm_detail::rmsnorm_row<kGemma>(out.row(i0, i1), input.row(i0, i1), weight, hidden, eps);
+      // In-place fused rows rewrite lines they just read; only out-of-place output may stream.
+      T* out_row = out.row(i0, i1);
+      const bool stream = streams(num_rows * hidden * int64_t(sizeof(T)), out_row);
+      norm_detail::rmsnorm_row<kGemma>(out_row, input.row(i0, i1), weight, hidden, eps, stream);
+      fence_streaming_stores(stream);
     }
   });
 }

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "kernforge/vec.h"
 
@@ -60,6 +63,38 @@ inline int64_t useful_threads(int64_t requested, int64_t num_tasks, int64_t tota
 #endif
   const int64_t by_work = std::max<int64_t>(1, total_elements / min_elements_per_thread);
   return std::min({requested, num_tasks, by_work});
+}
+
+// Outputs at least this large are written with non-temporal stores. They cannot stay in the L3 for
+// the next op anyway, and a regular store first reads each line in (read-for-ownership): a third
+// more memory traffic for a streaming kernel. Smaller outputs keep regular stores, so the next op
+// finds them in cache.
+constexpr int64_t kStreamingMinBytes = int64_t(32) << 20;
+
+// Whether a kernel writing `bytes` of output to rows starting at `row` streams them: only rows
+// aligned to a vector's bytes, so every full vector of the row is aligned too.
+template <class T>
+inline bool streams(int64_t bytes, const T* row) {
+  return bytes >= kStreamingMinBytes && reinterpret_cast<uintptr_t>(row) % (VecF::kWidth * sizeof(T)) == 0;
+}
+
+// Stores v's first `count` lanes at p; full vectors of a streaming row bypass the caches.
+template <class T>
+inline void store_out(VecF v, T* p, int64_t count, bool stream) {
+  if (stream && count == VecF::kWidth) {
+    v.stream(p);
+  } else {
+    v.store(p, count);
+  }
+}
+
+// Non-temporal stores are weakly ordered: fence them before the results are handed to other threads.
+inline void fence_streaming_stores(bool streamed) {
+#if defined(__SSE2__)
+  if (streamed) _mm_sfence();
+#else
+  (void)streamed;
+#endif
 }
 
 // Runs body(task) for task in [0, num_tasks), each thread taking one contiguous block of tasks;

@@ -38,6 +38,11 @@ struct VecF {
   void store(bf16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16()); }
   void store(fp16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_fp16()); }
 
+  // Non-temporal full stores (bypass the caches); p must be aligned to the bytes stored.
+  void stream(fp32* p) const { _mm512_stream_ps(p, v); }
+  void stream(bf16* p) const { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), narrow_bf16()); }
+  void stream(fp16* p) const { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), narrow_fp16()); }
+
   void store(fp32* p, int64_t count) const {
     if (count >= kWidth) return store(p);
     _mm512_mask_storeu_ps(p, tail_mask(count), v);

@@ -37,6 +37,10 @@ struct VecF {
   void store(T* p) const {
     for (int i = 0; i < kWidth; ++i) p[i] = from_float<T>(lane[i]);
   }
+  // No portable non-temporal store: a plain store.
+  template <class T>
+  void stream(T* p) const { store(p); }
+
   template <class T>
   void store(T* p, int64_t count) const {
     if (count >= kWidth) return store(p);
