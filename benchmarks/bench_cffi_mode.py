@@ -120,7 +120,7 @@ def main() -> int:
           f"(other processes' CPU share meanwhile: {100 * meter.other:.0f}%)")
 
     # the real kernel: rmsnorm bf16 [1, 4096], same pointers, both modes
-    nspec = norm.VARIANTS["bf16", False, False].spec()
+    nspec = norm.OPS["rmsnorm"][torch.bfloat16].spec()
     nbuilt = {mode: build_in_mode(nspec, mode) for mode in ("abi", "api")}
     x = torch.randn(1, 4096).to(torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)

@@ -132,7 +132,7 @@ def dispatch(quick):
     w = torch.ones(4096, dtype=torch.bfloat16)
     o = torch.empty_like(x)
     kernforge.rmsnorm(x, w, out=o)
-    k = norm.VARIANTS["bf16", False, False].kernel()
+    k = norm.OPS["rmsnorm"][torch.bfloat16].kernel()
     xp, wp, op_ = x.data_ptr(), w.data_ptr(), o.data_ptr()
     nt = kernforge.ops._common.num_threads()
 

@@ -49,14 +49,19 @@ def register_template_dir(path: str | Path) -> None:
     core.invalidate_dispatch()
 
 
-def template_dirs() -> list[Path]:
-    """Registered directories, then ``KERNFORGE_TEMPLATE_PATH`` (os.pathsep-separated), then the built-ins."""
+def user_template_dirs() -> list[Path]:
+    """Registered directories, then ``KERNFORGE_TEMPLATE_PATH`` (os.pathsep-separated)."""
     env = [Path(p).resolve() for p in os.environ.get("KERNFORGE_TEMPLATE_PATH", "").split(os.pathsep) if p]
-    return [*_user_dirs, *env, PACKAGE_TEMPLATES]
+    return [*_user_dirs, *env]
+
+
+def template_dirs() -> list[Path]:
+    """The template search path: the user's directories before the built-ins."""
+    return [*user_template_dirs(), PACKAGE_TEMPLATES]
 
 
 def include_dirs() -> list[Path]:
-    return [d / "include" for d in template_dirs()[:-1] if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
+    return [d / "include" for d in user_template_dirs() if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
 
 
 def _environment() -> jinja2.Environment:
@@ -75,7 +80,7 @@ def _environment_for(dirs: tuple[Path, ...]) -> jinja2.Environment:
 
 def template_origin(template: str) -> Path | None:
     """The user directory a template comes from (None: a built-in one)."""
-    for d in template_dirs()[:-1]:
+    for d in user_template_dirs():
         if (d / template).is_file():
             return d
     return None

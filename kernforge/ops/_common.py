@@ -11,7 +11,10 @@ import os
 
 import torch
 
+from kernforge.jit.core import Variant
+
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
     "bf16": "bf16", "bfloat16": "bf16",
@@ -30,9 +33,9 @@ def dtype_name(value: str | torch.dtype) -> str:
     return name
 
 
-def by_torch_dtype(variants: dict, **params) -> dict:
-    """{torch.dtype: variant} for one op, from a dict keyed by (dtype name, *params)."""
-    return {dtype: variants[(name, *params.values())] for dtype, name in DTYPE_NAMES.items()}
+def variants_by_dtype(template: str, **params) -> dict:
+    """One op's kernels: {torch.dtype: Variant of ``template`` with ``params``}."""
+    return {dtype: Variant(template, {"dtype": name, **params}) for dtype, name in DTYPE_NAMES.items()}
 
 
 def variant_for_input(variants: dict, t: object, name: str):

@@ -4,29 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from kernforge.jit.core import Variant
 from kernforge.ops._common import (
-    DTYPE_NAMES,
-    by_torch_dtype,
     checked_out,
     num_threads,
     readable_rows,
     row_geometry,
     rows_view,
     variant_for_input,
+    variants_by_dtype,
 )
 
 TEMPLATE = "activation.cpp.jinja"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
-VARIANTS = {
-    (dtype, act): Variant(TEMPLATE, {"dtype": dtype, "act": act})
-    for dtype in DTYPE_NAMES.values()
-    for act in ACTIVATIONS
-}
-
-
-_BY_ACT = {act: by_torch_dtype(VARIANTS, act=act) for act in ACTIVATIONS}
+# {act: {torch.dtype: Variant}}: a call finds its kernel without building a key.
+_BY_ACT = {act: variants_by_dtype(TEMPLATE, act=act) for act in ACTIVATIONS}
+OPS = {f"{act}_and_mul": _BY_ACT[act] for act in ACTIVATIONS}
 
 
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

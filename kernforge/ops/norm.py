@@ -6,33 +6,29 @@ import torch
 
 from kernforge.jit.core import Variant
 from kernforge.ops._common import (
-    DTYPE_NAMES,
-    by_torch_dtype,
     checked_out,
     num_threads,
     readable_rows,
     row_geometry,
     same_dtype,
     variant_for_input,
+    variants_by_dtype,
     writable_rows,
 )
 
 TEMPLATE = "norm.cpp.jinja"
 
-# One compiled variant per (dtype, fused_add, gemma).
-VARIANTS = {
-    (dtype, fused_add, gemma): Variant(TEMPLATE, {"dtype": dtype, "fused_add": fused_add, "gemma": gemma})
-    for dtype in DTYPE_NAMES.values()
-    for fused_add in (False, True)
-    for gemma in (False, True)
+# One compiled variant per (op, dtype), found by torch.dtype without building a key.
+_RMSNORM = variants_by_dtype(TEMPLATE, fused_add=False, gemma=False)
+_GEMMA_RMSNORM = variants_by_dtype(TEMPLATE, fused_add=False, gemma=True)
+_FUSED_ADD = variants_by_dtype(TEMPLATE, fused_add=True, gemma=False)
+_GEMMA_FUSED_ADD = variants_by_dtype(TEMPLATE, fused_add=True, gemma=True)
+OPS = {
+    "rmsnorm": _RMSNORM,
+    "gemma_rmsnorm": _GEMMA_RMSNORM,
+    "fused_add_rmsnorm": _FUSED_ADD,
+    "gemma_fused_add_rmsnorm": _GEMMA_FUSED_ADD,
 }
-
-
-# {torch.dtype: Variant} per op, so a call finds its kernel without building a key.
-_RMSNORM = by_torch_dtype(VARIANTS, fused_add=False, gemma=False)
-_GEMMA_RMSNORM = by_torch_dtype(VARIANTS, fused_add=False, gemma=True)
-_FUSED_ADD = by_torch_dtype(VARIANTS, fused_add=True, gemma=False)
-_GEMMA_FUSED_ADD = by_torch_dtype(VARIANTS, fused_add=True, gemma=True)
 
 
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
