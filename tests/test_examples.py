@@ -1,0 +1,18 @@
+"""The examples run as documented: they are the user's first contact with the
+template interface, and nothing else compiles them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import kernforge
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_custom_variant_example_runs_on_every_tier(kernforge_cache_dir):
+    result = subprocess.run([sys.executable, str(EXAMPLES / "custom_variant.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for tier in kernforge.jit.runnable_tiers():
+        assert f"relu2_and_mul on tier {tier}: matches torch" in result.stdout
