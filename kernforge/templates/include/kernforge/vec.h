@@ -7,7 +7,9 @@
 //   VecF::load(const T*), VecF::load(const T*, count)      count >= kWidth means a full vector;
 //   v.store(T*),          v.store(T*, count)               partial forms never touch lanes >= count
 //   + - * / unary-, fma(a, b, c) = a*b+c, abs, copysign, clamp (NaN-preserving), rint, ldexp
-//   reduce_add(v) -> float; MaskF from a < b; select(mask, if_true, if_false)
+//   max(a, b), reduce_add(v) / reduce_max(v) -> float
+//   MaskF from a < b or a >= b (false on NaN); select(mask, if_true, if_false); to_bits(mask)
+//   add_if(mask, acc, v) = acc + (mask ? v : 0); compress_store(dst, mask, v) -> lanes written
 //   exp, erf, tanh, sigmoid                                 (vec_math.h, shared by all tiers)
 #pragma once
 

@@ -126,7 +126,30 @@ inline float reduce_add(VecF a) {
   return _mm_cvtss_f32(sum);
 }
 
+inline VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline float reduce_max(VecF a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Ordered comparisons: false for NaN lanes.
 inline MaskF operator<(VecF a, VecF b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)}; }
+inline MaskF operator>=(VecF a, VecF b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ)}; }
 inline VecF select(MaskF m, VecF if_true, VecF if_false) { return {_mm256_blendv_ps(if_false.v, if_true.v, m.m)}; }
+// Bit i set where lane i is set.
+inline uint32_t to_bits(MaskF m) { return uint32_t(_mm256_movemask_ps(m.m)); }
+// acc + (m ? v : 0).
+inline VecF add_if(MaskF m, VecF acc, VecF v) { return {_mm256_add_ps(acc.v, _mm256_and_ps(m.m, v.v))}; }
+// Writes v's lanes where m is set, packed, at dst; returns how many. dst needs kWidth writable
+// floats (the AVX-512 form stores a whole vector).
+inline int compress_store(float* dst, MaskF m, VecF v) {
+  alignas(32) float lanes[VecF::kWidth];
+  _mm256_store_ps(lanes, v.v);
+  int kept = 0;
+  for (uint32_t bits = to_bits(m); bits; bits &= bits - 1) dst[kept++] = lanes[__builtin_ctz(bits)];
+  return kept;
+}
 
 }  // namespace kf

@@ -110,7 +110,23 @@ inline VecF ldexp(VecF x, VecF n) { return {_mm512_scalef_ps(x.v, n.v)}; }
 
 inline float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
 
+inline VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+
+// Ordered comparisons: false for NaN lanes.
 inline MaskF operator<(VecF a, VecF b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
+inline MaskF operator>=(VecF a, VecF b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ)}; }
 inline VecF select(MaskF m, VecF if_true, VecF if_false) { return {_mm512_mask_blend_ps(m.m, if_false.v, if_true.v)}; }
+// Bit i set where lane i is set.
+inline uint32_t to_bits(MaskF m) { return uint32_t(m.m); }
+// acc + (m ? v : 0) in one masked add.
+inline VecF add_if(MaskF m, VecF acc, VecF v) { return {_mm512_mask_add_ps(acc.v, m.m, acc.v, v.v)}; }
+// Writes v's lanes where m is set, packed, at dst; returns how many. Stores a whole vector, so dst
+// needs kWidth writable floats. (Compress in a register, then a plain store: the memory form of
+// vcompressps is microcoded and slow on AMD.)
+inline int compress_store(float* dst, MaskF m, VecF v) {
+  _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m.m, v.v));
+  return __builtin_popcount(uint32_t(m.m));
+}
 
 }  // namespace kf

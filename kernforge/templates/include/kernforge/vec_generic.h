@@ -72,10 +72,29 @@ inline VecF operator-(VecF a) { return generic_detail::map(a, [](float x) { retu
 inline VecF& operator+=(VecF& a, VecF b) { return a = a + b; }
 inline VecF& operator*=(VecF& a, VecF b) { return a = a * b; }
 
+inline VecF max(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x > y ? x : y; }); }
+inline float reduce_max(VecF a) {
+  float m = a.lane[0];
+  for (float x : a.lane) m = x > m ? x : m;
+  return m;
+}
+
+// Ordered comparisons: false for NaN lanes.
 inline MaskF operator<(VecF a, VecF b) {
   MaskF m;
   for (int i = 0; i < VecF::kWidth; ++i) m.lane[i] = a.lane[i] < b.lane[i] ? ~0u : 0u;
   return m;
+}
+inline MaskF operator>=(VecF a, VecF b) {
+  MaskF m;
+  for (int i = 0; i < VecF::kWidth; ++i) m.lane[i] = a.lane[i] >= b.lane[i] ? ~0u : 0u;
+  return m;
+}
+// Bit i set where lane i is set.
+inline uint32_t to_bits(MaskF m) {
+  uint32_t bits = 0;
+  for (int i = 0; i < VecF::kWidth; ++i) bits |= (m.lane[i] & 1u) << i;
+  return bits;
 }
 inline VecF select(MaskF m, VecF if_true, VecF if_false) {
   for (int i = 0; i < VecF::kWidth; ++i) {
@@ -83,6 +102,15 @@ inline VecF select(MaskF m, VecF if_true, VecF if_false) {
     if_true.lane[i] = bit_cast<float>((t & m.lane[i]) | (f & ~m.lane[i]));
   }
   return if_true;
+}
+// acc + (m ? v : 0).
+inline VecF add_if(MaskF m, VecF acc, VecF v) { return acc + select(m, v, VecF::zero()); }
+// Writes v's lanes where m is set, packed, at dst; returns how many. dst needs kWidth writable
+// floats (the AVX-512 form stores a whole vector).
+inline int compress_store(float* dst, MaskF m, VecF v) {
+  int kept = 0;
+  for (uint32_t bits = to_bits(m); bits; bits &= bits - 1) dst[kept++] = v.lane[__builtin_ctz(bits)];
+  return kept;
 }
 
 // a * b + c. Without hardware FMA this rounds twice (std::fma in software would be far slower);

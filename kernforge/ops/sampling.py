@@ -1,0 +1,297 @@
+"""Sampling ops with FlashInfer's names, signatures and semantics, sort-free.
+
+Every filter keeps the entries ``x >= t`` of a row for one threshold ``t``,
+so the result never depends on how ties are ordered:
+
+* top-k: ``t`` is the k-th largest value; entries tied with it are all kept
+  (more than k may survive). ``top_k >= vocab`` keeps every entry.
+* top-p: ``x`` is kept iff the mass of strictly larger entries is below
+  ``top_p * mass(row)``: the smallest set of largest entries reaching ``top_p``
+  of the mass, ties at the cut kept. ``top_p = 1`` keeps everything.
+* min-p: ``t = min_p * max(row)``.
+* ``top_k_top_p``: ``filter_apply_order="top_k_first"`` applies top-p to the
+  top-k renormalized row; ``"joint"`` keeps the intersection of both filters
+  on the full row.
+
+Sampling draws token ``i`` with probability ``x_i / mass(kept)`` by inverse CDF
+in index order, from one uniform per output row: Philox4x32-10 keyed by
+``seed`` with counter ``(row, offset)``. Without ``seed`` and ``offset`` the
+seed is drawn from ``generator`` (torch's default CPU generator when None), so
+the generator advances and consecutive calls differ. The kernels are
+deterministic whatever the thread count; ``deterministic`` is accepted for
+FlashInfer compatibility. A row with a NaN or without positive mass gives
+token 0 and ``valid = False``.
+
+``*_from_logits`` ops compute exactly :func:`softmax` and then the matching
+``*_from_probs`` op, fused per row, so their samples are those of
+``softmax`` followed by the ``*_from_probs`` op for the same seed.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+import torch
+
+from kernforge.ops._common import num_threads, variant_for_input, variants_by_dtype
+
+TEMPLATE = "sampling.cpp.jinja"
+_ALL_DTYPES = variants_by_dtype(TEMPLATE)  # {torch.dtype: Variant}, keyed by the input's dtype
+_FP32_ONLY = {torch.float32: _ALL_DTYPES[torch.float32]}
+
+# op name -> the kernels it runs (for pre-warm): probs are fp32, logits and renorm inputs any float.
+OPS = {
+    **{name: _FP32_ONLY for name in (
+        "sampling_from_probs", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
+        "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs")},
+    **{name: _ALL_DTYPES for name in (
+        "softmax", "sampling_from_logits", "top_k_top_p_sampling_from_logits", "top_p_renorm_probs",
+        "top_k_renorm_probs", "top_k_mask_logits")},
+}
+
+_SAMPLE, _RENORM, _MASK_LOGITS, _SOFTMAX = 0, 1, 2, 3
+_FILTER_ORDERS = ("top_k_first", "joint")
+
+# Error kinds the kernel reports as (kind << 32) | row, checked before it touches any row.
+_PARAM_RULES = {
+    1: ("top_k", "must be >= 1"),
+    2: ("top_p", "must be in (0, 1]"),
+    3: ("min_p", "must be in [0, 1]"),
+    4: ("temperature", "must be finite and > 0"),
+    5: ("indices", "must be in [0, number of rows of the input)"),
+}
+
+
+class _Call:
+    """The flat kernel arguments of one call; per-row tensors are kept alive here."""
+
+    __slots__ = ("rows", "vocab", "batch", "stride", "args", "keep", "values")
+
+    def __init__(self, x: torch.Tensor, name: str, indices):
+        if x.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [batch, vocab], got shape {tuple(x.shape)}")
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            x = x.contiguous()
+        self.rows, self.vocab = x.shape
+        if self.vocab < 1:
+            raise ValueError(f"{name} must have a vocabulary of at least 1 entry, got shape {tuple(x.shape)}")
+        self.stride = x.stride(0)
+        self.keep = [x]
+        self.values = {}  # argument name -> its Python scalar or tensor, for error messages
+        self.batch = self.rows if indices is None else _checked_indices(indices, self.rows)
+        self.args = {
+            "input": x.data_ptr(), "row_index": 0, "row_index_64": 0,
+            "top_k_arr": 0, "top_k": self.vocab, "top_p_arr": 0, "top_p": 1.0, "min_p_arr": 0, "min_p": 0.0,
+            "temperature_arr": 0, "temperature": 1.0, "top_k_first": 1,
+            "seed_arr": 0, "seed_len": 0, "seed": 0, "offset_arr": 0, "offset_len": 0, "offset": 0,
+            "samples": 0, "samples_64": 0, "valid": 0, "out": 0, "out_stride": 0,
+        }
+        if indices is not None:
+            indices = indices.contiguous()
+            self.keep.append(indices)
+            self.args["row_index"] = indices.data_ptr()
+            self.args["row_index_64"] = int(indices.dtype == torch.int64)
+            self.values["indices"] = indices
+
+    def per_row(self, name: str, value, integral: bool, no_op=None) -> None:
+        """A per-request parameter: a Python number or a [batch] tensor."""
+        if value is None:
+            return
+        self.values[name] = value
+        if isinstance(value, torch.Tensor):
+            self.args[f"{name}_arr"] = self._row_tensor(name, value, integral).data_ptr()
+            return
+        if isinstance(value, bool) or not isinstance(value, Integral if integral else Real):
+            kind = "an int" if integral else "a float"
+            raise TypeError(f"{name} must be {kind} or a [batch] tensor, got {type(value).__name__}")
+        if integral:
+            value = max(min(int(value), self.vocab), -1)  # k >= vocab means no top-k; keep < 1 an error
+        self.args[name] = value
+
+    def _row_tensor(self, name: str, t: torch.Tensor, integral: bool) -> torch.Tensor:
+        if not t.is_cpu:
+            raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+        if integral != (not t.dtype.is_floating_point and t.dtype != torch.bool):
+            kind = "an integer" if integral else "a floating-point"
+            raise TypeError(f"{name} must have {kind} dtype, got {t.dtype}")
+        if t.shape != (self.batch,):
+            raise ValueError(f"{name} must have shape ({self.batch},) (one value per output row), got {tuple(t.shape)}")
+        t = t.to(torch.int64 if integral else torch.float32).contiguous()
+        self.keep.append(t)
+        return t
+
+    def random_stream(self, generator, seed, offset) -> None:
+        """Philox seed and offset: given explicitly, or a fresh seed drawn from the generator."""
+        if seed is None or offset is None:
+            generator = torch.default_generator if generator is None else generator
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+            if generator.device.type != "cpu":
+                raise ValueError(f"generator is on device {generator.device}; kernforge needs a CPU generator")
+            seed, offset = int(torch.empty((), dtype=torch.int64).random_(generator=generator)), 0
+        for name, value in (("seed", seed), ("offset", offset)):
+            if isinstance(value, torch.Tensor):
+                if value.dtype not in (torch.int64, torch.uint64) or value.dim() != 1:
+                    raise TypeError(f"{name} must be an int or a 1-D int64 tensor, got {value.dtype} {tuple(value.shape)}")
+                if value.numel() not in (1, self.batch) or not value.is_cpu:
+                    raise ValueError(f"{name} must be a CPU tensor of length 1 or {self.batch}, got {tuple(value.shape)}")
+                value = value.view(torch.int64).contiguous()
+                self.keep.append(value)
+                self.args[f"{name}_arr"], self.args[f"{name}_len"] = value.data_ptr(), value.numel()
+            elif isinstance(value, Integral) and not isinstance(value, bool):
+                self.args[name] = (int(value) + 2**63) % 2**64 - 2**63  # any int, as its low 64 bits
+            else:
+                raise TypeError(f"{name} must be an int or an int64 tensor, got {type(value).__name__}")
+
+    def run(self, variant, action: int, from_logits: bool) -> None:
+        if not self.batch:
+            return
+        a = self.args
+        status = variant.kernel()(
+            action, a["input"], self.stride, self.rows, self.vocab, int(from_logits), a["row_index"],
+            a["row_index_64"], self.batch, a["top_k_arr"], a["top_k"], a["top_p_arr"], a["top_p"], a["min_p_arr"],
+            a["min_p"], a["temperature_arr"], a["temperature"], a["top_k_first"], a["seed_arr"], a["seed_len"],
+            a["seed"], a["offset_arr"], a["offset_len"], a["offset"], a["samples"], a["samples_64"], a["valid"],
+            a["out"], a["out_stride"], num_threads(),
+        )
+        if status:
+            self._raise_param_error(status >> 32, status & 0xFFFFFFFF)
+
+    def _raise_param_error(self, kind: int, row: int) -> None:
+        name, rule = _PARAM_RULES[kind]
+        value = self.values.get(name)
+        if isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} {rule}, got {name}[{row}] = {value[row].item()}")
+        raise ValueError(f"{name} {rule}, got {value}")
+
+
+def _checked_indices(indices, rows: int) -> int:
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor or None, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must have dtype torch.int32 or torch.int64, got {indices.dtype}")
+    if indices.dim() != 1 or not indices.is_cpu:
+        raise ValueError(f"indices must be a 1-D CPU tensor, got shape {tuple(indices.shape)} on {indices.device}")
+    return indices.shape[0]
+
+
+def _input(x, name: str, dtypes: dict, check_nan: bool = False):
+    """The variant for input ``x`` (one of ``dtypes``), after the type and NaN checks."""
+    variant = variant_for_input(_ALL_DTYPES, x, name)
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if check_nan and torch.isnan(x).any():
+        raise ValueError(f"{name} contains NaN")
+    return variant
+
+
+def _sample(x, name, *, from_logits, indices, generator, check_nan, seed, offset, return_valid,
+            top_k=None, top_p=None, min_p=None, filter_apply_order="top_k_first"):
+    variant = _input(x, name, _ALL_DTYPES if from_logits else _FP32_ONLY, check_nan)
+    if filter_apply_order not in _FILTER_ORDERS:
+        raise ValueError(f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}")
+    call = _Call(x, name, indices)
+    call.per_row("top_k", top_k, integral=True)
+    call.per_row("top_p", top_p, integral=False)
+    call.per_row("min_p", min_p, integral=False)
+    call.args["top_k_first"] = int(filter_apply_order == "top_k_first")
+    call.random_stream(generator, seed, offset)
+    samples = torch.empty(call.batch, dtype=torch.int32 if indices is None else indices.dtype)
+    valid = torch.empty(call.batch, dtype=torch.bool)
+    call.args.update(samples=samples.data_ptr(), samples_64=int(samples.dtype == torch.int64), valid=valid.data_ptr())
+    call.run(variant, _SAMPLE, from_logits)
+    return (samples, valid) if return_valid else samples
+
+
+def _rows_out(x, name, dtypes, action, out_dtype=None, **per_row):
+    """Renorm / mask / softmax: one output row per input row."""
+    variant = _input(x, name, dtypes)
+    call = _Call(x, name, None)
+    for param, value in per_row.items():
+        call.per_row(param, value, integral=param == "top_k")
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
+    call.args.update(out=out.data_ptr(), out_stride=out.stride(0) if out.dim() == 2 else 0)
+    call.run(variant, action, from_logits=action == _SOFTMAX)
+    return out
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = None, enable_pdl: bool | None = None):
+    """``torch.softmax(logits / temperature, -1)`` in fp32; temperature a float or a [batch] tensor.
+    ``enable_pdl`` is a GPU launch option, accepted for FlashInfer compatibility."""
+    return _rows_out(logits, "logits", _ALL_DTYPES, _SOFTMAX, torch.float32, temperature=temperature)
+
+
+def sampling_from_probs(probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
+                        offset=None, return_valid=False):
+    """A token per output row, drawn from the categorical distribution ``probs`` (fp32 [rows, vocab])."""
+    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid)
+
+
+def sampling_from_logits(logits, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
+                         offset=None, return_valid=False):
+    """``sampling_from_probs(softmax(logits))``, fused per row."""
+    return _sample(logits, "logits", from_logits=True, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid)
+
+
+def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True, generator=None, check_nan=False,
+                              seed=None, offset=None, return_valid=False):
+    """Nucleus sampling: draw among the smallest set of largest probabilities holding ``top_p`` of the mass."""
+    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid, top_p=top_p)
+
+
+def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True, generator=None, check_nan=False,
+                              seed=None, offset=None, return_valid=False):
+    """Draw among the ``top_k`` largest probabilities (and entries tied with the k-th)."""
+    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k)
+
+
+def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True, generator=None, check_nan=False,
+                              seed=None, offset=None, return_valid=False):
+    """Draw among the probabilities >= ``min_p * max(probs)``."""
+    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid, min_p=min_p)
+
+
+def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, filter_apply_order="top_k_first",
+                                    deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
+                                    return_valid=False):
+    """Top-k then top-p (``"top_k_first"``), or both on the full row (``"joint"``), then sample."""
+    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
+                   filter_apply_order=filter_apply_order)
+
+
+def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
+                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
+                                     return_valid=False):
+    """``top_k_top_p_sampling_from_probs(softmax(logits), ...)``, fused per row."""
+    return _sample(logits, "logits", from_logits=True, indices=indices, generator=generator, check_nan=check_nan,
+                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
+                   filter_apply_order=filter_apply_order)
+
+
+def top_p_renorm_probs(probs, top_p):
+    """Zero the entries outside the top-p set and renormalize; same dtype as ``probs``."""
+    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, top_p=top_p)
+
+
+def top_k_renorm_probs(probs, top_k):
+    """Zero the entries below the k-th largest and renormalize; same dtype as ``probs``."""
+    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, top_k=top_k)
+
+
+def top_k_mask_logits(logits, top_k):
+    """Set the logits below the k-th largest to -inf; same dtype as ``logits``."""
+    return _rows_out(logits, "logits", _ALL_DTYPES, _MASK_LOGITS, top_k=top_k)
+
+
+# FlashInfer's older singular names, which SGLang still calls.
+top_p_renorm_prob = top_p_renorm_probs
+top_k_renorm_prob = top_k_renorm_probs
