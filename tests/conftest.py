@@ -44,10 +44,10 @@ _TIERS = list(kernforge.jit.isa.runnable_tiers())
 def kernforge_cache_dir():
     """The session's fresh cache, pre-warmed with every op variant on every
     runnable tier (in parallel on all cores, instead of one by one in the tests)."""
-    specs = [
-        kernforge.ops.variant_for(op, dtype).spec(tier)
-        for tier in _TIERS for op in kernforge.ops.OP_VARIANTS for dtype in ("fp32", "bf16", "fp16")
-    ]
+    specs = list({
+        variant.spec(tier): None
+        for tier in _TIERS for variants in kernforge.ops.OP_VARIANTS.values() for variant in variants.values()
+    })
     kernforge.prewarm(specs, progress=False)
     yield Path(_SESSION_CACHE)
     if _SAVED_CACHE_ENV is None:

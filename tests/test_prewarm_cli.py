@@ -163,12 +163,16 @@ def test_prewarm_of_a_broken_template_raises(cache):
 
 # --------------------------------------------------------------------------- model configs
 
+# Every model samples: the manifest adds the fp32-probs sampler whatever the model's dtype.
+SAMPLER = {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"}
+
 
 def test_manifest_from_llama_config():
     manifest = prewarm.manifest_from_model_config(LLAMA)
     assert manifest["kernels"] == [{"op": "rmsnorm", "dtype": "bfloat16"},
                                    {"op": "fused_add_rmsnorm", "dtype": "bfloat16"},
-                                   {"op": "silu_and_mul", "dtype": "bfloat16"}]
+                                   {"op": "silu_and_mul", "dtype": "bfloat16"},
+                                   SAMPLER]
     assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
 
 
@@ -176,18 +180,18 @@ def test_manifest_from_gemma2_config_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA2))
     manifest = prewarm.manifest_from_model_config(path)
-    assert {k["op"] for k in manifest["kernels"]} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm",
-                                                       "gelu_tanh_and_mul"}
-    assert {k["dtype"] for k in manifest["kernels"]} == {"bfloat16"}
+    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER]
+    assert {k["op"] for k in model_kernels} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"}
+    assert {k["dtype"] for k in model_kernels} == {"bfloat16"}
     specs = prewarm.specs_from_manifest(manifest, tier="generic")
     assert {(s.template, dict(s.params).get("gemma")) for s in specs} >= {("norm.cpp.jinja", True)}
-    assert all(dict(s.params)["dtype"] == "bf16" for s in specs)
+    assert {dict(s.params)["dtype"] for s in specs if s.template != "sampling.cpp.jinja"} == {"bf16"}
 
 
 def test_manifest_from_multimodal_config_reads_the_text_config():
     config = {"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text"}}
     ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"]]
-    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"]
+    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul", SAMPLER["op"]]
 
 
 @pytest.mark.parametrize("change, match", [

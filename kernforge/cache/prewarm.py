@@ -62,7 +62,10 @@ def manifest_from_model_config(config: dict | str | Path) -> dict:
     norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if gemma else ["rmsnorm", "fused_add_rmsnorm"]
     return {
         "model": {**sizes, "dtype": dtype, "activation": activation, "model_type": config.get("model_type")},
-        "kernels": [{"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]],
+        "kernels": [
+            *({"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]),
+            {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
+        ],
     }
 
 
@@ -90,8 +93,12 @@ def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) ->
 
 def all_ops_manifest(dtypes=ALL_DTYPES) -> dict:
     from kernforge.ops import OP_VARIANTS
+    from kernforge.ops._common import dtype_name
 
-    return {"kernels": [{"op": op, "dtype": list(dtypes)} for op in OP_VARIANTS]}
+    def taken(op):  # the requested dtypes this op takes (sampling from probs takes fp32 only)
+        return [d for d in dtypes if any(dtype_name(t) == dtype_name(d) for t in OP_VARIANTS[op])]
+
+    return {"kernels": [{"op": op, "dtype": taken(op)} for op in OP_VARIANTS if taken(op)]}
 
 
 def prewarm(

@@ -32,7 +32,12 @@ OP_VARIANTS = {**norm.OPS, **activation.OPS, **sampling.OPS}
 def variant_for(op: str, dtype: str | torch.dtype) -> Variant:
     if op not in OP_VARIANTS:
         raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OP_VARIANTS)}")
-    return OP_VARIANTS[op][TORCH_DTYPES[dtype_name(dtype)]]
+    variants = OP_VARIANTS[op]
+    torch_dtype = TORCH_DTYPES[dtype_name(dtype)]
+    if torch_dtype not in variants:
+        takes = ", ".join(str(d).removeprefix("torch.") for d in variants)
+        raise ValueError(f"{op} does not take {torch_dtype} inputs (it takes {takes})")
+    return variants[torch_dtype]
 
 
 __all__ = [

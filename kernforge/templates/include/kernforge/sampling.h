@@ -387,9 +387,6 @@ inline float top_p_threshold(const float* x, int64_t n, float lo, float hi, int6
     float pivot[kPivots];
     for (int i = 0; i < kPivots; ++i) pivot[i] = key_float(pivot_key[i]);
     const PivotMasses at = pivot_masses(candidates, m, pivot, threads, s.pivot_chunks);
-#ifdef KF_DEBUG
-    fprintf(stderr, "lo %08x hi %08x m %ld cnt %ld | ", lo_key, hi_key, m, count_lo); for (int i = 0; i < kPivots; ++i) fprintf(stderr, "%08x:%g ", pivot_key[i], at.mass[i]); fprintf(stderr, "target %g\n", target);
-#endif
     uint32_t new_hi = hi_key;
     for (int i = kPivots - 1; i >= 0; --i) {
       if (at.mass[i] >= target) {
