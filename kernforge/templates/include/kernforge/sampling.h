@@ -422,17 +422,17 @@ inline void softmax_row(const T* logits, float* probs, int64_t n, float inv_temp
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
     VecF sum = VecF::zero();
     double tail = 0.0;
-    for_full_vectors(
-        begin, end,
-        [&](int64_t j) {
-          const VecF e = exp(fma(VecF::load(logits + j), scale, neg_shift));
-          e.store(probs + j);
-          sum += e;
-        },
-        [&](int64_t i) {
-          probs[i] = std::exp(std::fma(to_float(logits[i]), inv_temperature, -shift));
-          tail += probs[i];
-        });
+    // The tail goes through the same vector exp (a partial vector), so equal logits anywhere in the
+    // row get bitwise equal probabilities and ties survive into the filters.
+    for_each_vector(begin, end, [&](int64_t j, int64_t count) {
+      const VecF e = exp(fma(VecF::load(logits + j, count), scale, neg_shift));
+      e.store(probs + j, count);
+      if (count == VecF::kWidth) {
+        sum += e;
+      } else {
+        for (int64_t i = j; i < j + count; ++i) tail += probs[i];
+      }
+    });
     s.chunk_sum[c] = double(reduce_add(sum)) + tail;
   });
   double total = 0.0;
