@@ -41,14 +41,34 @@ inline void for_chunks(int64_t n, int64_t threads, const Body& body) {
                [&](int64_t c) { body(c, c * kChunk, std::min(n, (c + 1) * kChunk)); });
 }
 
-// op(j) for the full vectors of [begin, end), then tail(i) for each element after them. Tails are
-// scalar so that no padding lane (loaded as 0) can pass a comparison with a threshold <= 0.
+// op(chain, j) for the full vectors of [begin, end), then tail(i) for each element after them.
+// Consecutive vectors take chains 0..kChains-1 in turn: a reduction keeps one accumulator per chain,
+// and the independent dependency chains hide the add latency, which a single accumulator would pay
+// on every vector (twice the time of a pass over L2). Tails are scalar so that no padding lane
+// (loaded as 0) can pass a comparison with a threshold <= 0.
+constexpr int kChains = 4;
 template <class VecOp, class TailOp>
 inline void for_full_vectors(int64_t begin, int64_t end, const VecOp& op, const TailOp& tail) {
+  constexpr int64_t kWidth = VecF::kWidth;
   int64_t j = begin;
-  for (; j + VecF::kWidth <= end; j += VecF::kWidth) op(j);
+  for (; j + kChains * kWidth <= end; j += kChains * kWidth)
+    for (int chain = 0; chain < kChains; ++chain) op(chain, j + chain * kWidth);
+  for (; j + kWidth <= end; j += kWidth) op(0, j);
   for (; j < end; ++j) tail(j);
 }
+
+// Accumulators, one per chain, combined in a fixed order.
+struct Chains {
+  VecF v[kChains];
+  static Chains of(float x) {
+    Chains c;
+    for (VecF& a : c.v) a = VecF::broadcast(x);
+    return c;
+  }
+  VecF sum() const { return (v[0] + v[1]) + (v[2] + v[3]); }
+  VecF max() const { return kf::max(kf::max(v[0], v[1]), kf::max(v[2], v[3])); }
+};
+static_assert(kChains == 4, "Chains::sum and Chains::max combine four chains");
 
 // ------------------------------------------------------------------------------------ random numbers
 
@@ -78,31 +98,58 @@ inline double uniform(uint64_t seed, uint64_t offset, uint64_t row) {
 
 // ------------------------------------------------------------------------------------ row passes
 
+constexpr int kPivots = 7;         // pivots counted per pass: the key range shrinks 8x per pass
+
+struct PivotMasses {
+  double mass[kPivots];
+};
+
+struct Scratch {
+  std::vector<float> row, candidates, sorted, block_max;
+  std::vector<double> chunk_mass, chunk_sum;
+  std::vector<int64_t> chunk_count;
+  std::vector<float> chunk_max;
+  std::vector<PivotMasses> pivot_chunks;
+};
+
+constexpr int64_t kBlock = 256;  // elements per block maximum (top-k's starting floor); divides kChunk
+
+
 struct RowStats {
   float max;
   double sum;
 };
 
-inline RowStats row_stats(const float* x, int64_t n, int64_t threads, std::vector<double>& sums,
-                          std::vector<float>& maxes) {
+// Sum and max of the row, and the max of every kBlock-element block (for top_k_threshold), in
+// one pass: the one that reads the row from memory.
+inline RowStats row_stats(const float* x, int64_t n, int64_t threads, Scratch& s) {
+  std::vector<double>& sums = s.chunk_sum;
+  std::vector<float>& maxes = s.chunk_max;
   sums.assign(num_chunks(n), 0.0);
   maxes.assign(num_chunks(n), -kInf);
+  s.block_max.resize(size_t((n + kBlock - 1) / kBlock));
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
-    VecF sum = VecF::zero(), top = VecF::broadcast(-kInf);
-    float tail_sum = 0.0f, tail_max = -kInf;
-    for_full_vectors(
-        begin, end,
-        [&](int64_t j) {
-          const VecF v = VecF::load(x + j);
-          sum += v;
-          top = max(top, v);
-        },
-        [&](int64_t i) {
-          tail_sum += x[i];
-          tail_max = std::max(tail_max, x[i]);
-        });
-    sums[c] = double(reduce_add(sum)) + double(tail_sum);
-    maxes[c] = std::max(reduce_max(top), tail_max);
+    Chains sum = Chains::of(0.0f);
+    float tail_sum = 0.0f;
+    for (int64_t block = begin; block < end; block += kBlock) {
+      Chains top = Chains::of(-kInf);
+      float tail_max = -kInf;
+      for_full_vectors(
+          block, std::min(end, block + kBlock),
+          [&](int chain, int64_t j) {
+            const VecF v = VecF::load(x + j);
+            sum.v[chain] += v;
+            top.v[chain] = max(top.v[chain], v);
+          },
+          [&](int64_t i) {
+            tail_sum += x[i];
+            tail_max = std::max(tail_max, x[i]);
+          });
+      const float block_max = std::max(reduce_max(top.max()), tail_max);
+      s.block_max[size_t(block / kBlock)] = block_max;
+      maxes[c] = std::max(maxes[c], block_max);
+    }
+    sums[c] = double(reduce_add(sum.sum())) + double(tail_sum);
   });
   RowStats stats{-kInf, 0.0};
   for (size_t c = 0; c < sums.size(); ++c) {
@@ -122,24 +169,24 @@ inline Mass mass_at_least(const float* x, int64_t n, float t, int64_t threads, s
                           std::vector<int64_t>& chunk_count) {
   chunk_mass.assign(num_chunks(n), 0.0);
   chunk_count.assign(num_chunks(n), 0);
-  const VecF threshold = VecF::broadcast(t), zero = VecF::zero(), one = VecF::broadcast(1.0f);
+  const VecF threshold = VecF::broadcast(t), one = VecF::broadcast(1.0f);
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
-    VecF mass = zero, count = zero;  // lane counts stay below 2^24, so exact in fp32
+    Chains mass = Chains::of(0.0f), count = Chains::of(0.0f);  // lane counts stay below 2^24: exact
     double tail_mass = 0.0;
     int64_t tail_count = 0;
     for_full_vectors(
         begin, end,
-        [&](int64_t j) {
+        [&](int chain, int64_t j) {
           const VecF v = VecF::load(x + j);
           const MaskF kept = v >= threshold;
-          mass = add_if(kept, mass, v);
-          count = add_if(kept, count, one);
+          mass.v[chain] = add_if(kept, mass.v[chain], v);
+          count.v[chain] = add_if(kept, count.v[chain], one);
         },
         [&](int64_t i) {
           if (x[i] >= t) tail_mass += x[i], ++tail_count;
         });
-    chunk_mass[c] = double(reduce_add(mass)) + tail_mass;
-    chunk_count[c] = int64_t(reduce_add(count)) + tail_count;
+    chunk_mass[c] = double(reduce_add(mass.sum())) + tail_mass;
+    chunk_count[c] = int64_t(reduce_add(count.sum())) + tail_count;
   });
   Mass m{0.0, 0};
   for (size_t c = 0; c < chunk_mass.size(); ++c) m.total += chunk_mass[c], m.count += chunk_count[c];
@@ -148,41 +195,13 @@ inline Mass mass_at_least(const float* x, int64_t n, float t, int64_t threads, s
 
 // ------------------------------------------------------------------------------------ top-k
 
-constexpr int kPivots = 7;         // pivots counted per pass: the key range shrinks 8x per pass
 
-struct PivotMasses {
-  double mass[kPivots];
-  int64_t count[kPivots];
-};
-
-struct Scratch {
-  std::vector<float> row, candidates, sorted, block_max;
-  std::vector<double> chunk_mass, chunk_sum;
-  std::vector<int64_t> chunk_count;
-  std::vector<float> chunk_max;
-  std::vector<PivotMasses> pivot_chunks;
-};
-
-constexpr int64_t kBlock = 256;  // elements per block maximum (top-k's starting floor)
-
-// A floor under the k-th largest value: the k-th largest of the row's block maxima. The k blocks
-// whose maxima reach it hold k distinct entries >= it. On a row in no particular order the k
-// largest entries mostly sit in different blocks, so few more than k entries reach the floor.
-inline float top_k_floor(const float* x, int64_t n, int64_t k, int64_t threads, Scratch& s) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  if (blocks < k) return -kInf;
-  s.block_max.resize(size_t(blocks));
-  for_chunks(n, threads, [&](int64_t, int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b += kBlock) {
-      const int64_t block_end = std::min(end, b + kBlock);
-      VecF top = VecF::broadcast(-kInf);
-      float tail = -kInf;
-      for_full_vectors(
-          b, block_end, [&](int64_t j) { top = max(top, VecF::load(x + j)); },
-          [&](int64_t i) { tail = std::max(tail, x[i]); });
-      s.block_max[size_t(b / kBlock)] = std::max(reduce_max(top), tail);
-    }
-  });
+// A floor under the k-th largest value: the k-th largest of the row's block maxima (left in
+// s.block_max by row_stats). The k blocks whose maxima reach it hold k distinct entries >= it. On
+// a row in no particular order the k largest entries mostly sit in different blocks, so few more
+// than k entries reach the floor.
+inline float top_k_floor(int64_t k, Scratch& s) {
+  if (int64_t(s.block_max.size()) < k) return -kInf;
   std::nth_element(s.block_max.begin(), s.block_max.begin() + (k - 1), s.block_max.end(), std::greater<float>());
   return s.block_max[size_t(k - 1)];
 }
@@ -206,7 +225,7 @@ inline void k_largest(const float* x, int64_t begin, int64_t end, int64_t k, flo
   };
   for_full_vectors(
       begin, end,
-      [&](int64_t j) {
+      [&](int, int64_t j) {
         uint32_t passing = to_bits(VecF::load(x + j) >= running);
         if (!passing) return;
         for (; passing; passing &= passing - 1) buffer.push_back(x[j + __builtin_ctz(passing)]);
@@ -219,11 +238,11 @@ inline void k_largest(const float* x, int64_t begin, int64_t end, int64_t k, flo
   out.insert(out.end(), buffer.begin(), buffer.end());
 }
 
-// The k-th largest value of the row (k < n), or -inf when fewer than k entries are >= -inf. Exact,
-// so the same for any split of the row: with several threads each takes a slice, then the slices'
-// k largest are merged.
+// The k-th largest value of the row (k < n), or -inf when fewer than k entries are >= -inf; needs
+// row_stats of the row first. Exact, so the same for any split of the row: with several threads
+// each takes a slice, then the slices' k largest are merged.
 inline float top_k_threshold(const float* x, int64_t n, int64_t k, int64_t threads, Scratch& s) {
-  const float floor = top_k_floor(x, n, k, threads, s);
+  const float floor = top_k_floor(k, s);
   const int64_t parts = std::max<int64_t>(1, std::min(threads, n / kChunk));
   const int64_t slice = (n + parts - 1) / parts;
   std::vector<std::vector<float>> found(static_cast<size_t>(parts));
@@ -257,40 +276,33 @@ inline float key_float(uint32_t key) {
   return f;
 }
 
-// Mass and count of x >= pivot[i] for every pivot, in one pass.
+// Mass of x >= pivot[i] for every pivot, in one pass. (Counting too would cost a third more; the
+// compaction that follows a pass counts the survivors instead.)
 inline PivotMasses pivot_masses(const float* x, int64_t n, const float (&pivot)[kPivots], int64_t threads,
                                 std::vector<PivotMasses>& per_chunk) {
   per_chunk.assign(num_chunks(n), PivotMasses{});
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
-    VecF pivots[kPivots], mass[kPivots], count[kPivots];
+    VecF pivots[kPivots], mass[kPivots];
     for (int i = 0; i < kPivots; ++i) {
       pivots[i] = VecF::broadcast(pivot[i]);
-      mass[i] = count[i] = VecF::zero();
+      mass[i] = VecF::zero();
     }
-    const VecF one = VecF::broadcast(1.0f);
     PivotMasses& out = per_chunk[size_t(c)];
     for_full_vectors(
         begin, end,
-        [&](int64_t j) {
+        [&](int, int64_t j) {  // kPivots accumulators already make independent chains
           const VecF v = VecF::load(x + j);
-          for (int i = 0; i < kPivots; ++i) {
-            const MaskF above = v >= pivots[i];
-            mass[i] = add_if(above, mass[i], v);
-            count[i] = add_if(above, count[i], one);
-          }
+          for (int i = 0; i < kPivots; ++i) mass[i] = add_if(v >= pivots[i], mass[i], v);
         },
         [&](int64_t j) {
           for (int i = 0; i < kPivots; ++i)
-            if (x[j] >= pivot[i]) out.mass[i] += x[j], ++out.count[i];
+            if (x[j] >= pivot[i]) out.mass[i] += x[j];
         });
-    for (int i = 0; i < kPivots; ++i) {
-      out.mass[i] += double(reduce_add(mass[i]));
-      out.count[i] += int64_t(reduce_add(count[i]));
-    }
+    for (int i = 0; i < kPivots; ++i) out.mass[i] += double(reduce_add(mass[i]));
   });
   PivotMasses total{};
   for (const PivotMasses& chunk : per_chunk)
-    for (int i = 0; i < kPivots; ++i) total.mass[i] += chunk.mass[i], total.count[i] += chunk.count[i];
+    for (int i = 0; i < kPivots; ++i) total.mass[i] += chunk.mass[i];
   return total;
 }
 
@@ -301,9 +313,10 @@ inline int64_t compact_at_least(const float* x, int64_t n, float t, float* dst) 
   int64_t kept = 0;
   for_full_vectors(
       0, n,
-      [&](int64_t j) {
+      [&](int, int64_t j) {
         const VecF v = VecF::load(x + j);
-        kept += compress_store(dst + kept, v >= threshold, v);
+        const MaskF passing = v >= threshold;
+        if (to_bits(passing)) kept += compress_store(dst + kept, passing, v);  // usually none pass
       },
       [&](int64_t i) {
         if (x[i] >= t) dst[kept++] = x[i];
@@ -364,16 +377,18 @@ inline void sample_pivots(const float* x, int64_t n, double target, uint32_t lo_
 }
 
 // The top-p threshold: the largest value v of the row with mass(x >= v) >= target, given that lo
-// reaches the target (count_lo entries are >= lo, or -1 if unknown) and hi >= every entry.
-inline float top_p_threshold(const float* x, int64_t n, float lo, float hi, int64_t count_lo, double target,
+// reaches the target and hi >= every entry. Each pass counts kPivots pivots between them; after a
+// pass that raised lo the candidates shrink to the entries >= lo, and once few remain they are
+// sorted. `compact_first`: the caller knows few entries reach lo (after a top-k).
+inline float top_p_threshold(const float* x, int64_t n, float lo, float hi, bool compact_first, double target,
                              int64_t threads, Scratch& s) {
   uint32_t lo_key = float_key(lo), hi_key = float_key(hi);
   const float* candidates = x;  // every entry >= key_float(lo_key) lies in candidates[0, m)
   int64_t m = n;
-  for (bool first_pass = count_lo < 0; lo_key < hi_key; first_pass = false) {
-    const bool shrank = count_lo >= 0 && count_lo < m && (count_lo * 2 <= m || count_lo <= kExactMax);
-    if (shrank) {  // work on the survivors only
-      if (candidates == x) s.candidates.resize(size_t(count_lo + VecF::kWidth));
+  bool lo_rose = compact_first;
+  for (bool first_pass = !compact_first; lo_key < hi_key; first_pass = false) {
+    if (lo_rose) {  // keep the survivors only
+      if (candidates == x) s.candidates.resize(size_t(n + VecF::kWidth));
       m = compact_at_least(candidates, m, key_float(lo_key), s.candidates.data());
       candidates = s.candidates.data();
     }
@@ -388,9 +403,11 @@ inline float top_p_threshold(const float* x, int64_t n, float lo, float hi, int6
     for (int i = 0; i < kPivots; ++i) pivot[i] = key_float(pivot_key[i]);
     const PivotMasses at = pivot_masses(candidates, m, pivot, threads, s.pivot_chunks);
     uint32_t new_hi = hi_key;
+    lo_rose = false;
     for (int i = kPivots - 1; i >= 0; --i) {
       if (at.mass[i] >= target) {
-        lo_key = pivot_key[i], count_lo = at.count[i];
+        lo_rose = pivot_key[i] > lo_key;
+        lo_key = pivot_key[i];
         break;
       }
       new_hi = pivot_key[i] - 1;
@@ -409,12 +426,12 @@ inline void softmax_row(const T* logits, float* probs, int64_t n, float inv_temp
                         Scratch& s) {
   s.chunk_max.assign(num_chunks(n), -kInf);
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
-    VecF top = VecF::broadcast(-kInf);
+    Chains top = Chains::of(-kInf);
     float tail = -kInf;
     for_full_vectors(
-        begin, end, [&](int64_t j) { top = max(top, VecF::load(logits + j)); },
+        begin, end, [&](int chain, int64_t j) { top.v[chain] = max(top.v[chain], VecF::load(logits + j)); },
         [&](int64_t i) { tail = std::max(tail, to_float(logits[i])); });
-    s.chunk_max[c] = std::max(reduce_max(top), tail);
+    s.chunk_max[c] = std::max(reduce_max(top.max()), tail);
   });
   const float shift = *std::max_element(s.chunk_max.begin(), s.chunk_max.end()) * inv_temperature;
   const VecF scale = VecF::broadcast(inv_temperature), neg_shift = VecF::broadcast(-shift);
@@ -608,12 +625,12 @@ inline float keep_threshold(const float* x, int64_t n, RowStats stats, const Fil
     // hold less than (1 - p) of it. After a top-k, it starts at the k-th value.
     double total = stats.sum;
     float lo = float(0.5 * (1.0 - double(f.top_p)) * stats.sum / double(n));
-    int64_t count_lo = -1;
-    if (top_k_first && top_k_t > -kInf) {
-      const Mass top_k_mass = mass_at_least(x, n, top_k_t, threads, s.chunk_mass, s.chunk_count);
-      total = top_k_mass.total, lo = top_k_t, count_lo = top_k_mass.count;
+    const bool after_top_k = top_k_first && top_k_t > -kInf;
+    if (after_top_k) {
+      total = mass_at_least(x, n, top_k_t, threads, s.chunk_mass, s.chunk_count).total;
+      lo = top_k_t;
     }
-    t = std::max(t, top_p_threshold(x, n, lo, stats.max, count_lo, double(f.top_p) * total, threads, s));
+    t = std::max(t, top_p_threshold(x, n, lo, stats.max, after_top_k, double(f.top_p) * total, threads, s));
   }
   return t;
 }
@@ -637,11 +654,11 @@ inline void run_row(const Params& p, int64_t r, int64_t threads, Scratch& s) {
   } else {
     x = as_fp32(src, n, threads, s);
   }
+  const RowStats stats = row_stats(x, n, threads, s);
   if (p.action == kMaskLogits) {
     const float t = f.top_k < n ? top_k_threshold(x, n, f.top_k, threads, s) : -kInf;
     return write_masked(x, out_row<T>(p, r), n, t, threads);
   }
-  const RowStats stats = row_stats(x, n, threads, s.chunk_sum, s.chunk_max);
   const bool valid = std::isfinite(stats.sum) && stats.sum > 0.0;
   float t = -kInf;
   Mass kept{0.0, 0};
