@@ -20,3 +20,4 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_sampling.py

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
-from op_helpers import DTYPE_IDS, DTYPES, make_rows, randn, seeded
+from op_helpers import DTYPE_IDS, DTYPES, PAD, make_rows, randn, seeded
 
 # sampler -> (name of its input, its filter parameters in call order)
 SAMPLERS = {
@@ -951,6 +951,14 @@ def _other_errors():
         pytest.param(lambda: kernforge.top_k_mask_logits(logits, 0), ValueError, "top_k", id="top_k_mask-k0"),
         pytest.param(lambda: kernforge.top_k_mask_logits(logits, torch.tensor([3, 3, -1, 3])), ValueError,
                      "top_k", id="top_k_mask-tensor-neg"),
+        pytest.param(lambda: kernforge.softmax(logits.bfloat16(), out=logits.bfloat16()), TypeError, "out",
+                     id="softmax-out-bf16"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, 0.9, out=probs[:2]), ValueError, "out",
+                     id="top_p_renorm-out-shape"),
+        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, 3, out=torch.empty(V_E, N_E).t()), ValueError,
+                     "out", id="top_k_renorm-out-strided"),
+        pytest.param(lambda: kernforge.top_k_mask_logits(logits, 3, out=logits.tolist()), TypeError, "out",
+                     id="top_k_mask-out-list"),
     ]
 
 
@@ -958,3 +966,28 @@ def _other_errors():
 def test_renorm_mask_softmax_errors(call, exc, arg):
     with pytest.raises(exc, match=_names(arg)):
         call()
+
+
+# --------------------------------------------------------------------------- out=
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", ["top_k_renorm_probs", "top_p_renorm_probs", "top_k_mask_logits", "softmax"])
+def test_out_preallocated_and_in_place(op, dtype, tier):
+    """``out=`` (beyond FlashInfer's signatures) gives the allocating call's result, also when it is
+    the input itself; only rows of ``out`` are written (a padded row stride keeps its padding)."""
+    g = seeded("out", op, dtype)
+    B, V = 5, 4099
+    x = (softmax_probs(B, V, g) if "renorm" in op else torch.randn(B, V, generator=g) * 3).to(dtype)
+    param = () if op == "softmax" else (0.8,) if op == "top_p_renorm_probs" else (37,)
+    call = getattr(kernforge, op)
+    expected = call(x, *param)
+    backing = torch.full((B, V + PAD), 7.0, dtype=expected.dtype)
+    out = backing[:, :V]
+    assert call(x, *param, out=out) is out
+    assert torch.equal(out, expected), f"{op} {dtype} tier={tier}: out= differs from the allocating call"
+    assert torch.all(backing[:, V:] == 7.0), f"{op} {dtype} tier={tier}: wrote into the row padding"
+    if expected.dtype == dtype:  # in place
+        x_in_place = x.clone()
+        call(x_in_place, *param, out=x_in_place)
+        assert torch.equal(x_in_place, expected), f"{op} {dtype} tier={tier}: in place differs"

@@ -165,6 +165,23 @@ class _Call:
         raise ValueError(f"{name} {rule}, got {value}")
 
 
+def _checked_out(out, shape, dtype) -> torch.Tensor:
+    """The caller's ``out`` after its checks, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if not out.is_cpu:
+        raise ValueError(f"out is on device {out.device}; kernforge kernels run on the CPU")
+    if out.shape != shape:
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.stride(-1) != 1 and shape[-1] > 1:
+        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    return out
+
+
 def _checked_indices(indices, rows: int) -> int:
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor or None, got {type(indices).__name__}")
@@ -203,14 +220,14 @@ def _sample(x, name, *, from_logits, indices, generator, check_nan, seed, offset
     return (samples, valid) if return_valid else samples
 
 
-def _rows_out(x, name, dtypes, action, out_dtype=None, **per_row):
-    """Renorm / mask / softmax: one output row per input row."""
+def _rows_out(x, name, dtypes, action, out, out_dtype=None, **per_row):
+    """Renorm / mask / softmax: one output row per input row, into ``out`` (which may be ``x``)."""
     variant = _input(x, name, dtypes)
     call = _Call(x, name, None)
     for param, value in per_row.items():
         call.per_row(param, value, integral=param == "top_k")
-    out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
-    call.args.update(out=out.data_ptr(), out_stride=out.stride(0) if out.dim() == 2 else 0)
+    out = _checked_out(out, x.shape, out_dtype or x.dtype)
+    call.args.update(out=out.data_ptr(), out_stride=out.stride(0))
     call.run(variant, action, from_logits=action == _SOFTMAX)
     return out
 
@@ -218,10 +235,13 @@ def _rows_out(x, name, dtypes, action, out_dtype=None, **per_row):
 # --------------------------------------------------------------------------- public ops
 
 
-def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = None, enable_pdl: bool | None = None):
+def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = None, enable_pdl: bool | None = None,
+            out: torch.Tensor | None = None):
     """``torch.softmax(logits / temperature, -1)`` in fp32; temperature a float or a [batch] tensor.
-    ``enable_pdl`` is a GPU launch option, accepted for FlashInfer compatibility."""
-    return _rows_out(logits, "logits", _ALL_DTYPES, _SOFTMAX, torch.float32, temperature=temperature)
+    ``enable_pdl`` is a GPU launch option, accepted for FlashInfer compatibility. ``out`` (fp32, an
+    addition to FlashInfer's signature, like the renorm ops'): a preallocated result, or fp32
+    ``logits`` themselves."""
+    return _rows_out(logits, "logits", _ALL_DTYPES, _SOFTMAX, out, torch.float32, temperature=temperature)
 
 
 def sampling_from_probs(probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
@@ -277,19 +297,24 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_
                    filter_apply_order=filter_apply_order)
 
 
-def top_p_renorm_probs(probs, top_p):
+# The row-output ops take ``out=`` beyond FlashInfer's signatures: a preallocated result (or the
+# input itself, in place) avoids a fresh allocation per call, which for outputs of 32 MiB or more
+# page-faults on every call under glibc malloc and can cost more than the kernel.
+
+
+def top_p_renorm_probs(probs, top_p, out=None):
     """Zero the entries outside the top-p set and renormalize; same dtype as ``probs``."""
-    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, top_p=top_p)
+    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, out, top_p=top_p)
 
 
-def top_k_renorm_probs(probs, top_k):
+def top_k_renorm_probs(probs, top_k, out=None):
     """Zero the entries below the k-th largest and renormalize; same dtype as ``probs``."""
-    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, top_k=top_k)
+    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, out, top_k=top_k)
 
 
-def top_k_mask_logits(logits, top_k):
+def top_k_mask_logits(logits, top_k, out=None):
     """Set the logits below the k-th largest to -inf; same dtype as ``logits``."""
-    return _rows_out(logits, "logits", _ALL_DTYPES, _MASK_LOGITS, top_k=top_k)
+    return _rows_out(logits, "logits", _ALL_DTYPES, _MASK_LOGITS, out, top_k=top_k)
 
 
 # FlashInfer's older singular names, which SGLang still calls.
