@@ -959,6 +959,8 @@ def _other_errors():
                      "out", id="top_k_renorm-out-strided"),
         pytest.param(lambda: kernforge.top_k_mask_logits(logits, 3, out=logits.tolist()), TypeError, "out",
                      id="top_k_mask-out-list"),
+        pytest.param(lambda: kernforge.top_k_mask_logits(logits, 3, out=torch.empty(V_E).expand(N_E, V_E)),
+                     ValueError, "out", id="top_k_mask-out-overlapping-rows"),
     ]
 
 

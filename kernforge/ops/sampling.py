@@ -179,6 +179,8 @@ def _checked_out(out, shape, dtype) -> torch.Tensor:
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.stride(-1) != 1 and shape[-1] > 1:
         raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    if shape[0] > 1 and out.stride(0) < shape[1]:
+        raise ValueError(f"out's rows overlap (strides {out.stride()} for shape {tuple(shape)}); rows are written in parallel")
     return out
 
 
