@@ -1,4 +1,4 @@
-"""kernforge demo: pre-warm, run every op, check it against torch, time both.
+"""kernforge demo: pre-warm, run the ops, check them against torch, time both.
 
 Run with `make demo`. Timings are medians over repeated calls at 2 threads (or
 torch's thread count); both sides allocate their output per call. See
@@ -38,10 +38,13 @@ def main():
     print(f"kernforge {kernforge.__version__}: tier {info['selected_tier']} "
           f"(runnable: {', '.join(info['runnable_tiers'])}), {torch.get_num_threads()} threads")
 
-    print("\n== pre-warm (all ops, bf16 and fp32) ==")
-    results = kernforge.prewarm({"kernels": [{"op": op, "dtype": ["bf16", "fp32"]} for op in (
-        "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
-        "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")]})
+    print("\n== pre-warm (the ops below: bf16 and fp32; the sampler: fp32 probs) ==")
+    model_ops = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
+                 "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
+    results = kernforge.prewarm({"kernels": [
+        *({"op": op, "dtype": ["bf16", "fp32"]} for op in model_ops),
+        {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},
+    ]})
     compiled = [r for r in results if r.compiled]
     print(f"{len(compiled)} compiled, {len(results) - len(compiled)} already cached")
     for r in compiled:
@@ -86,6 +89,45 @@ def main():
         torch_scale = scale(w).to(dt)
         t_theirs = median_us(lambda: torch_fused_add(xb, rb, torch_scale))
         print(f"{name:26} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} {t_theirs / t_ours:7.2f}x")
+
+    sampling_demo()
+
+
+def sampling_demo(batch=16, vocab=128256, top_k=50, top_p=0.9):
+    """Top-k + top-p sampling on LLM-like rows, against the sort-based torch path engines use."""
+    probs = torch.softmax(torch.randn(batch, vocab) * 5, -1)
+    kept = _top_k_top_p_kept(probs, top_k, top_p)
+    generator = torch.Generator().manual_seed(0)
+    samples = kernforge.top_k_top_p_sampling_from_probs(probs, top_k, top_p, generator=generator)
+    correct = bool(kept[torch.arange(batch), samples.long()].all())
+    t_ours = median_us(lambda: kernforge.top_k_top_p_sampling_from_probs(probs, top_k, top_p, generator=generator))
+    t_theirs = median_us(lambda: _torch_top_k_top_p_sample(probs, top_k, top_p), reps=5)
+    print(f"\n== sampling, fp32 probs [{batch}, {vocab}], top_k={top_k}, top_p={top_p} ==")
+    print("correct: every sample lies in the set a sort-based torch reference keeps")
+    print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
+    print(f"{'top_k_top_p_sampling_from_probs':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+          f"{t_theirs / t_ours:7.1f}x")
+
+
+def _top_k_top_p_kept(probs, top_k, top_p):
+    """The entries top-k then top-p keep (ties at the cuts are kept, as kernforge does)."""
+    kth = probs.topk(top_k, -1).values[:, -1:]
+    top = torch.where(probs >= kth, probs, 0.0)
+    top = top / top.sum(-1, keepdim=True)
+    sorted_probs = top.sort(-1, descending=True).values
+    mass_above = sorted_probs.cumsum(-1) - sorted_probs
+    cut = torch.where(mass_above < top_p, sorted_probs, 2.0).amin(-1, keepdim=True)
+    return (top >= cut) & (top > 0)
+
+
+def _torch_top_k_top_p_sample(probs, top_k, top_p):
+    """What engines run on CPU today: sort, mask, renormalize, multinomial."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    sorted_probs[:, top_k:] = 0
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) > top_p] = 0
+    picked = torch.multinomial(sorted_probs, 1)
+    return order.gather(1, picked).squeeze(1)
 
 
 def _matches(result, reference) -> bool:
