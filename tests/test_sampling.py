@@ -998,3 +998,19 @@ def test_out_preallocated_and_in_place(op, dtype, tier):
         x_in_place = x.clone()
         call(x_in_place, *param, out=x_in_place)
         assert torch.equal(x_in_place, expected), f"{op} {dtype} tier={tier}: in place differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_top_k_mask_logits_with_nan(dtype, tier):
+    """NaN logits (some in the last lanes of a vector, which a vector max can pass on) never reach
+    the top-k selection: they come out -inf and the rest is masked as without them."""
+    g = seeded("mask-nan", dtype)
+    B, V, k = 3, 4099, 20
+    logits = torch.randn(B, V, generator=g).to(dtype)
+    nan_at = torch.tensor([0, 15, 31, 1000, 4095, 4098])
+    logits[:, nan_at] = float("nan")
+    out = kernforge.top_k_mask_logits(logits, k)
+    finite = logits.float().nan_to_num(nan=-float("inf"))
+    kth = finite.topk(k, -1).values[:, -1:]
+    expected = torch.where(finite >= kth, finite, -float("inf"))
+    assert torch.equal(out.float(), expected), f"dtype={dtype} tier={tier}"

@@ -6,10 +6,12 @@
 //   top-p  t = the largest value v whose mass(x >= v) reaches p * mass, i.e. x is kept iff the mass
 //          of strictly larger entries is < p * mass;
 //   min-p  t = min_p * max(x).
-// Filters combine by taking the largest threshold. The k-th value comes from one streaming pass with
-// a small candidate buffer; the top-p threshold from a bisection over the floats' bit patterns that
-// counts several pivots per pass and compacts the candidates as they shrink. The first pass reads
-// the row from memory; later passes find it in L2, so the cost stays near one read of the row.
+// Filters combine by taking the largest threshold. The k-th value comes from a compare pass that
+// buffers the few entries above a floor (the k-th largest block maximum); the top-p threshold from a
+// bisection over the floats' bit patterns that sums the mass above several pivots per pass and
+// shrinks to the surviving candidates. The first pass reads the row from memory; later passes find
+// it in L2 (a 128K-entry fp32 row is 512 KiB), so a call costs about one read of its rows plus a few
+// passes over L2.
 //
 // Determinism: rows are cut into fixed chunks; every sum is a per-chunk vector sum, combined in chunk
 // order in double. Thresholds are exact, so they depend on the data only. Results are therefore
@@ -104,16 +106,15 @@ struct PivotMasses {
   double mass[kPivots];
 };
 
+// Per-thread working memory, kept between calls (thread_local), so rows allocate nothing.
 struct Scratch {
   std::vector<float> row, candidates, sorted, block_max;
   std::vector<double> chunk_mass, chunk_sum;
-  std::vector<int64_t> chunk_count;
   std::vector<float> chunk_max;
   std::vector<PivotMasses> pivot_chunks;
 };
 
 constexpr int64_t kBlock = 256;  // elements per block maximum (top-k's starting floor); divides kChunk
-
 
 struct RowStats {
   float max;
@@ -159,42 +160,30 @@ inline RowStats row_stats(const float* x, int64_t n, int64_t threads, Scratch& s
   return stats;
 }
 
-struct Mass {
-  double total;
-  int64_t count;
-};
-
-// Mass and count of the entries >= t; the per-chunk masses are left in chunk_mass for sampling.
-inline Mass mass_at_least(const float* x, int64_t n, float t, int64_t threads, std::vector<double>& chunk_mass,
-                          std::vector<int64_t>& chunk_count) {
+// Mass of the entries >= t; the per-chunk masses are left in chunk_mass for sample_index.
+inline double mass_at_least(const float* x, int64_t n, float t, int64_t threads, std::vector<double>& chunk_mass) {
   chunk_mass.assign(num_chunks(n), 0.0);
-  chunk_count.assign(num_chunks(n), 0);
-  const VecF threshold = VecF::broadcast(t), one = VecF::broadcast(1.0f);
+  const VecF threshold = VecF::broadcast(t);
   for_chunks(n, threads, [&](int64_t c, int64_t begin, int64_t end) {
-    Chains mass = Chains::of(0.0f), count = Chains::of(0.0f);  // lane counts stay below 2^24: exact
-    double tail_mass = 0.0;
-    int64_t tail_count = 0;
+    Chains mass = Chains::of(0.0f);
+    double tail = 0.0;
     for_full_vectors(
         begin, end,
         [&](int chain, int64_t j) {
           const VecF v = VecF::load(x + j);
-          const MaskF kept = v >= threshold;
-          mass.v[chain] = add_if(kept, mass.v[chain], v);
-          count.v[chain] = add_if(kept, count.v[chain], one);
+          mass.v[chain] = add_if(v >= threshold, mass.v[chain], v);
         },
         [&](int64_t i) {
-          if (x[i] >= t) tail_mass += x[i], ++tail_count;
+          if (x[i] >= t) tail += x[i];
         });
-    chunk_mass[c] = double(reduce_add(mass.sum())) + tail_mass;
-    chunk_count[c] = int64_t(reduce_add(count.sum())) + tail_count;
+    chunk_mass[c] = double(reduce_add(mass.sum())) + tail;
   });
-  Mass m{0.0, 0};
-  for (size_t c = 0; c < chunk_mass.size(); ++c) m.total += chunk_mass[c], m.count += chunk_count[c];
-  return m;
+  double total = 0.0;
+  for (double chunk : chunk_mass) total += chunk;
+  return total;
 }
 
 // ------------------------------------------------------------------------------------ top-k
-
 
 // A floor under the k-th largest value: the k-th largest of the row's block maxima (left in
 // s.block_max by row_stats). The k blocks whose maxima reach it hold k distinct entries >= it. On
@@ -202,6 +191,7 @@ inline Mass mass_at_least(const float* x, int64_t n, float t, int64_t threads, s
 // than k entries reach the floor.
 inline float top_k_floor(int64_t k, Scratch& s) {
   if (int64_t(s.block_max.size()) < k) return -kInf;
+  for (float& m : s.block_max) m = std::isnan(m) ? -kInf : m;  // NaN would break nth_element's ordering
   std::nth_element(s.block_max.begin(), s.block_max.begin() + (k - 1), s.block_max.end(), std::greater<float>());
   return s.block_max[size_t(k - 1)];
 }
@@ -627,7 +617,7 @@ inline float keep_threshold(const float* x, int64_t n, RowStats stats, const Fil
     float lo = float(0.5 * (1.0 - double(f.top_p)) * stats.sum / double(n));
     const bool after_top_k = top_k_first && top_k_t > -kInf;
     if (after_top_k) {
-      total = mass_at_least(x, n, top_k_t, threads, s.chunk_mass, s.chunk_count).total;
+      total = mass_at_least(x, n, top_k_t, threads, s.chunk_mass);
       lo = top_k_t;
     }
     t = std::max(t, top_p_threshold(x, n, lo, stats.max, after_top_k, double(f.top_p) * total, threads, s));
@@ -661,24 +651,24 @@ inline void run_row(const Params& p, int64_t r, int64_t threads, Scratch& s) {
   }
   const bool valid = std::isfinite(stats.sum) && stats.sum > 0.0;
   float t = -kInf;
-  Mass kept{0.0, 0};
+  double kept = 0.0;  // the mass of the entries the filters keep
   if (valid) {
     t = keep_threshold(x, n, stats, f, p.top_k_first, threads, s);
-    kept = mass_at_least(x, n, t, threads, s.chunk_mass, s.chunk_count);
+    kept = mass_at_least(x, n, t, threads, s.chunk_mass);
   }
   if (p.action == kRenorm) {
     if (!valid) return fill_row(out_row<T>(p, r), n, std::isnan(stats.sum) || std::isinf(stats.sum) ? NAN : 0.0f);
-    return write_renormed(x, out_row<T>(p, r), n, t, kept.total, threads);
+    return write_renormed(x, out_row<T>(p, r), n, t, kept, threads);
   }
   int64_t token = 0;
-  if (valid && kept.total > 0.0) {
+  if (valid && kept > 0.0) {
     const int64_t seed = p.seed_arr ? p.seed_arr[p.seed_len == 1 ? 0 : r] : p.seed;
     const int64_t offset = p.offset_arr ? p.offset_arr[p.offset_len == 1 ? 0 : r] : p.offset;
-    token = sample_index(x, n, t, s.chunk_mass, kept.total, uniform(uint64_t(seed), uint64_t(offset), uint64_t(r)));
+    token = sample_index(x, n, t, s.chunk_mass, kept, uniform(uint64_t(seed), uint64_t(offset), uint64_t(r)));
   }
   if (p.samples_64) static_cast<int64_t*>(p.samples)[r] = token;
   else static_cast<int32_t*>(p.samples)[r] = int32_t(token);
-  if (p.valid) p.valid[r] = valid && kept.total > 0.0;
+  if (p.valid) p.valid[r] = valid && kept > 0.0;
 }
 
 // Rows run in parallel, one thread each, while there are enough of them; a smaller batch runs its
