@@ -93,7 +93,7 @@ class _Call:
             self.args["row_index_64"] = int(indices.dtype == torch.int64)
             self.values["indices"] = indices
 
-    def per_row(self, name: str, value, integral: bool, no_op=None) -> None:
+    def per_row(self, name: str, value, integral: bool) -> None:
         """A per-request parameter: a Python number or a [batch] tensor."""
         if value is None:
             return

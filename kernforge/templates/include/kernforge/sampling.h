@@ -100,7 +100,7 @@ inline double uniform(uint64_t seed, uint64_t offset, uint64_t row) {
 
 // ------------------------------------------------------------------------------------ row passes
 
-constexpr int kPivots = 7;         // pivots counted per pass: the key range shrinks 8x per pass
+constexpr int kPivots = 7;  // pivots per top-p pass: the key range shrinks 8x per pass
 
 struct PivotMasses {
   double mass[kPivots];
@@ -408,7 +408,6 @@ inline float top_p_threshold(const float* x, int64_t n, float lo, float hi, bool
 }
 
 // ------------------------------------------------------------------------------------ per-row ops
-
 
 // probs = softmax(logits * inv_temperature): a max pass, an exp-and-sum pass, a scaling pass.
 template <class T>
