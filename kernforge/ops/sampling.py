@@ -33,7 +33,7 @@ from numbers import Integral, Real
 
 import torch
 
-from kernforge.ops._common import num_threads, variant_for_input, variants_by_dtype
+from kernforge.ops._common import num_threads, readable_rows, variant_for_input, variants_by_dtype, writable_rows
 
 TEMPLATE = "sampling.cpp.jinja"
 _ALL_DTYPES = variants_by_dtype(TEMPLATE)  # {torch.dtype: Variant}, keyed by the input's dtype
@@ -70,8 +70,7 @@ class _Call:
     def __init__(self, x: torch.Tensor, name: str, indices):
         if x.dim() != 2:
             raise ValueError(f"{name} must be 2-D [batch, vocab], got shape {tuple(x.shape)}")
-        if x.stride(-1) != 1 and x.shape[-1] > 1:
-            x = x.contiguous()
+        x, _ = readable_rows(x, x.shape, x.stride())
         self.rows, self.vocab = x.shape
         if self.vocab < 1:
             raise ValueError(f"{name} must have a vocabulary of at least 1 entry, got shape {tuple(x.shape)}")
@@ -177,8 +176,7 @@ def _checked_out(out, shape, dtype) -> torch.Tensor:
         raise ValueError(f"out is on device {out.device}; kernforge kernels run on the CPU")
     if out.shape != shape:
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.stride(-1) != 1 and shape[-1] > 1:
-        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    writable_rows(shape, out.stride(), "out")
     if shape[0] > 1 and out.stride(0) < shape[1]:
         raise ValueError(f"out's rows overlap (strides {out.stride()} for shape {tuple(shape)}); rows are written in parallel")
     return out
