@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kernforge-installed
 
-.PHONY: demo test bench
+.PHONY: demo test test-fast bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Local iteration: no multi-process or long tests (-m "not slow"), kernels kept between runs in a
+# private cache (--reuse-cache). CI runs `make test`, which runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow" --reuse-cache
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py

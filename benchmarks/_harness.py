@@ -208,13 +208,19 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
     import torch
 
     import kernforge
-    from kernforge.jit import core, isa
+    from kernforge.jit import Entry, Module, core, isa
 
     try:
         if "avx512" not in isa.runnable_tiers():
             return None
         kernforge.register_template_dir(BENCH_DIR / "templates")
-        _, fn = core.build(core.KernelSpec.make("bench_stream.cpp.jinja", {}, "avx512"))
+        stream = Module(
+            "bench_stream", "bench_stream.cpp.jinja", params={},
+            entries=[Entry("run", "int64_t dst, int64_t src, int64_t n, int64_t mode, int64_t reps, "
+                                  "int64_t num_threads", returns="double")],
+            tiers={"avx512": "avx512"}, register=False,
+        )
+        fn = core.load_kernel(stream, {}, "avx512").run
     except Exception as exc:  # a sanity figure: never fail a benchmark over it
         print(f"(in-run stream probe unavailable: {exc})", file=sys.stderr)
         return None

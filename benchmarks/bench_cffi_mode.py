@@ -1,8 +1,8 @@
 """Per-call overhead of cffi's ABI mode vs API mode (kernforge's default: api).
 
 A trivial kernel with the norm's 15-argument signature (13 int64, a double,
-an int64) is rendered from a template in a temporary directory
-(``kernforge.register_template_dir``) and built twice through kernforge's own
+an int64), declared as a module here, is rendered from a template in a temporary
+directory (``kernforge.register_template_dir``) and built twice through kernforge's own
 pipeline, with KERNFORGE_CFFI_MODE=abi and =api (the mode is part of the
 cache key, so these are two artifacts). Both are loaded in this process and
 called a million times each, in interleaved chunks; the figure is the median
@@ -25,13 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
+NOOP_ARGS = ("int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, int64_t in_s1, "
+             "int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, int64_t n0, int64_t n1, "
+             "int64_t hidden, double eps, int64_t num_threads")
 NOOP_TEMPLATE = """\
-{% set cdecl = "void kf_bench_noop15(int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, \
-int64_t in_s1, int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, int64_t n0, int64_t n1, \
-int64_t hidden, double eps, int64_t num_threads)" %}
 // benchmark-only: the norm's signature, an empty body
 #include <cstdint>
-extern "C" __attribute__((visibility("default"))) {{ cdecl }} {
+extern "C" __attribute__((visibility("default"))) {{ decl.run }} {
   (void)out; (void)out_s0; (void)out_s1; (void)input; (void)in_s0; (void)in_s1; (void)residual;
   (void)res_s0; (void)res_s1; (void)weight; (void)n0; (void)n1; (void)hidden; (void)eps; (void)num_threads;
 }
@@ -45,13 +45,13 @@ def build_in_mode(spec, mode):
     saved = os.environ.get("KERNFORGE_CFFI_MODE")
     os.environ["KERNFORGE_CFFI_MODE"] = mode
     try:
-        result, fn = core.build(spec)
+        result, kernel = core.build(spec)
     finally:
         if saved is None:
             os.environ.pop("KERNFORGE_CFFI_MODE", None)
         else:
             os.environ["KERNFORGE_CFFI_MODE"] = saved
-    return result, fn
+    return result, kernel.run
 
 
 def time_calls(fns: dict, args: tuple, total_calls: int, chunks: int) -> dict:
@@ -85,8 +85,7 @@ def main() -> int:
     import torch
 
     import kernforge
-    from kernforge.jit import core
-    from kernforge.ops import norm
+    from kernforge.jit import Entry, Module, core
 
     H.setup_threads(args.threads)
     bg = H.wait_for_quiet(args.wait_quiet)
@@ -99,7 +98,8 @@ def main() -> int:
     tdir = Path(tempfile.mkdtemp(prefix="kf-bench-tpl-"))
     (tdir / TEMPLATE_NAME).write_text(NOOP_TEMPLATE)
     kernforge.register_template_dir(tdir)
-    spec = core.KernelSpec.make(TEMPLATE_NAME, {}, "generic")
+    noop = Module("bench_noop15", TEMPLATE_NAME, params={}, entries=[Entry("run", NOOP_ARGS)], register=False)
+    spec = core.KernelSpec.make(noop, {}, "generic")
     built = {mode: build_in_mode(spec, mode) for mode in ("abi", "api")}
     for mode, (res, _) in built.items():
         print(f"- built {res.key} ({mode}): {'compiled in %.2f s' % res.seconds if res.compiled else 'cached'}")
@@ -120,7 +120,7 @@ def main() -> int:
           f"(other processes' CPU share meanwhile: {100 * meter.other:.0f}%)")
 
     # the real kernel: rmsnorm bf16 [1, 4096], same pointers, both modes
-    nspec = norm.OPS["rmsnorm"][torch.bfloat16].spec()
+    nspec = kernforge.ops.OPS["rmsnorm"].variant(torch.bfloat16).spec()
     nbuilt = {mode: build_in_mode(nspec, mode) for mode in ("abi", "api")}
     x = torch.randn(1, 4096).to(torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)

@@ -82,11 +82,11 @@ print(json.dumps(res))
 def compile_times(variants, cache_dir):
     os.environ["KERNFORGE_CACHE_DIR"] = cache_dir
     from kernforge.jit import core
-    from kernforge.ops import variant_for
+    from kernforge.ops import OPS
 
     rows, secs = [], []
     for op, dt in variants:
-        spec = variant_for(op, dt).spec()
+        spec = OPS[op].module.variant(dtype=dt, **OPS[op].fixed).spec()
         t0 = time.perf_counter()
         result, _ = core.build(spec)
         wall = time.perf_counter() - t0
@@ -125,16 +125,15 @@ def dispatch(quick):
 
     import kernforge
     import torch.nn.functional as F
-    from kernforge.ops import norm
 
     H.setup_threads(2)
     x = torch.randn(1, 4096).to(torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
     o = torch.empty_like(x)
     kernforge.rmsnorm(x, w, out=o)
-    k = norm.OPS["rmsnorm"][torch.bfloat16].kernel()
+    k = kernforge.ops.OPS["rmsnorm"].variant(torch.bfloat16).kernel().run
     xp, wp, op_ = x.data_ptr(), w.data_ptr(), o.data_ptr()
-    nt = kernforge.ops._common.num_threads()
+    nt = kernforge.ops.num_threads()
 
     def raw(nthreads):
         return lambda: k(op_, 4096, 0, xp, 4096, 0, 0, 0, 0, wp, 1, 1, 4096, 1e-6, nthreads)

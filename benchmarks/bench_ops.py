@@ -416,7 +416,7 @@ def main() -> int:
                   f"{args.budget:.2f} s per implementation and case and pass; {args.repeat} passes over all "
                   "cases, cells are the median over passes",
     })
-    kernforge.prewarm([kernforge.ops.variant_for(op, d).spec() for op in ops for d in dtypes], progress=False)
+    kernforge.prewarm({"kernels": [{"op": op, "dtype": list(dtypes)} for op in ops]}, progress=False)
 
     records, compile_stats, now_all = {}, [], [now_bw]
     t_start = time.perf_counter()

@@ -1,9 +1,10 @@
-"""Add a kernel variant by writing a template, then call it.
+"""Add a kernel variant by declaring a module and writing its template, then call it.
 
-The template (examples/templates/relu2_and_mul.cpp.jinja) sets `cdecl`,
-includes the shared prelude and writes its body against kf::VecF, so the same
-file builds for every ISA tier. kernforge renders, compiles, caches and loads
-it exactly like the built-in ops.
+The declaration below names the template (examples/templates/relu2_and_mul.cpp.jinja),
+its compile-time parameter (the dtype) and its entry point; the template writes
+`{{ decl.run }}` for the entry, includes the shared prelude and writes its body
+against kf::VecF, so the same file builds for every ISA tier. kernforge renders,
+compiles, caches and loads it exactly like the built-in ops.
 """
 
 from pathlib import Path
@@ -11,13 +12,16 @@ from pathlib import Path
 import torch
 
 import kernforge
-from kernforge.jit import Variant
-from kernforge.ops._common import dtype_name, num_threads
+from kernforge.jit import DType, Entry, Module
 
 kernforge.register_template_dir(Path(__file__).parent / "templates")
 
-# One Variant per dtype: after the first call, getting the kernel is one compare.
-RELU2_AND_MUL = {dt: Variant("relu2_and_mul.cpp.jinja", {"dtype": dt}) for dt in ("fp32", "bf16", "fp16")}
+# out [rows, d] = relu(x[:, :d])^2 * x[:, d:] for x [rows, 2d]; addresses travel as int64.
+RELU2_AND_MUL = Module(
+    "relu2_and_mul", "relu2_and_mul.cpp.jinja",
+    params={"dtype": DType()},
+    entries=[Entry("run", "int64_t out, int64_t input, int64_t rows, int64_t d, int64_t num_threads")],
+)
 
 
 def relu2_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -25,7 +29,9 @@ def relu2_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     rows = x.numel() // (2 * d)
-    RELU2_AND_MUL[dtype_name(x.dtype)].kernel()(out.data_ptr(), x.data_ptr(), rows, d, num_threads())
+    # variant() is memoized (a torch dtype is accepted); after the first call, kernel() is one compare.
+    kernel = RELU2_AND_MUL.variant(dtype=x.dtype).kernel()
+    kernel.run(out.data_ptr(), x.data_ptr(), rows, d, kernforge.ops.num_threads())
     return out
 
 

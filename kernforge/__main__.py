@@ -1,5 +1,5 @@
 import sys
 
-from kernforge.cache.cli import main
+from kernforge.cli import main
 
 sys.exit(main())

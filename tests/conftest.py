@@ -1,22 +1,35 @@
-"""Shared fixtures for the kernforge op tests.
+"""Shared fixtures and the suite's shape.
 
-* ``kernforge_cache_dir`` (session, autouse): every test session compiles into
-  a brand-new, private ``KERNFORGE_CACHE_DIR`` (pre-warmed in parallel), so a
-  stale cache can never make CI green.
-* ``tier``: parametrizes a test over every ISA tier this CPU can run and
-  forces that tier for the duration of the test.
+* The cache: every run compiles on demand into its own brand-new private
+  ``KERNFORGE_CACHE_DIR`` (so a stale cache can never make CI green), or, with
+  ``--reuse-cache`` (local runs), into a persistent private one
+  (``$KERNFORGE_TEST_CACHE``, else ``~/.cache/kernforge-test``): the content keys
+  already rule out staleness, so a second run compiles only what changed.
+  ``kernforge_cache_dir`` (session fixture) is that directory.
+* ``tier``: parametrizes a test over every ISA tier this CPU can run and forces
+  that tier for the duration of the test. The best tier runs the full matrix;
+  on the lower tiers each parametrized test keeps a deterministic representative
+  slice (see ``pytest_collection_modifyitems``); ``--all-tiers`` keeps everything,
+  ``@pytest.mark.all_tiers`` keeps one test everywhere. The vector layer itself is
+  checked on every tier by its own conformance test.
+* ``slow`` marks the multi-process tests and the long ones; ``make test`` (CI)
+  runs everything, ``make test-fast`` deselects them.
 * ``assert_close_ref``: compares a kernel result against a float32 PyTorch
   reference with per-dtype tolerances.
 """
 
+import hashlib
 import os
+import re
 import shutil
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
+import kernels  # noqa: F401  (registers the test modules: axpy, broken, philox_kat, ...)
 import kernforge
 import kernforge.jit.isa
 from kernforge.jit import core, render
@@ -30,39 +43,152 @@ TOLERANCES = {
 }
 
 _CACHE_ENV = "KERNFORGE_CACHE_DIR"
+_REUSED_CACHE_ENV = "KERNFORGE_TEST_CACHE"
+_saved_cache_env = os.environ.get(_CACHE_ENV)
+_run_cache: Path | None = None  # set in pytest_configure
+_run_cache_is_temporary = False
+_tiers: list[str] = []  # runnable tiers, best first (pytest_configure)
 
-# Every session compiles into a brand-new private cache (mkdtemp makes it 0700),
-# so a stale cache can never make CI green. It is set at import, before
-# collection, because discovering the tiers already runs the JIT-compiled CPU probe.
-_SESSION_CACHE = tempfile.mkdtemp(prefix="kernforge-test-cache-")
-_SAVED_CACHE_ENV = os.environ.get(_CACHE_ENV)
-os.environ[_CACHE_ENV] = _SESSION_CACHE
-_TIERS = list(kernforge.jit.isa.runnable_tiers())
+# Lower-tier slice: besides a cover of every parameter value, about one item in
+# _EXTRA_ONE_IN of each test (by a stable hash of its parameters) runs there too.
+_EXTRA_ONE_IN = 8
 
 
-@pytest.fixture(scope="session", autouse=True)
-def kernforge_cache_dir():
-    """The session's fresh cache, pre-warmed with every op variant on every
-    runnable tier (in parallel on all cores, instead of one by one in the tests)."""
-    specs = list({
-        variant.spec(tier): None
-        for tier in _TIERS for variants in kernforge.ops.OP_VARIANTS.values() for variant in variants.values()
-    })
-    kernforge.prewarm(specs, progress=False)
-    yield Path(_SESSION_CACHE)
-    if _SAVED_CACHE_ENV is None:
+def pytest_addoption(parser):
+    group = parser.getgroup("kernforge")
+    group.addoption("--reuse-cache", action="store_true",
+                    help=f"compile into a persistent private cache (${_REUSED_CACHE_ENV}, else "
+                         "~/.cache/kernforge-test) instead of a fresh one per run")
+    group.addoption("--all-tiers", action="store_true",
+                    help="run the full parametrized matrix on every runnable tier, not only the best one")
+
+
+def _reused_cache_dir() -> Path:
+    path = Path(os.environ.get(_REUSED_CACHE_ENV) or Path.home() / ".cache" / "kernforge-test").expanduser()
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o700)
+        os.chmod(path, 0o700)  # whatever the umask
+    # An existing directory is used as it is: kernforge refuses it (CacheSecurityError) if others can write it.
+    return path
+
+
+def pytest_configure(config):
+    global _run_cache, _run_cache_is_temporary
+    config.addinivalue_line(
+        "markers", "all_tiers: run every parametrization on every runnable tier (not only on the best one)")
+    if _run_cache is None:
+        if config.getoption("reuse_cache"):
+            _run_cache = _reused_cache_dir()
+        else:
+            # mkdtemp makes it 0700. Set before collection: finding the tiers runs the JIT-compiled CPU probe.
+            _run_cache, _run_cache_is_temporary = Path(tempfile.mkdtemp(prefix="kernforge-test-cache-")), True
+        os.environ[_CACHE_ENV] = str(_run_cache)
+    _tiers[:] = kernforge.jit.isa.runnable_tiers()
+
+
+def pytest_unconfigure(config):
+    global _run_cache
+    if _saved_cache_env is None:
         os.environ.pop(_CACHE_ENV, None)
     else:
-        os.environ[_CACHE_ENV] = _SAVED_CACHE_ENV
-    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+        os.environ[_CACHE_ENV] = _saved_cache_env
+    if _run_cache is not None and _run_cache_is_temporary:
+        shutil.rmtree(_run_cache, ignore_errors=True)
+    _run_cache = None
 
 
-@pytest.fixture(params=_TIERS, ids=[f"isa={t}" for t in _TIERS])
+@pytest.fixture(scope="session")
+def kernforge_cache_dir():
+    """This run's cache directory (kernels compile into it on first use)."""
+    return _run_cache
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+def pytest_generate_tests(metafunc):
+    if "tier" in metafunc.fixturenames:
+        metafunc.parametrize("tier", _tiers, ids=[f"isa={t}" for t in _tiers], indirect=True)
+
+
+@pytest.fixture
 def tier(request):
     """Run the test with ``kernforge.use_isa(tier)`` active, for every runnable tier."""
     with kernforge.use_isa(request.param):
         yield request.param
 
+
+def _stable_repr(value) -> str:
+    """A parameter value's repr without memory addresses (``<function f at 0x...>``)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def _stable_hash(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def _values(item) -> frozenset:
+    """(name, value) of each parameter of ``item`` but the tier."""
+    return frozenset((name, _stable_repr(value)) for name, value in item.callspec.params.items() if name != "tier")
+
+
+# The op tests' parameters that pick which kernel variant (module parameters) a test compiles.
+_VARIANT_PARAMS = ("op", "name", "dtype")
+
+
+def _variant(item) -> tuple:
+    return tuple(sorted((name, value) for name, value in _values(item) if name in _VARIANT_PARAMS))
+
+
+def _lower_tier_slice(groups: list[list]) -> set:
+    """The items that still run on one lower tier; ``groups`` holds each test function's items there.
+
+    Deterministic: per test, a greedy cover in which every value of every parameter (each op,
+    dtype, shape, layout ...) appears at least once, preferring kernel variants the tier already
+    uses (each variant compiled is ~1 s on a cold run); then about one item in ``_EXTRA_ONE_IN``
+    more, by a stable hash, among the variants already in use. The order depends on the tier, so
+    the lower tiers between them cover more combinations. A test whose only parameter is the tier
+    keeps its one item.
+    """
+    tier = groups[0][0].callspec.params["tier"]
+    keep, used = set(), set()
+    for items in groups:
+        ordered = sorted(items, key=lambda item: _stable_hash(tier, sorted(_values(item))))
+        missing = set().union(*map(_values, items))
+        kept = set()
+        while missing or not kept:  # max() returns the first best item in hash order
+            best = max(ordered, key=lambda item: (len(_values(item) & missing), _variant(item) in used))
+            kept.add(best)
+            used.add(_variant(best))
+            missing -= _values(best)
+        keep |= kept
+    for items in groups:
+        keep |= {item for item in items if _variant(item) in used
+                 and _stable_hash("extra", item.originalname, sorted(_values(item))) % _EXTRA_ONE_IN == 0}
+    return keep
+
+
+def pytest_collection_modifyitems(config, items):
+    """Full matrix on the best tier; a representative slice of each test on the lower tiers."""
+    if config.getoption("all_tiers") or len(_tiers) < 2:
+        return
+    best = _tiers[0]
+    groups = defaultdict(lambda: defaultdict(list))  # lower tier -> test function -> its items
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("tier", best) == best or item.get_closest_marker("all_tiers"):
+            continue
+        groups[callspec.params["tier"]][(item.path, item.cls, item.originalname)].append(item)
+    keep = set()
+    for by_test in groups.values():
+        keep |= _lower_tier_slice(list(by_test.values()))
+    dropped = {item for by_test in groups.values() for group in by_test.values() for item in group} - keep
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if item in dropped])
+        items[:] = [item for item in items if item not in dropped]
+
+
+# --------------------------------------------------------------------------- templates, caches, environments
 
 TEST_TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Settings a JIT/cache test must not inherit from the caller's environment.

@@ -2,9 +2,10 @@
 
 ``silu_and_mul``, ``gelu_and_mul`` (exact erf GELU) and ``gelu_tanh_and_mul``
 (torch's approximate='tanh'): input [..., 2d] -> out [..., d] with
-out = act(x[..., :d]) * x[..., d:]. Every test runs on every ISA tier this CPU
-can run (``tier`` fixture), for float32, bfloat16 and float16, against a
-float32 PyTorch reference computed from the same (already rounded) inputs.
+out = act(x[..., :d]) * x[..., d:]. Every test runs for float32, bfloat16 and
+float16 on the best ISA tier this CPU can run, and a representative slice of it on
+each lower tier (``tier`` fixture; ``--all-tiers``: everything everywhere), against
+a float32 PyTorch reference computed from the same (already rounded) inputs.
 """
 
 import pytest

@@ -1,15 +1,18 @@
 """The examples run as documented: they are the user's first contact with the
-template interface, and nothing else compiles them."""
+module interface (declare, template, call), and nothing else compiles them."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import kernforge
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.slow  # a child process: imports torch, compiles the example on every tier
 def test_custom_variant_example_runs_on_every_tier(kernforge_cache_dir):
     result = subprocess.run([sys.executable, str(EXAMPLES / "custom_variant.py")],
                             capture_output=True, text=True, timeout=300)

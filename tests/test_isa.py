@@ -22,10 +22,11 @@ import torch
 
 import kernforge
 from conftest import clean_env
+from kernels import AMX_TILE_MATMUL, AXPY, VNNI_MATMUL_REF
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render
 
-AMX_TEMPLATE = "amx_tile_matmul.cpp.jinja"
+AMX_TEMPLATE = AMX_TILE_MATMUL.template
 AMX_FEATURES = ("amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -192,9 +193,11 @@ def test_dispatch_never_selects_an_unrunnable_tier(dispatch, features, expected)
     fake_cpu(dispatch, features)
     assert isa.selected_tier() == expected
     assert isa.runnable_tiers()[0] == expected
-    # an op's Variant (no amx build) falls back to its best tier at or below the selected one
-    variant = core.Variant("axpy.cpp.jinja", {"dtype": "fp32"})
+    # an op's Variant (VECTOR_TIERS: no amx build) runs its avx512 build on amx
+    variant = kernforge.ops.OPS["rmsnorm"].variant(torch.float32)
     assert variant.spec().tier == ("avx512" if expected == "amx" else expected)
+    # a module built for every tier (ALL_TIERS) runs exactly the selected one
+    assert AXPY.variant(dtype="fp32").spec().tier == expected
 
 
 def test_forcing_amx_without_amx_is_a_clear_error(dispatch):
@@ -258,14 +261,14 @@ def test_use_isa_restores_a_tier_forced_by_the_environment(dispatch):
 def test_loading_an_unrunnable_tier_is_refused_before_compiling(cache, dispatch):
     fake_cpu(dispatch, ZEN5_SET)
     with pytest.raises(kernforge.IsaError, match="amx_tile"):
-        core.load_kernel("axpy.cpp.jinja", {"dtype": "fp32"}, "amx")
+        core.load_kernel(AXPY, {"dtype": "fp32"}, "amx")
     assert [p for p in cache.iterdir() if not p.name.startswith(".")] == []
 
 
 def test_cross_build_for_an_unrunnable_tier(cache, dispatch):
     """Building (not loading) a tier this CPU lacks works, with every optional flag of the tier."""
     fake_cpu(dispatch, AVX2_SET)
-    result, fn = core.build(core.KernelSpec.make("axpy.cpp.jinja", {"dtype": "fp32"}, "avx512"), load=None)
+    result, fn = core.build(core.KernelSpec.make(AXPY, {"dtype": "fp32"}, "avx512"), load=None)
     assert result.compiled and fn is None
     meta = disk.Entry(cache, result.key).trusted_meta()
     assert meta is not None
@@ -286,6 +289,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.slow  # four child processes (each imports torch)
 def test_kernforge_isa_env_in_new_processes(cache):
     env = clean_env()
     wanted = {"avx2": "avx2", " AVX2 ": "avx2", "generic": "generic", "amx": None}
@@ -323,7 +327,7 @@ def test_amx_template_exists():
 
 
 def test_amx_template_compiles_on_any_x86_cpu(cache):
-    spec = core.KernelSpec.make(AMX_TEMPLATE, {}, "amx")
+    spec = core.KernelSpec.make(AMX_TILE_MATMUL, {}, "amx")
     result, fn = core.build(spec, load=False)
     assert result.compiled and fn is None
     meta = disk.Entry(cache, result.key).trusted_meta()
@@ -349,17 +353,16 @@ def test_vnni_pack_layout():
             assert packed[k // 2, 2 * n + k % 2] == b[k, n]
 
 
-def _matmul_args(template: str, tier: str) -> list[str]:
-    """The entry's parameter names, from the template's cdecl (c/a/b in any order)."""
-    cdecl = render.render(template, {"op": template.split(".")[0], "tier": tier}).cdecl
-    names = re.findall(r"(\w+)\s*(?=[,)])", cdecl)
-    assert sorted(n[0] for n in names) == ["a", "b", "c"], f"unexpected matmul entry signature: {cdecl}"
+def _matmul_args(module) -> tuple[str, ...]:
+    """The entry's parameter names, from the module's declaration (c/a/b in any order)."""
+    names = module.entries["run"].arg_names
+    assert sorted(names) == ["a", "b", "c"], f"unexpected matmul entry signature: {module.entries['run']}"
     return names
 
 
-def check_tile_matmul(template: str, tier: str, values: str) -> None:
+def check_tile_matmul(module, tier: str, values: str) -> None:
     """C fp32 [16,16] = A bf16 [16,32] . B bf16 [32,16] (passed VNNI-packed), against torch."""
-    fn = core.load_kernel(template, {}, tier)
+    kernel = core.load_kernel(module, {}, tier)
     gen = torch.Generator().manual_seed(0)
     if values == "exact":  # small multiples of 1/4: every product and sum is exact in fp32
         a = (torch.randint(-4, 5, (16, 32), generator=gen) / 4).to(torch.bfloat16)
@@ -370,8 +373,9 @@ def check_tile_matmul(template: str, tier: str, values: str) -> None:
     b_packed = vnni_pack(b)
     c = torch.full((16, 16), float("nan"), dtype=torch.float32)
     pointers = {"a": a.data_ptr(), "b": b_packed.data_ptr(), "c": c.data_ptr()}
-    ret = fn(*(pointers[name[0]] for name in _matmul_args(template, tier)))
-    assert ret == 0, f"{template} returned {ret} (AMX tile permission refused?)"
+    _matmul_args(module)
+    ret = kernel.call("run", **pointers)  # bound by name: the declaration's argument order does not matter
+    assert ret == 0, f"{module.name} returned {ret} (AMX tile permission refused?)"
     expected = a.float() @ b.float()
     if values == "exact":
         assert torch.equal(c, expected), f"max error {(c - expected).abs().max()}"
@@ -382,11 +386,11 @@ def check_tile_matmul(template: str, tier: str, values: str) -> None:
 @pytest.mark.parametrize("values", ["exact", "normal"])
 def test_tile_matmul_harness_on_a_scalar_reference(cache, values):
     """The AMX test's packing and argument handling, checked on any CPU with a scalar kernel."""
-    check_tile_matmul("vnni_matmul_ref.cpp.jinja", "generic", values)
+    check_tile_matmul(VNNI_MATMUL_REF, "generic", values)
 
 
 @pytest.mark.parametrize("values", ["exact", "normal"])
 def test_amx_tile_matmul_matches_torch(cache, values):
     if not has_amx():
         pytest.skip("CPU/OS has no AMX (amx_tile/amx_bf16 missing or tile state not granted)")
-    check_tile_matmul(AMX_TEMPLATE, "amx", values)
+    check_tile_matmul(AMX_TILE_MATMUL, "amx", values)

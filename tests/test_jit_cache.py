@@ -1,8 +1,8 @@
 """The JIT pipeline and the on-disk variant cache.
 
-Everything here runs the tiny self-contained template ``tests/templates/axpy.cpp.jinja``
-(``y = a*x + y`` over raw addresses), never the op kernels, so these tests keep
-working while the norm/activation kernels change.
+Everything here runs the tiny self-contained module ``AXPY`` (tests/kernels.py, template
+``tests/templates/axpy.cpp.jinja``: ``y = a*x + y`` over raw addresses), never the op
+kernels, so these tests keep working while the norm/activation kernels change.
 
 Each test that touches the cache gets its own fresh 0700 ``KERNFORGE_CACHE_DIR``
 (the ``cache`` fixture). The in-process memo (``core._memo``) would hide the disk
@@ -31,10 +31,11 @@ import torch
 
 import kernforge
 from conftest import TEST_TEMPLATES, clean_env
+from kernels import AXPY, BROKEN
 from kernforge.cache import disk
-from kernforge.jit import compiler, core, loader, render
+from kernforge.jit import Bool, Entry, Enum, Int, Module, Struct, compiler, core, loader, render
 
-AXPY = "axpy.cpp.jinja"
+TESTS_DIR = Path(__file__).resolve().parent
 CHILD_TIMEOUT = 180
 _COMPILING = re.compile(r"^kernforge: compiling (\S+) \.\.\.$", re.MULTILINE)
 
@@ -73,9 +74,9 @@ def axpy_inputs(dtype="fp32", n=1003):
     return x, y, 3 * x + y
 
 
-def run_axpy(fn, dtype="fp32"):
+def run_axpy(kernel, dtype="fp32"):
     x, y, expected = axpy_inputs(dtype)
-    assert fn(x.data_ptr(), y.data_ptr(), x.numel(), 3.0) == x.numel()
+    assert kernel.run(x.data_ptr(), y.data_ptr(), x.numel(), 3.0) == x.numel()
     assert torch.equal(y, expected), f"axpy {dtype}: got {y[:8].tolist()}, expected {expected[:8].tolist()}"
     return y
 
@@ -88,6 +89,8 @@ args = json.loads(sys.argv[1])
 import torch
 import kernforge
 from kernforge.jit import core
+sys.path.insert(0, args["tests"])
+from kernels import AXPY
 kernforge.register_template_dir(args["templates"])
 if "ready" in args:  # barrier: announce we are imported, wait for the go file
     open(args["ready"], "w").close()
@@ -104,9 +107,9 @@ y = (torch.arange(n) % 5).to(tdtype)
 expected = 3 * x + y
 result = {}
 try:
-    spec = core.KernelSpec.make("axpy.cpp.jinja", {"dtype": dtype}, tier)
-    fn = core.load_kernel(spec.template, dict(spec.params), spec.tier)
-    result["ret"] = fn(x.data_ptr(), y.data_ptr(), n, 3.0)
+    spec = core.KernelSpec.make(AXPY, {"dtype": dtype}, tier)
+    kernel = core.load_kernel(spec.module, dict(spec.params), spec.tier)
+    result["ret"] = kernel.run(x.data_ptr(), y.data_ptr(), n, 3.0)
     result["ok"] = bool(torch.equal(y, expected))
     result["y"] = y[:16].tolist()
     result["key"] = core._plan(spec).key
@@ -126,7 +129,7 @@ def child_env(cache_root: Path, **extra) -> dict:
 
 
 def start_child(cache_root: Path, args: dict | None = None, **env) -> subprocess.Popen:
-    args = {"templates": str(TEST_TEMPLATES), **(args or {})}
+    args = {"templates": str(TEST_TEMPLATES), "tests": str(TESTS_DIR), **(args or {})}
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, json.dumps(args)], env=child_env(cache_root, **env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -173,6 +176,7 @@ def assert_trusted(root: Path, key: str) -> dict:
 # --------------------------------------------------------------------------- 1. second process
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_second_process_loads_from_cache_without_compiling(cache):
     spec = axpy_spec()
     result, fn = core.build(spec)
@@ -206,6 +210,7 @@ def test_load_kernel_memoizes_in_process(cache):
 # --------------------------------------------------------------------------- 2. racing processes
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_racing_processes_compile_exactly_once(cache, tmp_path):
     n = 4
     barrier = tmp_path / "barrier"
@@ -264,6 +269,7 @@ exec sleep 300
     return script
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_process_killed_mid_compile_leaves_nothing_trusted(cache, tmp_path, monkeypatch):
     cxx = _stalling_compiler(tmp_path)
     stall = tmp_path / "stall"
@@ -298,6 +304,7 @@ def test_process_killed_mid_compile_leaves_nothing_trusted(cache, tmp_path, monk
 # --------------------------------------------------------------------------- 4. damaged entries
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_truncated_so_is_rebuilt_by_a_new_process(cache):
     result, _ = core.build(axpy_spec(), load=False)
     entry = disk.Entry(cache, result.key)
@@ -395,7 +402,7 @@ def test_jit_disabled_with_empty_cache_raises_not_cached(cache, monkeypatch):
     message = str(info.value)
     assert key in message
     assert "prewarm" in message
-    assert "python -m kernforge prewarm --template axpy.cpp.jinja --template-dir" in message
+    assert "python -m kernforge prewarm --module axpy --template-dir" in message
     assert "--param dtype=fp32 --isa generic" in message
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [], "JIT=0 wrote a cache entry"
 
@@ -408,7 +415,12 @@ def test_jit_disabled_loads_a_prewarmed_variant(cache, monkeypatch):
     result, fn = core.build(spec)
     assert not result.compiled and result.key == built.key
     run_axpy(fn)
-    # and a new process with JIT=0 loads it too, without compiling
+
+
+@pytest.mark.slow  # a child process (imports torch)
+def test_jit_disabled_new_process_loads_a_prewarmed_variant(cache):
+    """A new process with JIT=0 loads a prewarmed variant too, without compiling."""
+    kernforge.prewarm([axpy_spec()], progress=False)
     child, err = run_child(cache, KERNFORGE_JIT="0")
     assert_child_ok(child, err)
     assert compiles(err) == []
@@ -432,7 +444,7 @@ def test_jit_disabled_prewarmed_cache_needs_no_compiler(cache, monkeypatch, tmp_
 @pytest.mark.parametrize("mode", ["api", "abi"])
 def test_broken_template_raises_compile_error_with_details(cache, monkeypatch, mode):
     monkeypatch.setenv("KERNFORGE_CFFI_MODE", mode)
-    spec = core.KernelSpec.make("broken.cpp.jinja", {}, "generic")
+    spec = core.KernelSpec.make(BROKEN, {}, "generic")
     key = key_of(spec)
     with pytest.raises(kernforge.KernelCompileError) as info:
         core.build(spec)
@@ -459,21 +471,30 @@ def test_broken_template_raises_compile_error_with_details(cache, monkeypatch, m
         core.build(spec)
 
 
-def test_template_without_cdecl_is_a_clear_error(cache, tmp_path, user_template_dirs):
-    (tmp_path / "nocdecl.cpp.jinja").write_text("int x;\n")
+@pytest.mark.parametrize("mode", ["api", "abi"])
+def test_template_without_its_entry_declaration_is_a_clear_error(cache, tmp_path, user_template_dirs, monkeypatch,
+                                                                  mode):
+    monkeypatch.setenv("KERNFORGE_CFFI_MODE", mode)
+    (tmp_path / "nodecl.cpp.jinja").write_text("int x;\n")
     kernforge.register_template_dir(tmp_path)
-    with pytest.raises(ValueError, match="cdecl"):
-        core.build(core.KernelSpec.make("nocdecl.cpp.jinja", {}, "generic"))
+    nodecl = Module("nodecl", "nodecl.cpp.jinja", params={}, entries=[Entry("run", "int64_t n", returns="int64_t")],
+                    register=False)
+    with pytest.raises(ValueError, match=r"nodecl.cpp.jinja.*does not define entry 'run'.*decl\.run"):
+        core.build(core.KernelSpec.make(nodecl, {}, "generic"))
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [], "nothing should be compiled"
 
 
 def test_unknown_template_is_a_clear_error(cache):
+    missing = Module("missing", "no_such_template.cpp.jinja", params={}, entries=[Entry("run", "int64_t n")],
+                     register=False)
     with pytest.raises(ValueError, match="no_such_template.cpp.jinja.*not found"):
-        core.build(core.KernelSpec.make("no_such_template.cpp.jinja", {}, "generic"))
+        core.build(core.KernelSpec.make(missing, {}, "generic"))
 
 
 # --------------------------------------------------------------------------- 7. the compiler
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_missing_compiler_in_new_process(cache):
     child, err = run_child(cache, KERNFORGE_CXX="/nonexistent/g++")
     assert child.get("error") == "CompilerNotFoundError", child
@@ -533,6 +554,7 @@ def test_group_or_other_writable_cache_is_refused(tmp_path, monkeypatch, mode):
     assert list(root.iterdir()) == [], "kernforge wrote into a cache it refused"
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_shared_cache_refused_by_a_new_process_before_loading(cache):
     result, _ = core.build(axpy_spec(), load=False)  # a valid, trusted entry
     os.chmod(cache, 0o775)
@@ -594,8 +616,10 @@ def _split(key: str) -> tuple[str, str]:
 def test_key_is_readable_prefix_plus_hash():
     key = key_of(axpy_spec("fp32", "generic"))
     assert re.fullmatch(r"axpy_dtype-fp32_generic-[0-9a-f]{20}", key), key
-    spec = core.KernelSpec.make(AXPY, {"zeta": True, "dtype": "fp64", "alpha": 3}, "avx2")
-    assert spec.prefix() == "axpy_alpha-3_dtype-fp64_zeta-1_avx2"  # params sorted, bools as 0/1
+    more = Module("axpy", "axpy.cpp.jinja", params={"alpha": Int(), "dtype": Enum(("fp32", "fp64")), "zeta": Bool()},
+                  entries=AXPY.entries.values(), register=False)
+    spec = core.KernelSpec.make(more, {"zeta": True, "dtype": "fp64", "alpha": 3}, "avx2")
+    assert spec.prefix() == "axpy_alpha-3_dtype-fp64_zeta-1_avx2"  # params in declaration order, bools as 0/1
     assert key_of(spec).startswith(spec.prefix() + "-")
 
 
@@ -607,11 +631,12 @@ def test_key_is_deterministic_and_depends_on_params():
 
 def test_key_changes_with_the_source(tmp_path, user_template_dirs):
     template = tmp_path / "keysrc.cpp.jinja"
-    body = '{% set cdecl = "int64_t kf_keysrc(int64_t n)" %}\n#include <cstdint>\n' \
-           'extern "C" {{ cdecl }} { return n + ADDEND; }\n'
+    body = '#include <cstdint>\nextern "C" {{ decl.run }} { return n + ADDEND; }\n'
     template.write_text(body.replace("ADDEND", "1"))
     kernforge.register_template_dir(tmp_path)
-    spec = core.KernelSpec.make("keysrc.cpp.jinja", {}, "generic")
+    keysrc = Module("keysrc", "keysrc.cpp.jinja", params={},
+                    entries=[Entry("run", "int64_t n", returns="int64_t")], register=False)
+    spec = core.KernelSpec.make(keysrc, {}, "generic")
     before = key_of(spec)
     template.write_text(body.replace("ADDEND", "2"))
     later = time.time() + 10
@@ -621,10 +646,43 @@ def test_key_changes_with_the_source(tmp_path, user_template_dirs):
     assert before != after, "editing the template did not change the key"
 
 
-def test_key_changes_with_the_headers(monkeypatch):
-    before = key_of(axpy_spec())
-    monkeypatch.setattr(render, "include_digest", lambda: "0" * 64)
-    assert key_of(axpy_spec()) != before
+def _touch_later(path: Path, text: str) -> None:
+    """Rewrite ``path`` with a later mtime (a change seen even on coarse-timestamp filesystems)."""
+    later = path.stat().st_mtime + 10 if path.exists() else time.time() + 10
+    path.write_text(text)
+    os.utime(path, (later, later))
+
+
+def test_key_changes_with_the_headers(tmp_path, user_template_dirs):
+    """The key hashes exactly the headers the source includes, directly or not: editing one of
+    them changes it; editing a header it does not include does not."""
+    user = tmp_path / "hdr_kernels"
+    headers = user / "include" / "keyhdr"
+    headers.mkdir(parents=True)
+    (headers / "used.h").write_text('#pragma once\n#include "inner.h"\nconstexpr int64_t kUsed = 1;\n')
+    (headers / "inner.h").write_text("#pragma once\nconstexpr int64_t kInner = 2;\n")
+    (headers / "unused.h").write_text("#pragma once\nconstexpr int64_t kUnused = 3;\n")
+    (user / "keyhdr.cpp.jinja").write_text(
+        '#include <cstdint>\n#include "keyhdr/used.h"\n'
+        'extern "C" {{ decl.run }} { return n + kUsed + kInner; }\n')
+    kernforge.register_template_dir(user)
+    keyhdr = Module("keyhdr", "keyhdr.cpp.jinja", params={},
+                    entries=[Entry("run", "int64_t n", returns="int64_t")], register=False)
+    spec = core.KernelSpec.make(keyhdr, {}, "generic")
+    source = render.render(keyhdr.template, spec.variables())
+    assert [name for name, _ in render.included_headers(source)] == ["keyhdr/inner.h", "keyhdr/used.h"]
+
+    before = key_of(spec)
+    _touch_later(headers / "unused.h", "#pragma once\nconstexpr int64_t kUnused = 30;\n")
+    assert key_of(spec) == before, "editing a header the source does not include changed the key"
+    _touch_later(headers / "used.h", '#pragma once\n#include "inner.h"\nconstexpr int64_t kUsed = 10;\n')
+    after_used = key_of(spec)
+    assert after_used != before, "editing an included header did not change the key"
+    _touch_later(headers / "inner.h", "#pragma once\nconstexpr int64_t kInner = 20;\n")
+    assert key_of(spec) not in (before, after_used), "editing a header included by a header did not change the key"
+    assert _split(key_of(spec))[0] == _split(before)[0] == "keyhdr_generic"
+    # and the package headers, which this source does not include, are not in its key either
+    assert render.included_headers(render.render(AXPY.template, axpy_spec().variables())) == []
 
 
 def test_key_changes_with_the_tier():
@@ -680,6 +738,7 @@ def test_unknown_tier_is_rejected():
 # --------------------------------------------------------------------------- 11. cffi modes
 
 
+@pytest.mark.slow  # child processes (each imports torch)
 def test_both_cffi_modes_load_and_agree(cache):
     procs = {mode: start_child(cache, {"dtype": "fp32"}, KERNFORGE_CFFI_MODE=mode) for mode in ("api", "abi")}
     results = {mode: finish_child(p) for mode, p in procs.items()}
@@ -694,6 +753,23 @@ def test_both_cffi_modes_load_and_agree(cache):
     assert api["y"] == abi["y"]
     _, _, expected = axpy_inputs("fp32")
     assert api["y"] == expected[:16].tolist()
+
+
+@pytest.mark.parametrize("mode", ["api", "abi"])
+def test_struct_argument_in_both_cffi_modes(cache, tmp_path, user_template_dirs, monkeypatch, mode):
+    """An entry taking a declared struct by pointer (``const S*``, as the C++ spells it) loads in
+    both modes (cffi parses the cdef as C) and reads the fields set by name."""
+    monkeypatch.setenv("KERNFORGE_CFFI_MODE", mode)
+    (tmp_path / "structarg.cpp.jinja").write_text(
+        '#include <cstdint>\n{{ abi_structs }}\n'
+        'extern "C" __attribute__((visibility("default"))) {{ decl.run }} {\n'
+        "  return args->n * 10 + static_cast<int64_t>(args->scale * 4);\n}\n")
+    kernforge.register_template_dir(tmp_path)
+    structarg = Module("structarg", "structarg.cpp.jinja", params={},
+                       structs=[Struct("structarg_args", (("n", "int64_t"), ("scale", "double")))],
+                       entries=[Entry("run", "const structarg_args* args", returns="int64_t")], register=False)
+    kernel = core.load_kernel(structarg, {}, "generic")
+    assert kernel.run(kernel.new("structarg_args", {"n": 7, "scale": 0.75})) == 73
 
 
 def test_invalid_cffi_mode_is_rejected(monkeypatch):
@@ -711,10 +787,9 @@ def test_register_template_dir_with_a_user_template_and_header(cache, tmp_path, 
     (user / "include" / "my_kernels" / "scale.h").write_text(
         "#pragma once\nnamespace my_kernels { constexpr double kScale = 4.0; }\n")
     (user / "user_scale.cpp.jinja").write_text(
-        '{% set cdecl = "int64_t kf_user_scale(int64_t x, int64_t n)" %}\n'
         "#include <cstdint>\n"
         '#include "my_kernels/scale.h"\n'
-        'extern "C" __attribute__((visibility("default"))) {{ cdecl }} {\n'
+        'extern "C" __attribute__((visibility("default"))) {{ decl.run }} {\n'
         "  double* xs = reinterpret_cast<double*>(x);\n"
         "  for (int64_t i = 0; i < n; ++i) xs[i] = my_kernels::kScale * xs[i] + {{ offset }};\n"
         "  return n;\n}\n")
@@ -723,10 +798,12 @@ def test_register_template_dir_with_a_user_template_and_header(cache, tmp_path, 
     assert core._generation != generation, "registering a folder must re-resolve the ops' kernels"
     assert render.template_dirs()[0] == user.resolve()
 
-    fn = core.load_kernel("user_scale.cpp.jinja", {"offset": 0.5}, "generic")
+    user_scale = Module("user_scale", "user_scale.cpp.jinja", params={"offset": Int()},
+                        entries=[Entry("run", "int64_t x, int64_t n", returns="int64_t")], register=False)
+    kernel = core.load_kernel(user_scale, {"offset": 3}, "generic")
     x = torch.arange(10, dtype=torch.float64)
-    assert fn(x.data_ptr(), x.numel()) == 10
-    assert torch.equal(x, 4.0 * torch.arange(10, dtype=torch.float64) + 0.5)
+    assert kernel.run(x.data_ptr(), x.numel()) == 10
+    assert torch.equal(x, 4.0 * torch.arange(10, dtype=torch.float64) + 3)
     (meta,) = [m for _, m in disk.entries(cache) if m and m["template"] == "user_scale.cpp.jinja"]
     assert f"-I{user.resolve() / 'include'}" in meta["command"]
 

@@ -2,8 +2,9 @@
 
 Ops: ``rmsnorm``, ``gemma_rmsnorm`` (out-of-place, optional ``out=``) and
 ``fused_add_rmsnorm``, ``gemma_fused_add_rmsnorm`` (in place on ``input`` and
-``residual``). Every test runs on every ISA tier this CPU can run (``tier``
-fixture), for float32, bfloat16 and float16.
+``residual``). Every test runs for float32, bfloat16 and float16 on the best ISA
+tier this CPU can run, and a representative slice of it on each lower tier (``tier``
+fixture; ``--all-tiers``: everything everywhere).
 
 The reference is plain PyTorch in float32, computed from the same (already
 rounded) inputs the kernel sees.
@@ -249,7 +250,7 @@ def test_rmsnorm_64bit_row_offsets(tier, assert_close_ref):
 # --------------------------------------------------------------------------- cache isolation
 
 def test_kernels_are_built_in_the_session_cache(kernforge_cache_dir):
-    """The session fixture's fresh KERNFORGE_CACHE_DIR is the cache actually used."""
+    """The run's KERNFORGE_CACHE_DIR (fresh, or the --reuse-cache one) is the cache actually used."""
     cache_dir = Path(os.environ["KERNFORGE_CACHE_DIR"])
     assert cache_dir == Path(kernforge_cache_dir)
     kernforge.rmsnorm(torch.randn(3, 64), torch.ones(64))

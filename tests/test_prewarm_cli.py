@@ -1,13 +1,15 @@
 """Pre-warming the cache and the ``python -m kernforge`` command line.
 
-Builds use the test template ``tests/templates/axpy.cpp.jinja``. The CLI runs as a
-real subprocess; for a user template the child registers ``tests/templates`` and then
-calls the same ``main`` that ``python -m kernforge`` runs (the CLI itself has no
-option to add a template folder).
+Builds use the test module ``AXPY`` (tests/kernels.py, template
+``tests/templates/axpy.cpp.jinja``), named ``axpy`` in manifests. The CLI runs as a
+real subprocess (``python -m kernforge``); a user module is named there as
+``kernels:AXPY``, importable from the child through ``PYTHONPATH``, with
+``--template-dir tests/templates``.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -20,10 +22,13 @@ import pytest
 
 import kernforge
 from conftest import TEST_TEMPLATES, clean_env
-from kernforge.cache import cli, disk, prewarm
+from kernels import AXPY
+from kernforge import cli
+from kernforge.cache import disk
 from kernforge.jit import core, isa, render
 
-AXPY = "axpy.cpp.jinja"
+prewarm = importlib.import_module("kernforge.prewarm")  # the module (``kernforge.prewarm`` is the function)
+TESTS_DIR = Path(__file__).resolve().parent
 
 LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
          "model_type": "llama"}
@@ -35,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("test_templates")
 
 
 def axpy_manifest(*dtypes, **extra) -> dict:
-    return {**extra, "kernels": [{"template": AXPY, "params": {"dtype": d}} for d in dtypes]}
+    return {**extra, "kernels": [{"module": "axpy", "params": {"dtype": d}} for d in dtypes]}
 
 
 def entry_keys(root: Path) -> list[str]:
@@ -95,11 +100,11 @@ def test_prewarm_builds_in_parallel_then_compiles_nothing(cache, tmp_path, monke
 def test_prewarm_results_load_and_run(cache):
     (result,) = kernforge.prewarm(axpy_manifest("i64"), isa_tier="generic", progress=False)
     assert result.compiled
-    loaded, fn = core.build(result.spec)
+    loaded, kernel = core.build(result.spec)
     assert not loaded.compiled
     import torch
     x, y = torch.arange(5, dtype=torch.int64), torch.ones(5, dtype=torch.int64)
-    fn(x.data_ptr(), y.data_ptr(), 5, 3.0)
+    kernel.call("run", x=x.data_ptr(), y=y.data_ptr(), n=5, a=3.0)
     assert y.tolist() == [1, 4, 7, 10, 13]
 
 
@@ -130,27 +135,33 @@ def test_prewarm_op_form(cache):
     (result,) = kernforge.prewarm({"kernels": [{"op": "rmsnorm", "dtype": "bfloat16"}]}, isa_tier="generic",
                                   progress=False)
     assert result.compiled
-    assert result.spec == core.KernelSpec.make("norm.cpp.jinja", {"dtype": "bf16", "fused_add": False,
-                                                                   "gemma": False}, "generic")
+    assert result.spec == core.KernelSpec.make("norm", {"dtype": "bf16", "fused_add": False, "gemma": False},
+                                               "generic")
 
 
 def test_specs_from_manifest_expands_and_dedups():
     specs = prewarm.specs_from_manifest({"kernels": [
         {"op": "rmsnorm", "dtype": ["bfloat16", "fp16", "bf16"]},
         {"op": "silu_and_mul", "dtype": "float32"},
-        {"template": AXPY, "params": {"dtype": "fp32"}},
-        {"template": AXPY, "params": {"dtype": "fp32"}},
+        {"module": "axpy", "params": {"dtype": "fp32"}},
+        {"module": "kernels:AXPY", "params": {"dtype": "fp32"}},  # the same module, by import path
     ]}, tier="avx2")
     assert [(s.template, dict(s.params).get("dtype"), s.tier) for s in specs] == [
         ("norm.cpp.jinja", "bf16", "avx2"), ("norm.cpp.jinja", "fp16", "avx2"),
-        ("activation.cpp.jinja", "fp32", "avx2"), (AXPY, "fp32", "avx2"),
+        ("activation.cpp.jinja", "fp32", "avx2"), (AXPY.template, "fp32", "avx2"),
     ]
 
 
 @pytest.mark.parametrize("item, match", [
-    ({"dtype": "bf16"}, "needs an 'op' or a 'template'"),
+    ({"dtype": "bf16"}, "needs an 'op' or a 'module'"),
     ({"op": "layernorm", "dtype": "bf16"}, "unknown op 'layernorm'"),
-])
+    ({"module": "layernorm", "params": {}}, "unknown kernel module 'layernorm'"),
+    ({"module": "axpy", "params": {"dtype": "fp16"}}, "axpy: parameter dtype must be one of fp32, fp64, i64"),
+    ({"module": "axpy", "params": {}}, "axpy: parameter 'dtype' is missing"),
+    ({"module": "kernels:NO_SUCH", "params": {}}, "kernels:NO_SUCH is not a kernforge Module"),
+    ({"module": "no_such_package.kernels:AXPY", "params": {}}, "cannot import 'no_such_package.kernels'"),
+], ids=["no-op-or-module", "unknown-op", "unknown-module", "bad-param", "missing-param", "not-a-module",
+        "not-importable"])
 def test_bad_manifest_entries_are_rejected(item, match):
     with pytest.raises(ValueError, match=match):
         prewarm.specs_from_manifest({"kernels": [item]}, tier="generic")
@@ -158,7 +169,7 @@ def test_bad_manifest_entries_are_rejected(item, match):
 
 def test_prewarm_of_a_broken_template_raises(cache):
     with pytest.raises(kernforge.KernelCompileError, match="kf_undeclared_identifier_generic"):
-        kernforge.prewarm({"kernels": [{"template": "broken.cpp.jinja"}]}, isa_tier="generic", progress=False)
+        kernforge.prewarm({"kernels": [{"module": "broken"}]}, isa_tier="generic", progress=False)
 
 
 # --------------------------------------------------------------------------- model configs
@@ -225,14 +236,25 @@ def test_cli_print_manifest_for_ops(capsys):
 
 def test_cli_param_needs_name_value(capsys):
     with pytest.raises(SystemExit) as info:
-        cli.main(["prewarm", "--template", AXPY, "--param", "dtype"])
+        cli.main(["prewarm", "--module", "axpy", "--param", "dtype"])
     assert info.value.code == 2
     assert "NAME=VALUE" in capsys.readouterr().err
 
 
-def test_cli_unknown_template_is_an_error(cache, capsys):
-    assert cli.main(["prewarm", "--template", "no_such.cpp.jinja", "--isa", "generic"]) == 1
-    assert re.search(r"kernforge: error: .*no_such.cpp.jinja.*not found", capsys.readouterr().err)
+@pytest.mark.parametrize("module, message", [
+    ("no_such", "unknown kernel module 'no_such'"),
+    ("no_such_package.kernels:AXPY", "cannot import 'no_such_package.kernels'"),
+    ("kernels:NO_SUCH", "kernels:NO_SUCH is not a kernforge Module"),
+], ids=["unknown-name", "not-importable", "not-a-module"])
+def test_cli_unknown_module_is_an_error(cache, capsys, module, message):
+    assert cli.main(["prewarm", "--module", module, "--isa", "generic"]) == 1
+    assert re.search(rf"kernforge: error: .*{re.escape(message)}", capsys.readouterr().err)
+
+
+def test_cli_module_with_a_missing_template_is_an_error(cache, capsys, monkeypatch):
+    monkeypatch.setattr(render, "_user_dirs", [])  # tests/templates off the search path
+    assert cli.main(["prewarm", "--module", "axpy", "--param", "dtype=fp32", "--isa", "generic"]) == 1
+    assert re.search(r"kernforge: error: .*axpy.cpp.jinja.*not found", capsys.readouterr().err)
 
 
 def test_cli_bad_model_config_is_an_error(tmp_path, capsys):
@@ -266,32 +288,23 @@ def test_prewarm_compiles_even_when_jit_is_disabled(cache, monkeypatch):
 
 # --------------------------------------------------------------------------- the CLI in a subprocess
 
-# ``python -m kernforge`` with tests/templates registered first
-_CLI_WITH_USER_TEMPLATES = (
-    "import sys, kernforge; kernforge.register_template_dir(sys.argv.pop(1)); "
-    "from kernforge.cache.cli import main; sys.exit(main())"
-)
-
-
-def run_cli(cache_root: Path, *args: str, user_templates: bool = False) -> subprocess.CompletedProcess:
-    env = clean_env()
-    env["KERNFORGE_CACHE_DIR"] = str(cache_root)
-    if user_templates:
-        command = [sys.executable, "-c", _CLI_WITH_USER_TEMPLATES, str(TEST_TEMPLATES), *args]
-    else:
-        command = [sys.executable, "-m", "kernforge", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+def run_cli(cache_root: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    """``python -m kernforge ARGS`` in a new process (each imports torch: these tests are slow)."""
+    env = clean_env(KERNFORGE_CACHE_DIR=cache_root, **env)
+    return subprocess.run([sys.executable, "-m", "kernforge", *args], env=env, capture_output=True, text=True,
+                          timeout=180)
 
 
 def assert_rc0(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
-def test_cli_prewarm_template_with_params(cache):
+@pytest.mark.slow
+def test_cli_prewarm_module_with_params(cache):
     spec = core.KernelSpec.make(AXPY, {"dtype": "fp32"}, "generic")
     key = core._plan(spec).key
-    proc = run_cli(cache, "prewarm", "--template", AXPY, "--param", "dtype=fp32", "--isa", "generic",
-                   "--jobs", "2", user_templates=True)
+    proc = run_cli(cache, "prewarm", "--module", "kernels:AXPY", "--template-dir", str(TEST_TEMPLATES),
+                   "--param", "dtype=fp32", "--isa", "generic", "--jobs", "2", PYTHONPATH=TESTS_DIR)
     assert_rc0(proc)
     assert f"kernforge: compiling {key} ..." in proc.stderr
     assert "prewarm done: 1 compiled, 0 already cached" in proc.stderr
@@ -300,6 +313,7 @@ def test_cli_prewarm_template_with_params(cache):
     assert not result.compiled and fn is not None
 
 
+@pytest.mark.slow
 def test_cli_list(cache):
     (result,) = kernforge.prewarm(axpy_manifest("fp32"), isa_tier="generic", progress=False)
     incomplete = cache / "axpy_dtype-fp64_generic-00000000000000000000"
@@ -313,9 +327,10 @@ def test_cli_list(cache):
     assert lines[1] == f"{incomplete.name}  (incomplete: will be rebuilt)"
 
 
+@pytest.mark.slow
 def test_cli_info(cache):
     kernforge.prewarm(axpy_manifest("fp32", "fp64"), isa_tier="generic", progress=False)
-    core.build(core.KernelSpec.make("cpu_probe.cpp.jinja", {}, "generic"), load=False)  # info probes the CPU
+    core.build(core.KernelSpec.make(core.CPU_PROBE, {}, "generic"), load=False)  # info probes the CPU
     (cache / "axpy_dtype-i64_generic-00000000000000000000").mkdir(mode=0o700)
     proc = run_cli(cache, "info")
     assert_rc0(proc)
@@ -331,6 +346,7 @@ def test_cli_info(cache):
     assert "compiling" not in proc.stderr, "info compiled something although the probe was cached"
 
 
+@pytest.mark.slow
 def test_cli_clear(cache):
     results = kernforge.prewarm(axpy_manifest("fp32", "fp64"), isa_tier="generic", progress=False)
     proc = run_cli(cache, "clear")

@@ -2,8 +2,9 @@
 
 Filters (the contract; x is a row in float32, S = sum(x)):
   top-k   keep x_i >= the k-th largest value (ties at the cut all kept; k >= vocab keeps all)
-  top-p   keep x_i iff (mass of the values strictly larger than x_i) < p * S
-  min-p   keep x_i >= min_p * max(x)
+  top-p   keep x_i iff (mass of the values strictly larger than x_i) < p * S; p = 0 keeps the
+          maximum (and entries equal to it), p >= 1 every nonzero entry
+  min-p   keep x_i >= min_p * max(x) (min_p <= 0 keeps everything)
   top-k + top-p: "top_k_first" runs top-p on the top-k-renormalized row, "joint" intersects the
           top-k set with the top-p set of the full row.
 
@@ -94,8 +95,10 @@ def ref_top_k_keep(x, top_k):
 def ref_top_p_keep(x, top_p):
     p = as_column(top_p, x.shape[0])
     # p = 1 keeps every nonzero entry (as the spec says): in exact arithmetic the strictly-larger
-    # mass of the smallest entry is below S, but a float64 sum may round a 1e-30 tail away
-    return (larger_mass(x) < p * x.sum(-1, keepdim=True)) | ((p >= 1) & (x > 0))
+    # mass of the smallest entry is below S, but a float64 sum may round a 1e-30 tail away.
+    # p = 0 keeps the maximum and entries equal to it (the limit p -> 0+).
+    return ((larger_mass(x) < p * x.sum(-1, keepdim=True)) | ((p >= 1) & (x > 0))
+            | ((p <= 0) & (x == x.amax(-1, keepdim=True))))
 
 
 def ref_min_p_keep(x, min_p):
@@ -382,13 +385,16 @@ def test_renorm_edge_params(dtype, tier, assert_close_ref):
         assert torch.equal(out != 0, x != 0), f"top_k_renorm_probs k={k} {ctx}: lost entries"
         assert_close_ref(out, everything, dtype, f"top_k_renorm_probs k={k} {ctx}")
         assert torch.equal(kernforge.top_k_mask_logits(x, k), x), f"top_k_mask_logits k={k} {ctx}"
-    out = kernforge.top_p_renorm_probs(x, 1.0)
-    assert torch.equal(out != 0, x != 0), f"top_p_renorm_probs p=1 {ctx}: dropped nonzero entries"
-    assert_close_ref(out, everything, dtype, f"top_p_renorm_probs p=1 {ctx}")
-    out = kernforge.top_p_renorm_probs(x, 1e-7)
+    for p in (1.0, 1.5, float("inf")):  # FlashInfer takes top_p >= 1 as no top-p
+        out = kernforge.top_p_renorm_probs(x, p)
+        assert torch.equal(out != 0, x != 0), f"top_p_renorm_probs p={p} {ctx}: dropped nonzero entries"
+        assert_close_ref(out, everything, dtype, f"top_p_renorm_probs p={p} {ctx}")
     is_max = x64 == x64.amax(-1, keepdim=True)
-    assert_close_ref(out, renormalize(x64, is_max).float(), dtype, f"top_p_renorm_probs p=1e-7 {ctx}")
-    assert (out[1] != 0).sum() == 2, f"top_p_renorm_probs p=1e-7 {ctx}: both tied maxima must be kept"
+    # p = 0 (accepted by FlashInfer, whose top-p renorm keeps the top token) is the limit of a tiny p
+    for p in (1e-7, 0.0, 0, torch.zeros(5), torch.zeros(5, dtype=torch.int64)):
+        out = kernforge.top_p_renorm_probs(x, p)
+        assert_close_ref(out, renormalize(x64, is_max).float(), dtype, f"top_p_renorm_probs p={p} {ctx}")
+        assert (out[1] != 0).sum() == 2, f"top_p_renorm_probs p={p} {ctx}: both tied maxima must be kept"
 
 
 # --------------------------------------------------------------------------- ties at the cut
@@ -560,6 +566,122 @@ def test_keep_only_max(name, order, tier):
         for params in ({"top_k": 1, "top_p": 1.0}, {"top_k": V, "top_p": 1e-7}):
             assert torch.equal(draw(name, x, params, order, generator=gen), expected), (
                 f"{name} {order} {params} tier={tier}")
+
+
+TOP_P_CASES = [c for c in FILTER_CASES if "top_p" in SAMPLERS[c.values[0]][1]]
+
+
+@pytest.mark.parametrize("name,order", TOP_P_CASES)
+def test_top_p_zero_is_greedy(name, order, tier):
+    """top_p = 0 (FlashInfer accepts it; its top-p renorm keeps the top token) keeps the maximum
+    of each row and the entries equal to it, as a scalar or per row (as float or int tensors),
+    next to rows with other top-p values; every row is valid."""
+    g = seeded("top-p-0", name, order)
+    B, V = 16, 4099
+    x, probs = sampler_input(name, "softmax", B, V, g)
+    argmax = probs.argmax(-1).to(torch.int32)
+    assert (probs == probs.amax(-1, keepdim=True)).sum(-1).eq(1).all(), "test data: unique maxima"
+    top_k = {"top_k": 50} if "top_k" in SAMPLERS[name][1] else {}
+    gen = seeded("top-p-0-gen", name, order)
+    for top_p in (0.0, 0, torch.zeros(B), torch.zeros(B, dtype=torch.int64)):
+        samples, valid = draw(name, x, {**top_k, "top_p": top_p}, order, generator=gen, return_valid=True)
+        assert torch.equal(samples, argmax), f"{name} {order} top_p={top_p!r} tier={tier}: not the argmax"
+        assert valid.all(), f"{name} {order} top_p={top_p!r} tier={tier}: invalid rows"
+    mixed = torch.where(torch.arange(B) % 2 == 0, 0.0, 0.9)  # even rows greedy, odd rows nucleus
+    params = {**top_k, "top_p": mixed}
+    keep = ref_keep(name, probs, params, order)
+    for _ in range(4):
+        samples = draw(name, x, params, order, generator=gen)
+        assert torch.equal(samples[::2], argmax[::2]), f"{name} {order} mixed tier={tier}: even rows"
+        assert_in_kept(samples, keep, f"{name} {order} mixed tier={tier}")
+
+
+def test_top_p_zero_keeps_tied_maxima(tier):
+    """With top_p = 0, every entry equal to the row's maximum is kept and drawn, none other."""
+    row = torch.tensor([0.1, 0.3, 0.05, 0.3, 0.25])
+    probs, logits = row.reshape(1, -1), row.log().reshape(1, -1)
+    indices = torch.zeros(4000, dtype=torch.int32)
+    cases = [("top_p_sampling_from_probs", probs, {"top_p": 0.0}, None)]
+    for order in ORDERS:
+        for k in (1, 3, 5):
+            cases.append(("top_k_top_p_sampling_from_probs", probs, {"top_k": k, "top_p": 0.0}, order))
+            cases.append(("top_k_top_p_sampling_from_logits", logits, {"top_k": k, "top_p": 0.0}, order))
+    for name, x, params, order in cases:
+        samples = draw(name, x, params, order, indices=indices, generator=seeded("tied-max", name, order))
+        drawn = sorted(set(samples.tolist()))
+        assert drawn == [1, 3], f"{name} {params} {order} tier={tier}: drew {drawn}"
+    out = kernforge.top_p_renorm_probs(probs, 0.0)
+    assert torch.equal(out, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])), f"top_p_renorm_probs tier={tier}: {out}"
+
+
+@pytest.mark.parametrize("name,order", [c for c in FILTER_CASES if {"top_p", "min_p"} & set(SAMPLERS[c.values[0]][1])])
+def test_no_filter_values(name, order, tier):
+    """FlashInfer takes top_p >= 1 as no top-p (its renorm's p >= 1 path) and min_p <= 0 as no
+    min-p (a threshold below every entry): the same samples as top_p = 1 / min_p = 0."""
+    g = seeded("no-filter", name, order)
+    B, V = 8, 1000
+    x, probs = sampler_input(name, "softmax", B, V, g)
+    filt = SAMPLERS[name][1]
+    base = {p: KEEP_ALL[p] for p in filt}
+    expected = draw(name, x, base, order, seed=5, offset=0)
+    variants = []
+    if "top_p" in filt:
+        variants += [{**base, "top_p": v} for v in (1.5, float("inf"), torch.full((B,), 1.5),
+                                                    torch.full((B,), 2, dtype=torch.int64))]
+    if "min_p" in filt:
+        variants += [{**base, "min_p": v} for v in (-0.5, -float("inf"), torch.full((B,), -1.0))]
+    for params in variants:
+        samples = draw(name, x, params, order, seed=5, offset=0)
+        assert torch.equal(samples, expected), f"{name} {order} {params} tier={tier}"
+
+
+def test_param_tensors_cast_by_value(tier):
+    """As in FlashInfer (``.int()`` for top_k, ``.float()`` for top_p / min_p), a parameter tensor of
+    any dtype is cast by value: an int64 ``torch.full((B,), 1)`` is min_p = 1, a float top_k
+    truncates, a bool top_k of True is 1; non-contiguous tensors are fine."""
+    g = seeded("cast")
+    B, V = 6, 1000
+    probs = softmax_probs(B, V, g)
+    logits = probs.log()
+    argmax = probs.argmax(-1).to(torch.int32)
+    ones = torch.full((B,), 1)  # int64
+    kw = {"seed": 11, "offset": 0}
+    ctx = f"tier={tier}"
+    assert torch.equal(kernforge.min_p_sampling_from_probs(probs, ones, **kw), argmax), ctx
+    for k in (ones.double() + 0.9, ones.bool(), ones.short(), ones.int(), ones.to(torch.uint8)):
+        assert torch.equal(kernforge.top_k_sampling_from_probs(probs, k, **kw), argmax), f"top_k {k.dtype} {ctx}"
+    k = torch.full((2 * B,), 37.9, dtype=torch.float64)[::2]  # truncates to 37; stride 2
+    assert torch.equal(kernforge.top_k_sampling_from_probs(probs, k, **kw),
+                       kernforge.top_k_sampling_from_probs(probs, 37, **kw)), ctx
+    assert torch.equal(kernforge.top_k_renorm_probs(probs, k), kernforge.top_k_renorm_probs(probs, 37)), ctx
+    assert torch.equal(kernforge.top_k_mask_logits(logits, k), kernforge.top_k_mask_logits(logits, 37)), ctx
+    # top_p = 1 as an int tensor: no top-p, as the scalar 1.0
+    assert torch.equal(kernforge.top_p_sampling_from_probs(probs, ones, **kw),
+                       kernforge.top_p_sampling_from_probs(probs, 1.0, **kw)), ctx
+    assert torch.equal(kernforge.top_p_renorm_probs(probs, ones), kernforge.top_p_renorm_probs(probs, 1.0)), ctx
+    # float64 top_p / min_p: their float32 values
+    p = torch.linspace(0.1, 0.9, B, dtype=torch.float64)
+    assert torch.equal(kernforge.top_p_sampling_from_probs(probs, p, **kw),
+                       kernforge.top_p_sampling_from_probs(probs, p.float(), **kw)), ctx
+    assert torch.equal(kernforge.top_p_renorm_probs(probs, p), kernforge.top_p_renorm_probs(probs, p.float())), ctx
+    assert torch.equal(kernforge.min_p_sampling_from_probs(probs, p / 2, **kw),
+                       kernforge.min_p_sampling_from_probs(probs, (p / 2).float(), **kw)), ctx
+    k64 = torch.arange(1, B + 1) * 7
+    for order in ORDERS:
+        for op, x in (("top_k_top_p_sampling_from_probs", probs), ("top_k_top_p_sampling_from_logits", logits)):
+            call = getattr(kernforge, op)
+            assert torch.equal(call(x, k64.double(), p, filter_apply_order=order, **kw),
+                               call(x, k64.int(), p.float(), filter_apply_order=order, **kw)), f"{op} {order} {ctx}"
+
+
+def test_softmax_temperature_tensor_dtypes(tier):
+    """A temperature tensor may be float16, bfloat16, float32 or float64 (FlashInfer's list): its
+    values as float32."""
+    logits = randn((4, 33), seeded("softmax-T-dtypes"), 3.0)
+    t = torch.tensor([0.5, 1.0, 2.0, 0.75])
+    expected = kernforge.softmax(logits, t)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        assert torch.equal(kernforge.softmax(logits, t.to(dtype)), expected), f"{dtype} tier={tier}"
 
 
 def test_masked_logits_pipeline(tier):
@@ -849,8 +971,30 @@ N_E, V_E = 4, 32
 
 
 def _names(arg):
-    """Regex: the message names the argument (as a whole word)."""
+    """Regex: the message names the argument (as a whole word); or ``arg`` itself, a compiled
+    regex for an exact message (FlashInfer's, which does not name the parameter)."""
+    if isinstance(arg, re.Pattern):
+        return arg
     return re.compile(rf"\b{re.escape(arg)}\b", re.IGNORECASE)
+
+
+# FlashInfer's check_tensor_param (csrc/sampling_utils.h), word for word
+FI_0D = ("Expected a 1D tensor of shape (batch_size,) or scalar for the sampling parameter, but got a "
+         "0-dimensional tensor.")
+
+
+def fi_nd(ndim):
+    return f"Expected a 1D tensor or scalar for the sampling parameter, but got a {ndim}D tensor."
+
+
+def fi_length(expected, got):
+    return (f"Sampling parameter tensor batch size mismatch: expected length {expected} to match the "
+            f"reference tensor batch size, but got length {got}.")
+
+
+def _exactly(message):
+    """The whole message (pytest's ``match`` also sees the exception's notes, on their own lines)."""
+    return re.compile(rf"^{re.escape(message)}(?:\n|\Z)")
 
 
 def _sampler_call(name, **kw):
@@ -887,23 +1031,25 @@ def _sampler_errors():
             add("top_k-0", ValueError, "top_k", top_k=0)
             add("top_k-negative", ValueError, "top_k", top_k=-3)
             add("top_k-tensor-0", ValueError, "top_k", top_k=torch.tensor([5, 0, 5, 5]))
-            add("top_k-length", ValueError, "top_k", top_k=torch.tensor([5, 5, 5]))
+            # cast by value as FlashInfer's .int(): 0.5 truncates to 0
+            add("top_k-float-tensor-0.5", ValueError, "top_k", top_k=torch.tensor([5, 0.5, 5, 5]))
+            add("top_k-length", ValueError, _exactly(fi_length(N_E, 3)), top_k=torch.tensor([5, 5, 5]))
             # 3 output rows from 4 input rows: parameters are per output row
-            add("top_k-length-indices", ValueError, "top_k", top_k=torch.tensor([5, 5, 5, 5]),
+            add("top_k-length-indices", ValueError, _exactly(fi_length(3, 4)), top_k=torch.tensor([5, 5, 5, 5]),
                 indices=torch.tensor([0, 1, 2]))
             add("top_k-meta", ValueError, "top_k", top_k=torch.tensor([5, 5, 5, 5], device="meta"))
-        if "top_p" in filt:
-            for bad in (0.0, -0.1, 1.5):
+        if "top_p" in filt:  # 0 (greedy) and > 1 (no top-p) are valid, as in FlashInfer
+            for bad in (-0.1, float("nan")):
                 add(f"top_p-{bad}", ValueError, "top_p", top_p=bad)
-            add("top_p-tensor-0", ValueError, "top_p", top_p=torch.tensor([0.5, 0.0, 0.9, 0.9]))
-            add("top_p-tensor-above-1", ValueError, "top_p", top_p=torch.tensor([0.5, 1.01, 0.9, 0.9]))
-            add("top_p-length", ValueError, "top_p", top_p=torch.full((N_E + 1,), 0.9))
+            add("top_p-tensor-negative", ValueError, "top_p", top_p=torch.tensor([0.5, -0.1, 0.9, 0.9]))
+            add("top_p-tensor-nan", ValueError, "top_p", top_p=torch.tensor([0.5, float("nan"), 0.9, 0.9]))
+            add("top_p-length", ValueError, _exactly(fi_length(N_E, N_E + 1)), top_p=torch.full((N_E + 1,), 0.9))
             add("top_p-meta", ValueError, "top_p", top_p=torch.full((N_E,), 0.9, device="meta"))
-        if "min_p" in filt:
-            for bad in (-0.1, 1.5):
+        if "min_p" in filt:  # < 0 is valid (no min-p), as in FlashInfer
+            for bad in (1.5, float("nan")):
                 add(f"min_p-{bad}", ValueError, "min_p", min_p=bad)
             add("min_p-tensor", ValueError, "min_p", min_p=torch.tensor([0.1, 0.1, 1.5, 0.1]))
-            add("min_p-length", ValueError, "min_p", min_p=torch.full((2,), 0.1))
+            add("min_p-length", ValueError, _exactly(fi_length(N_E, 2)), min_p=torch.full((2,), 0.1))
         if filt == ("top_k", "top_p"):
             add("filter_apply_order", ValueError, "filter_apply_order", filter_apply_order="bogus")
     return cases
@@ -929,26 +1075,48 @@ def _other_errors():
                      "temperature", id="softmax-T-tensor-0"),
         pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E + 1)), ValueError, "temperature",
                      id="softmax-T-length"),
+        # FlashInfer's _validate_softmax_temperature, word for word
+        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E + 1)), ValueError,
+                     _exactly(f"temperature tensor length must equal logits.size(0) ({N_E}), got {N_E + 1}"),
+                     id="softmax-T-length-message"),
+        pytest.param(lambda: kernforge.softmax(logits, torch.tensor(1.0)), ValueError,
+                     _exactly("temperature tensor must be 1D with one value per logits row, got shape ()"),
+                     id="softmax-T-0d"),
+        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, 1)), ValueError,
+                     _exactly(f"temperature tensor must be 1D with one value per logits row, got shape ({N_E}, 1)"),
+                     id="softmax-T-2d"),
+        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, dtype=torch.int64)), ValueError,
+                     _exactly("temperature tensor must have dtype float16, bfloat16, float32, or float64, got "
+                              "torch.int64"), id="softmax-T-int-tensor"),
+        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, device="meta")), ValueError,
+                     _exactly("temperature tensor must be on the same device as logits (cpu), got meta"),
+                     id="softmax-T-meta"),
+        pytest.param(lambda: kernforge.softmax(logits, "1.0"), TypeError,
+                     _exactly("temperature must be None, a real scalar, or a 1D floating-point tensor with one "
+                              "value per logits row"), id="softmax-T-str"),
+        pytest.param(lambda: kernforge.softmax(logits, True), TypeError, "temperature", id="softmax-T-bool"),
+        pytest.param(lambda: kernforge.softmax(logits, float("inf")), ValueError, "temperature", id="softmax-T-inf"),
         pytest.param(lambda: kernforge.top_p_renorm_probs(ints, 0.9), TypeError, "probs", id="top_p_renorm-int"),
         pytest.param(lambda: kernforge.top_p_renorm_probs(probs[0], 0.9), ValueError, "probs",
                      id="top_p_renorm-1d"),
         pytest.param(lambda: kernforge.top_p_renorm_probs(probs.to("meta"), 0.9), ValueError, "probs",
                      id="top_p_renorm-meta"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, 0.0), ValueError, "top_p", id="top_p_renorm-p0"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, 1.5), ValueError, "top_p",
-                     id="top_p_renorm-p1.5"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.tensor([0.5, 0.0, 0.5, 0.5])),
-                     ValueError, "top_p", id="top_p_renorm-tensor-0"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.full((2,), 0.5)), ValueError, "top_p",
-                     id="top_p_renorm-length"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, -0.5), ValueError, "top_p",
+                     id="top_p_renorm-p-negative"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, float("nan")), ValueError, "top_p",
+                     id="top_p_renorm-p-nan"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.tensor([0.5, -0.5, 0.5, 0.5])),
+                     ValueError, "top_p", id="top_p_renorm-tensor-negative"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.full((2,), 0.5)), ValueError,
+                     _exactly(fi_length(N_E, 2)), id="top_p_renorm-length"),
         pytest.param(lambda: kernforge.top_k_renorm_probs(ints, 3), TypeError, "probs", id="top_k_renorm-int"),
         pytest.param(lambda: kernforge.top_k_renorm_probs(probs.reshape(1, N_E, V_E), 3), ValueError, "probs",
                      id="top_k_renorm-3d"),
         pytest.param(lambda: kernforge.top_k_renorm_probs(probs, 0), ValueError, "top_k", id="top_k_renorm-k0"),
         pytest.param(lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 0, 5, 5])), ValueError,
                      "top_k", id="top_k_renorm-tensor-0"),
-        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 5])), ValueError, "top_k",
-                     id="top_k_renorm-length"),
+        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 5])), ValueError,
+                     _exactly(fi_length(N_E, 2)), id="top_k_renorm-length"),
         pytest.param(lambda: kernforge.top_k_mask_logits(ints, 3), TypeError, "logits", id="top_k_mask-int"),
         pytest.param(lambda: kernforge.top_k_mask_logits(logits.double(), 3), TypeError, "logits",
                      id="top_k_mask-float64"),
@@ -973,6 +1141,43 @@ def _other_errors():
 def test_renorm_mask_softmax_errors(call, exc, arg):
     with pytest.raises(exc, match=_names(arg)):
         call()
+
+
+PARAM_OPS = ([pytest.param(name, p, id=f"{name}-{p}") for name, (_, filt) in SAMPLERS.items() for p in filt]
+             + [pytest.param(op, p, id=f"{op}-{p}") for op, p in (
+                 ("top_p_renorm_probs", "top_p"), ("top_k_renorm_probs", "top_k"), ("top_k_mask_logits", "top_k"))])
+GOOD_PARAMS = {"top_k": 5, "top_p": 0.9, "min_p": 0.1}
+
+
+def _call_with_param(op, param, value, **kw):
+    if op in SAMPLERS:
+        return _sampler_call(op, seed=0, offset=0, **{param: value}, **kw)
+    x = torch.randn(N_E, V_E) if op == "top_k_mask_logits" else torch.softmax(torch.randn(N_E, V_E), -1)
+    return getattr(kernforge, op)(x, value)
+
+
+@pytest.mark.parametrize("op,param", PARAM_OPS)
+def test_param_tensor_shape_errors_are_flashinfers(op, param):
+    """A 0-D, 2-D ([batch, vocab], as in FlashInfer's own test), 3-D or wrong-length parameter tensor
+    raises FlashInfer's ValueError with its exact message, whatever its dtype; where Python has
+    exception notes (>= 3.11), a note names the parameter."""
+    v = GOOD_PARAMS[param]
+    cases = [(torch.tensor(v), FI_0D), (torch.full((N_E, V_E), v), fi_nd(2)), (torch.full((1, N_E), v), fi_nd(2)),
+             (torch.full((N_E, 1, 1), v), fi_nd(3)), (torch.full((N_E - 1,), v), fi_length(N_E, N_E - 1)),
+             (torch.full((N_E + 1,), v), fi_length(N_E, N_E + 1)), (torch.full((0,), v), fi_length(N_E, 0))]
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+        for t, message in cases:
+            with pytest.raises(ValueError) as info:
+                _call_with_param(op, param, t.to(dtype))
+            assert str(info.value) == message, f"{op} {param} {dtype} {tuple(t.shape)}"
+            if hasattr(ValueError, "add_note"):
+                assert any(param in note for note in info.value.__notes__), info.value.__notes__
+    if op in SAMPLERS:  # with indices, one value per output row: the reference length is theirs
+        indices = torch.tensor([0, 1, 2, 3, 0, 1])
+        with pytest.raises(ValueError) as info:
+            _call_with_param(op, param, torch.full((N_E,), v), indices=indices)
+        assert str(info.value) == fi_length(len(indices), N_E)
+        assert _call_with_param(op, param, torch.full((len(indices),), v), indices=indices).shape == (len(indices),)
 
 
 # --------------------------------------------------------------------------- out=

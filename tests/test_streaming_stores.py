@@ -1,7 +1,8 @@
 """Outputs of 32 MiB or more are written with non-temporal stores (rows.h,
 kStreamingMinBytes) when their rows are vector-aligned; other rows of the same
 call fall back to regular stores. Both paths must give the reference result,
-on every tier, without touching memory outside the output."""
+on every tier (the lower ones run a slice covering each dtype and alignment),
+without touching memory outside the output."""
 
 import pytest
 import torch

@@ -1,12 +1,14 @@
 """Spec -> render -> compile -> cache -> load.
 
-``KernelSpec`` names a variant (template, parameters, tier). Its key is a
-readable prefix plus a hash of everything that decides the binary: rendered
-source, headers, full compiler command, compiler version, kernforge version
-and cffi mode. ``load_kernel`` returns the entry point, compiling on first use
-(once across processes: per-key file lock, checked before and after taking
-it). ``Variant`` is what ops hold: after the first call, getting the kernel is
-one attribute compare, with no hashing, rendering or filesystem work.
+``KernelSpec`` names a variant: a declared :class:`~kernforge.jit.module.Module`,
+its checked parameters and the tier it is built for. Its key is a readable
+prefix plus a hash of everything that decides the binary: rendered source, the
+headers it includes (exactly those), full compiler command, compiler version,
+kernforge version and cffi mode. ``build`` compiles on first use (once across
+processes: per-key file lock, checked before and after taking it) and loads a
+:class:`~kernforge.jit.module.Kernel`. ``Variant`` is what ops hold: after the
+first call, getting the kernel is one integer compare, with no hashing,
+rendering or filesystem work.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from kernforge._version import __version__
 from kernforge.cache import disk
 from kernforge.jit import compiler, isa, loader, render
+from kernforge.jit.module import Entry, Kernel, Module, registered
 
 log = logging.getLogger("kernforge")
 if not log.handlers:
@@ -40,31 +43,27 @@ class KernelNotCachedError(RuntimeError):
 
 @dataclass(frozen=True)
 class KernelSpec:
-    template: str
-    params: tuple[tuple[str, Any], ...]  # sorted (name, value) pairs
+    module: Module
+    params: tuple[tuple[str, Any], ...]  # checked, in declaration order
     tier: str
 
     @classmethod
-    def make(cls, template: str, params: dict, tier: str) -> "KernelSpec":
+    def make(cls, module: Module | str, params: Mapping[str, Any], tier: str) -> "KernelSpec":
+        module = registered(module) if isinstance(module, str) else module
         if tier not in isa.TIERS:
             raise isa.IsaError(f"unknown ISA tier {tier!r}; choose one of {', '.join(isa.TIER_ORDER)}")
-        return cls(template, tuple(sorted(params.items())), tier)
+        return cls(module, tuple(module.checked_params(params).items()), tier)
 
     @property
-    def op(self) -> str:
-        return self.template.split(".", 1)[0]
+    def template(self) -> str:
+        return self.module.template
 
     def prefix(self) -> str:
-        """Readable part of the key, e.g. ``norm_dtype-bf16_fused_add-1_gemma-0_avx512``."""
-        parts = [self.op, *(f"{k}-{_short(v)}" for k, v in self.params), self.tier]
-        return "_".join(parts)
+        """Readable part of the key, e.g. ``norm_dtype-bf16_fused_add-0_gemma-0_avx512``."""
+        return self.module.prefix(dict(self.params), self.tier)
 
     def variables(self) -> dict:
-        return {**dict(self.params), "op": self.op, "tier": self.tier}
-
-
-def _short(value: Any) -> str:
-    return str(int(value)) if isinstance(value, bool) else str(value)
+        return self.module.render_variables(dict(self.params), self.tier)
 
 
 @dataclass
@@ -81,7 +80,7 @@ class _Plan:
     """Everything decided before touching the cache."""
 
     spec: KernelSpec
-    rendered: render.Rendered
+    source: str
     mode: str
     requires: tuple[str, ...]
     runnable: bool
@@ -95,11 +94,17 @@ def _plan(spec: KernelSpec) -> _Plan:
     features = isa.cpu_features() if tier.requires else frozenset()
     runnable = all(f in features for f in tier.requires)
     flags = tier.compile_flags(features if runnable else None)  # cross-build: every optional flag
-    rendered = render.render(spec.template, spec.variables())
+    source = render.render(spec.template, spec.variables())
+    missing = [e.name for e in spec.module.entries.values() if e.symbol(spec.module.name) not in source]
+    if missing:  # else: a cffi compile error (api) or a .so without the symbol (abi)
+        raise ValueError(f"template {spec.template!r} does not define entry {missing[0]!r} of module "
+                         f"{spec.module.name!r}; write `{{{{ decl.{missing[0]} }}}} {{ ... }}` in it")
     mode = loader.cffi_mode()
-    # Header contents and the Python ABI stand in for include paths, so a cache
-    # copied to another install location or machine still matches.
-    content = [rendered.source, render.include_digest(), flags, __version__, mode, loader.python_abi(mode)]
+    # The headers this source includes (by content) and the Python ABI stand in for include
+    # paths, so a cache copied to another install location or machine still matches, and an
+    # edited header rebuilds only the variants that include it.
+    content = [source, spec.module.cdef, render.headers_digest(source), flags, __version__, mode,
+               loader.python_abi(mode)]
     content_digest = _sha(content)
     try:
         argv = compiler.compiler_argv()
@@ -107,12 +112,12 @@ def _plan(spec: KernelSpec) -> _Plan:
         if jit_enabled():
             raise
         # KERNFORGE_JIT=0 on a machine without a compiler: serve a prewarmed entry.
-        return _Plan(spec, rendered, mode, tier.used_features(flags), runnable, content_digest, None, None)
+        return _Plan(spec, source, mode, tier.used_features(flags), runnable, content_digest, None, None)
     includes = render.include_dirs() + ([loader.python_include()] if mode == "api" else [])
     command = compiler.build_command(argv, flags, includes, "<source>", "<output>")
     compiler_identity = [compiler.build_command(argv, flags, [], "", ""), compiler.compiler_version(tuple(argv))]
     key = f"{spec.prefix()}-{_sha([content_digest, compiler_identity])[:20]}"
-    return _Plan(spec, rendered, mode, tier.used_features(flags), runnable, content_digest, command, key)
+    return _Plan(spec, source, mode, tier.used_features(flags), runnable, content_digest, command, key)
 
 
 def _sha(parts: list) -> str:
@@ -124,7 +129,7 @@ def jit_enabled() -> bool:
 
 
 def _prewarm_hint(spec: KernelSpec) -> str:
-    words = ["python -m kernforge prewarm --template", spec.template]
+    words = ["python -m kernforge prewarm --module", spec.module.name]
     origin = render.template_origin(spec.template)
     if origin is not None:
         words += ["--template-dir", str(origin)]
@@ -132,9 +137,9 @@ def _prewarm_hint(spec: KernelSpec) -> str:
     return " ".join(words + ["--isa", spec.tier])
 
 
-def _ready(plan: _Plan, entry: disk.Entry, load: bool) -> Callable | bool | None:
-    """If the entry is intact and built from the plan's content: its entry
-    point (``load``) or True; else None, and the caller rebuilds it."""
+def _ready(plan: _Plan, entry: disk.Entry, load: bool) -> Kernel | bool | None:
+    """If the entry is intact and built from the plan's content: its loaded kernel
+    (``load``) or True; else None, and the caller rebuilds it."""
     meta = entry.trusted_meta()
     if meta is None or meta.get("content_digest") != plan.content_digest:
         return None
@@ -143,20 +148,23 @@ def _ready(plan: _Plan, entry: disk.Entry, load: bool) -> Callable | bool | None
     missing = [f for f in meta.get("requires", []) if f not in isa.cpu_features()]
     if missing:
         raise isa.IsaError(f"cached kernel {entry.key} needs {', '.join(missing)}, which this CPU lacks")
+    module = plan.spec.module
+    symbols = {name: e.symbol(module.name) for name, e in module.entries.items()}
     try:
-        return loader.load(plan.mode, entry.so, meta["module"], plan.rendered.cdecl, plan.rendered.entry)
+        ffi, functions = loader.load(plan.mode, entry.so, meta["extension"], module.cdef, symbols)
     except (OSError, ImportError, AttributeError) as exc:
         log.warning("cached %s does not load (%s); rebuilding it", entry.key, exc)
         return None
+    return Kernel(module, ffi, functions)
 
 
 def _compile(plan: _Plan, entry: disk.Entry) -> float:
     """Under the entry's lock: render to disk, compile to a temp name, commit."""
     entry.begin_build()
-    entry.source.write_text(plan.rendered.source)
+    entry.source.write_text(plan.source)
     source = entry.source
     if plan.mode == "api":
-        loader.write_api_wrapper(_module_name(plan.key), plan.rendered.cdecl, plan.rendered.source, entry.wrapper)
+        loader.write_api_wrapper(_module_name(plan.key), plan.spec.module.cdef, plan.source, entry.wrapper)
         source = entry.wrapper
     tmp = entry.temp_so()
     command = [str(source) if a == "<source>" else str(tmp) if a == "<output>" else a for a in plan.command]
@@ -167,13 +175,17 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
         tmp.unlink(missing_ok=True)
         raise
     entry.commit(tmp, {
-        "template": plan.spec.template, "params": dict(plan.spec.params), "tier": plan.spec.tier,
-        "requires": list(plan.requires), "command": command, "cffi_mode": plan.mode,
-        "content_digest": plan.content_digest, "module": _module_name(plan.key), "cdecl": plan.rendered.cdecl,
+        "module": plan.spec.module.name, "template": plan.spec.template, "params": _jsonable(plan.spec.params),
+        "tier": plan.spec.tier, "requires": list(plan.requires), "command": command, "cffi_mode": plan.mode,
+        "content_digest": plan.content_digest, "extension": _module_name(plan.key), "cdef": plan.spec.module.cdef,
         "compile_seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     log.info("compiled %s in %.2f s", plan.key, seconds)
     return seconds
+
+
+def _jsonable(params: tuple[tuple[str, Any], ...]) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params}
 
 
 def _module_name(key: str) -> str:
@@ -183,7 +195,7 @@ def _module_name(key: str) -> str:
 
 def build(
     spec: KernelSpec, load: bool | None = True, allow_compile: bool | None = None
-) -> tuple[BuildResult, Callable | None]:
+) -> tuple[BuildResult, Kernel | None]:
     """Make sure ``spec`` is in the cache (compiling it if needed); load it if
     asked (``load=None``: load only if this CPU can run the tier).
     ``allow_compile`` defaults to ``KERNFORGE_JIT``; prewarm passes True."""
@@ -191,7 +203,7 @@ def build(
     if load is None:
         load = plan.runnable
     if load and not plan.runnable:
-        isa._validate(spec.tier)  # raises with the missing features
+        isa.validate(spec.tier)  # raises with the missing features
     root = disk.cache_root()
     if plan.key is None:
         return _build_without_compiler(plan, root, load)
@@ -212,7 +224,7 @@ def build(
     return result, (found if load else None)
 
 
-def _build_without_compiler(plan: _Plan, root: Path, load: bool) -> tuple[BuildResult, Callable | None]:
+def _build_without_compiler(plan: _Plan, root: Path, load: bool) -> tuple[BuildResult, Kernel | None]:
     """No compiler and KERNFORGE_JIT=0: use a prewarmed entry with the same content."""
     for entry in disk.entries_with_prefix(root, plan.spec.prefix()):
         found = _ready(plan, entry, load)
@@ -228,23 +240,31 @@ def _not_cached(spec: KernelSpec, key: str, root: Path) -> KernelNotCachedError:
     )
 
 
-_memo: dict[KernelSpec, Callable] = {}
+# In-process memo of loaded kernels. Keyed by where the template and headers are found as well
+# as by the spec, so registering a template directory that shadows a built-in template (or
+# header) after a first call loads the user's variant instead of the memoized built-in one.
+_memo: dict[tuple, Kernel] = {}
 _memo_lock = threading.Lock()
 
 
-def load_kernel(template: str, params: dict, tier: str) -> Callable:
-    """The entry point of a variant, built on first use and memoized."""
-    spec = KernelSpec.make(template, params, tier)
-    fn = _memo.get(spec)
-    if fn is None:
-        _, fn = build(spec)
+def load_kernel(module: Module | str, params: Mapping[str, Any], tier: str) -> Kernel:
+    """The loaded variant, built on first use and memoized."""
+    return load_spec(KernelSpec.make(module, params, tier))
+
+
+def load_spec(spec: KernelSpec) -> Kernel:
+    memo_key = (spec, render.template_path(spec.template), tuple(render.include_dirs()))
+    kernel = _memo.get(memo_key)
+    if kernel is None:
+        _, kernel = build(spec)
         with _memo_lock:
-            fn = _memo.setdefault(spec, fn)
-    return fn
+            kernel = _memo.setdefault(memo_key, kernel)
+    return kernel
 
 
-# Bumped whenever the tier or template search path changes, so every
-# Variant re-resolves its kernel on its next call.
+# Bumped whenever the tier or the template search path changes, so every Variant re-resolves
+# its kernel on its next call. isa and render report those changes through listeners, so
+# neither imports this module.
 _generation = 0
 
 
@@ -253,41 +273,57 @@ def invalidate_dispatch() -> None:
     _generation += 1
 
 
+isa.on_change(invalidate_dispatch)
+render.on_change(invalidate_dispatch)
+
+
 class Variant:
-    """An op's handle on one template + parameters, over the tiers it has.
+    """One module's parameters, resolved to a kernel for the selected tier.
 
     ``kernel()`` is the hot path: one integer compare after the first call.
+    Get variants from :meth:`Module.variant` / :meth:`Module.select` (memoized).
     """
 
-    __slots__ = ("template", "params", "tiers", "_fn", "_generation")
+    __slots__ = ("module", "params", "_kernel", "_generation")
 
-    def __init__(self, template: str, params: dict, tiers: tuple[str, ...] = ("avx512", "avx2", "generic")):
-        self.template, self.params, self.tiers = template, params, tiers
-        self._fn: Callable | None = None
+    def __init__(self, module: Module, params: dict):
+        self.module, self.params = module, params
+        self._kernel: Kernel | None = None
         self._generation = -1
 
-    def kernel(self) -> Callable:
+    def kernel(self) -> Kernel:
         if self._generation == _generation:
-            return self._fn
+            return self._kernel
         return self._resolve()
 
     def spec(self, tier: str | None = None) -> KernelSpec:
-        return KernelSpec.make(self.template, self.params, self.tier_for(tier or isa.selected_tier()))
+        built = self.module.built_tier(tier or isa.selected_tier())
+        return KernelSpec(self.module, tuple(self.params.items()), built)
 
-    def tier_for(self, wanted: str) -> str:
-        """The best tier this variant has at or below ``wanted``."""
-        for tier in isa.TIER_ORDER[isa.TIER_ORDER.index(wanted):]:
-            if tier in self.tiers:
-                return tier
-        raise isa.IsaError(f"{self.template} has no variant at or below tier {wanted!r}")
-
-    def _resolve(self) -> Callable:
+    def _resolve(self) -> Kernel:
         generation = _generation
-        spec = self.spec()
-        self._fn = load_kernel(spec.template, dict(spec.params), spec.tier)
+        self._kernel = load_spec(self.spec())
         self._generation = generation
-        return self._fn
+        return self._kernel
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        return f"Variant({self.template!r}, {params})"
+        return f"Variant({self.module.name}, {params})"
+
+
+# The CPU probe is itself a cached JIT kernel (generic C++, so any x86 CPU runs it).
+CPU_PROBE = Module(
+    "cpu_probe", "cpu_probe.cpp.jinja", params={},
+    entries=[Entry("read", (("regs_out", "int64_t"),), returns="int64_t")],
+    tiers={tier: "generic" for tier in isa.TIER_ORDER},
+)
+
+
+def _read_cpu_registers() -> list[int]:
+    kernel = load_kernel(CPU_PROBE, {}, "generic")
+    regs = kernel.ffi.new("int64_t[8]")
+    kernel.read(kernel.address(regs))
+    return list(regs)
+
+
+isa.set_register_reader(_read_cpu_registers)

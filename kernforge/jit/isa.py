@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from functools import lru_cache
+from typing import Callable, Iterator
 
 # name -> (register index in the probe's output, bit, XCR0 state the OS must enable)
 _XCR0_AVX = 0b110  # SSE and AVX (YMM) state
@@ -108,6 +110,20 @@ _lock = threading.Lock()
 _features: frozenset[str] | None = None
 _forced: str | None = None
 _forced_read_env = False
+_listeners: list[Callable[[], None]] = []
+# Reads the raw CPUID/XGETBV registers: a compiled kernel, so the JIT installs it (isa sits
+# below the JIT and does not import it).
+_read_registers: Callable[[], list[int]] | None = None
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener`` whenever the selected tier changes."""
+    _listeners.append(listener)
+
+
+def set_register_reader(reader: Callable[[], list[int]]) -> None:
+    global _read_registers
+    _read_registers = reader
 
 
 def cpu_features() -> frozenset[str]:
@@ -121,12 +137,22 @@ def cpu_features() -> frozenset[str]:
 
 
 def _probe() -> frozenset[str]:
-    from kernforge.jit import core, loader  # the probe is itself a cached JIT kernel
+    if _read_registers is None:
+        raise RuntimeError("kernforge.jit.isa: no CPU register reader installed (import kernforge.jit)")
+    return decode_features(_read_registers())
 
-    probe = core.load_kernel("cpu_probe.cpp.jinja", {}, "generic")
-    regs, address = loader.new_buffer("int64_t[8]")
-    probe(address)
-    return decode_features(list(regs))
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (tuning records are kept per model)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def runnable(tier: str, features: frozenset[str] | None = None) -> bool:
@@ -143,7 +169,7 @@ def best_tier() -> str:
     return runnable_tiers()[0]
 
 
-def _validate(tier: str) -> str:
+def validate(tier: str) -> str:
     if tier not in TIERS:
         raise IsaError(f"unknown ISA tier {tier!r}; choose one of {', '.join(TIER_ORDER)}")
     if not runnable(tier):
@@ -161,7 +187,7 @@ def selected_tier() -> str:
     if not _forced_read_env:
         env = os.environ.get("KERNFORGE_ISA", "").strip().lower()
         if env and _forced is None:
-            _forced = _validate(env)  # a bad value raises on every call until fixed
+            _forced = validate(env)  # a bad value raises on every call until fixed
         _forced_read_env = True
     return _forced or best_tier()
 
@@ -169,11 +195,10 @@ def selected_tier() -> str:
 def set_isa(tier: str | None) -> None:
     """Force kernels to ``tier`` (None: back to the best runnable tier)."""
     global _forced, _forced_read_env
-    from kernforge.jit import core
-
-    _forced = None if tier is None else _validate(tier.lower())
+    _forced = None if tier is None else validate(tier.lower())
     _forced_read_env = True
-    core.invalidate_dispatch()
+    for listener in _listeners:
+        listener()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Load a compiled variant through cffi.
 
-Two modes, both fed by the template's ``cdecl``:
+Two modes, both fed by the module declaration's ``cdef``:
 
 * ``api`` (default): cffi generates a CPython extension around the kernel,
   compiled together with it. Calls convert arguments in C: the lowest
@@ -21,7 +21,6 @@ import sys
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import cffi
 import cffi.recompiler
@@ -49,27 +48,29 @@ def cffi_mode() -> str:
     return mode
 
 
-def write_api_wrapper(module_name: str, cdecl: str, kernel_source: str, path: Path) -> None:
+def write_api_wrapper(module_name: str, cdef: str, kernel_source: str, path: Path) -> None:
     """Emit the extension source: the kernel followed by cffi's wrapper."""
     ffi = cffi.FFI()
-    ffi.cdef(cdecl + ";")
+    ffi.cdef(cdef)
     cffi.recompiler.make_c_source(ffi, module_name, kernel_source, str(path), verbose=False)
 
 
-def load(mode: str, so_path: Path, module_name: str, cdecl: str, entry: str) -> Callable:
-    """Open the artifact; raises OSError/ImportError/AttributeError if it is unusable."""
+def load(mode: str, so_path: Path, module_name: str, cdef: str, symbols: dict[str, str]):
+    """Open the artifact: (its ffi, {entry name: function}). Raises
+    OSError/ImportError/AttributeError if it is unusable."""
     if mode == "abi":
         ffi = cffi.FFI()
-        ffi.cdef(cdecl + ";")
+        ffi.cdef(cdef)
         lib = ffi.dlopen(str(so_path))
         _keepalive.append((ffi, lib))
-        return getattr(lib, entry)
-    loader = importlib.machinery.ExtensionFileLoader(module_name, str(so_path))
-    spec = importlib.util.spec_from_file_location(module_name, so_path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    _keepalive.append(module)
-    return getattr(module.lib, entry)
+    else:
+        loader = importlib.machinery.ExtensionFileLoader(module_name, str(so_path))
+        spec = importlib.util.spec_from_file_location(module_name, so_path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        _keepalive.append(module)
+        ffi, lib = module.ffi, module.lib
+    return ffi, {entry: getattr(lib, symbol) for entry, symbol in symbols.items()}
 
 
 # Loaded libraries must outlive every function pointer taken from them.

@@ -1,9 +1,8 @@
-"""Render kernel templates.
+"""Render kernel templates, and find the headers a rendered source includes.
 
-A template emits the C++ config block and the exported entry point; its
-top-level ``{% set cdecl = "..." %}`` is the entry's C declaration, which cffi
-reads, so the declaration has one source of truth. Kernel bodies live in the
-headers under ``templates/include``.
+A template emits the C++ config block and the exported entry points, whose
+declarations come from its module's declaration (``{{ decl.<entry> }}``);
+kernel bodies live in the headers under ``templates/include``.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ import hashlib
 import os
 import re
 import threading
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import jinja2
 
@@ -23,14 +22,12 @@ PACKAGE_INCLUDE = PACKAGE_TEMPLATES / "include"
 
 _user_dirs: list[Path] = []
 _lock = threading.Lock()
-_ENTRY_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
+_listeners: list[Callable[[], None]] = []
 
 
-@dataclass(frozen=True)
-class Rendered:
-    source: str
-    cdecl: str  # C declaration of the entry point, without ';'
-    entry: str  # the entry point's name
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener`` whenever the template search path changes."""
+    _listeners.append(listener)
 
 
 def register_template_dir(path: str | Path) -> None:
@@ -44,9 +41,12 @@ def register_template_dir(path: str | Path) -> None:
     with _lock:
         if path not in _user_dirs:
             _user_dirs.insert(0, path)
-    from kernforge.jit import core
+    search_path_changed()
 
-    core.invalidate_dispatch()
+
+def search_path_changed() -> None:
+    for listener in _listeners:
+        listener()
 
 
 def user_template_dirs() -> list[Path]:
@@ -62,10 +62,6 @@ def template_dirs() -> list[Path]:
 
 def include_dirs() -> list[Path]:
     return [d / "include" for d in user_template_dirs() if (d / "include").is_dir()] + [PACKAGE_INCLUDE]
-
-
-def _environment() -> jinja2.Environment:
-    return _environment_for(tuple(template_dirs()))
 
 
 @lru_cache(maxsize=8)
@@ -86,33 +82,87 @@ def template_origin(template: str) -> Path | None:
     return None
 
 
-def render(template: str, variables: dict) -> Rendered:
+def template_path(template: str) -> Path | None:
+    """The file the template resolves to on the current search path."""
+    for d in template_dirs():
+        if (d / template).is_file():
+            return d / template
+    return None
+
+
+def render(template: str, variables: dict) -> str:
     try:
-        module = _environment().get_template(template).make_module(variables)
+        return _environment_for(tuple(template_dirs())).get_template(template).render(variables)
     except jinja2.TemplateNotFound as exc:
         raise ValueError(
             f"kernel template {template!r} not found in {', '.join(map(str, template_dirs()))}"
         ) from exc
-    cdecl = getattr(module, "cdecl", None)
-    if not isinstance(cdecl, str):
-        raise ValueError(f"template {template!r} must set a top-level `cdecl` (the entry's C declaration)")
-    cdecl = cdecl.strip().rstrip(";")
-    match = _ENTRY_NAME.search(cdecl)
-    if match is None:
-        raise ValueError(f"template {template!r}: cannot find the function name in cdecl {cdecl!r}")
-    return Rendered(str(module), cdecl, match.group(1))
+    except jinja2.UndefinedError as exc:
+        raise ValueError(f"template {template!r}: {exc}") from exc
 
 
-def include_digest() -> str:
-    """Hash of every header a kernel may include: part of each variant's key,
-    so an edited header can never load a stale artifact."""
-    return _digest_of(tuple(include_dirs()))
+# --------------------------------------------------------------------------- included headers
+
+# Quoted includes are ours (system headers <...> are covered by the compiler's version in the key).
+_QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-@lru_cache(maxsize=8)
-def _digest_of(roots: tuple[Path, ...]) -> str:
+def headers_digest(source: str) -> str:
+    """Hash of every header ``source`` includes, directly or not, by name and content.
+
+    Includes are followed through every ``#if`` branch, so the set can be larger than what one
+    tier compiles, never smaller: an edited header rebuilds exactly the variants that may use it.
+    """
     digest = hashlib.sha256()
-    for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for name, path in included_headers(source):
+        digest.update(name.encode() + b"\0" + _read(path)[2] + b"\0")
     return digest.hexdigest()
+
+
+def included_headers(source: str) -> list[tuple[str, Path]]:
+    """(include name, resolved file) of every quoted include reachable from ``source``."""
+    roots = tuple(include_dirs())
+    found: dict[str, Path] = {}
+    pending = [(m.decode(), None) for m in _QUOTED_INCLUDE.findall(source.encode())]
+    while pending:
+        name, including_dir = pending.pop()
+        path = _resolve(name, (including_dir, *roots) if including_dir else roots)
+        if path is None:
+            continue  # the compiler reports a missing header, with its location
+        label = _label(path, roots)
+        if label in found:
+            continue
+        found[label] = path
+        pending.extend((child, path.parent) for child in _read(path)[3])
+    return sorted(found.items())
+
+
+def _label(path: Path, roots: tuple[Path, ...]) -> str:
+    """A header's name relative to its include root: one name however it was reached."""
+    for root in roots:
+        if root in path.parents:
+            return str(path.relative_to(root))
+    return str(path)
+
+
+def _resolve(name: str, roots: tuple[Path, ...]) -> Path | None:
+    """Where the compiler finds a quoted include: the including file's folder, then -I."""
+    for root in roots:
+        candidate = root / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+_read_cache: dict[Path, tuple[int, int, bytes, list[str]]] = {}
+
+
+def _read(path: Path) -> tuple[int, int, bytes, list[str]]:
+    """(mtime_ns, size, bytes, quoted includes) of a header, re-read only when it changes."""
+    st = path.stat()
+    cached = _read_cache.get(path)
+    if cached is None or cached[:2] != (st.st_mtime_ns, st.st_size):
+        data = path.read_bytes()
+        cached = (st.st_mtime_ns, st.st_size, data, [m.decode() for m in _QUOTED_INCLUDE.findall(data)])
+        _read_cache[path] = cached
+    return cached

@@ -12,8 +12,8 @@ import os
 import torch
 
 from kernforge.jit.core import Variant
+from kernforge.ops._registry import DTYPE_NAMES, OpKernels
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
@@ -33,19 +33,18 @@ def dtype_name(value: str | torch.dtype) -> str:
     return name
 
 
-def variants_by_dtype(template: str, **params) -> dict:
-    """One op's kernels: {torch.dtype: Variant of ``template`` with ``params``}."""
-    return {dtype: Variant(template, {"dtype": name, **params}) for dtype, name in DTYPE_NAMES.items()}
-
-
-def variant_for_input(variants: dict, t: object, name: str):
+def variant_for_input(kernels: OpKernels, t: object, name: str) -> Variant:
     """The op's variant for a CPU float tensor ``t``: the dtype check and the lookup in one."""
     try:  # warm path: two attribute reads and a dict lookup
         if t.is_cpu:
-            return variants[t.dtype]
+            return kernels.by_dtype[t.dtype]
     except (AttributeError, KeyError):
         pass
     _explain_float_tensor(t, name)
+    try:
+        return kernels.variant(t.dtype)  # the first call with this dtype
+    except ValueError as exc:
+        raise TypeError(f"{name}: {exc}") from None
 
 
 def same_dtype(t: object, name: str, like: torch.Tensor) -> None:
@@ -73,10 +72,25 @@ def _explain_float_tensor(t: object, name: str) -> None:
 # call: tensor.stride(i) and tensor.size(i) cost twice as much as the tuples.
 
 
-def writable_rows(shape: torch.Size, strides: tuple[int, ...], name: str) -> None:
-    """Tensors the kernel writes need a contiguous last dimension."""
+def writable_rows(t: torch.Tensor, shape: torch.Size, strides: tuple[int, ...], name: str) -> None:
+    """Tensors the kernel writes need a contiguous last dimension, and rows that do not
+    overlap (an expanded tensor would be written by several threads at once)."""
     if strides[-1] != 1 and shape[-1] > 1:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {strides}")
+    if not t.is_contiguous() and _overlaps(shape, strides):
+        raise ValueError(f"{name}'s rows overlap (shape {tuple(shape)}, strides {strides}): "
+                         "rows are written in parallel, so each element needs memory of its own")
+
+
+def _overlaps(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether two indices may share an element: dims by increasing stride must each step over
+    everything the smaller ones span (sufficient, and what every non-exotic layout meets)."""
+    span = 0  # elements covered by the dims seen so far, minus one
+    for stride, size in sorted((s, n) for s, n in zip(strides, shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def readable_rows(t: torch.Tensor, shape: torch.Size, strides: tuple[int, ...]):
@@ -94,7 +108,7 @@ def checked_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -
     if out.shape != shape:
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     strides = out.stride()
-    writable_rows(shape, strides, "out")
+    writable_rows(out, shape, strides, "out")
     return strides
 
 

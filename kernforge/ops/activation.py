@@ -4,41 +4,39 @@ from __future__ import annotations
 
 import torch
 
-from kernforge.ops._common import (
-    checked_out,
-    num_threads,
-    readable_rows,
-    row_geometry,
-    rows_view,
-    variant_for_input,
-    variants_by_dtype,
+from kernforge.jit.module import DType, Entry, Enum, Module
+from kernforge.ops._common import checked_out, num_threads, readable_rows, row_geometry, rows_view, variant_for_input
+from kernforge.ops._registry import kernel_op
+
+# out[i0, i1, :d] = act(input[i0, i1, :d]) * input[i0, i1, d:2d] over n0 x n1 rows at 2-D strides.
+ACTIVATION = Module(
+    "activation", "activation.cpp.jinja",
+    params={"dtype": DType(), "act": Enum(("silu", "gelu", "gelu_tanh"))},
+    entries=[Entry("run", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
+                          "int64_t in_s1, int64_t n0, int64_t n1, int64_t d, int64_t num_threads")],
 )
 
-TEMPLATE = "activation.cpp.jinja"
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
-# {act: {torch.dtype: Variant}}: a call finds its kernel without building a key.
-_BY_ACT = {act: variants_by_dtype(TEMPLATE, act=act) for act in ACTIVATIONS}
-OPS = {f"{act}_and_mul": _BY_ACT[act] for act in ACTIVATIONS}
-
-
+@kernel_op(ACTIVATION, act="silu")
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` (SwiGLU)."""
-    return _gated(input, out, "silu")
+    return _gated(input, out, silu_and_mul.kernels)
 
 
+@kernel_op(ACTIVATION, act="gelu")
 def gelu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu(x[..., :d]) * x[..., d:]`` with the exact (erf) GELU (GeGLU)."""
-    return _gated(input, out, "gelu")
+    return _gated(input, out, gelu_and_mul.kernels)
 
 
+@kernel_op(ACTIVATION, act="gelu_tanh")
 def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu(x[..., :d], approximate="tanh") * x[..., d:]``."""
-    return _gated(input, out, "gelu_tanh")
+    return _gated(input, out, gelu_tanh_and_mul.kernels)
 
 
-def _gated(input, out, act):
-    variant = variant_for_input(_BY_ACT[act], input, "input")
+def _gated(input, out, kernels):
+    variant = variant_for_input(kernels, input, "input")
     shape = input.shape
     if not shape or shape[-1] % 2:
         raise ValueError(f"input's last dimension must be even (2 * d), got shape {tuple(shape)}")
@@ -55,7 +53,7 @@ def _gated(input, out, act):
     n0, n1, in_s0, in_s1 = row_geometry(rows_in.shape, in_strides)
     _, _, out_s0, out_s1 = row_geometry(rows_out.shape, rows_out.stride())
     if n0 * n1 * d:
-        variant.kernel()(
+        variant.kernel().run(
             rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
         )
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernforge.jit.core import Variant
+from kernforge.jit.module import Bool, DType, Entry, Module
 from kernforge.ops._common import (
     checked_out,
     num_threads,
@@ -12,53 +13,53 @@ from kernforge.ops._common import (
     row_geometry,
     same_dtype,
     variant_for_input,
-    variants_by_dtype,
     writable_rows,
 )
+from kernforge.ops._registry import OpKernels, kernel_op
 
-TEMPLATE = "norm.cpp.jinja"
-
-# One compiled variant per (op, dtype), found by torch.dtype without building a key.
-_RMSNORM = variants_by_dtype(TEMPLATE, fused_add=False, gemma=False)
-_GEMMA_RMSNORM = variants_by_dtype(TEMPLATE, fused_add=False, gemma=True)
-_FUSED_ADD = variants_by_dtype(TEMPLATE, fused_add=True, gemma=False)
-_GEMMA_FUSED_ADD = variants_by_dtype(TEMPLATE, fused_add=True, gemma=True)
-OPS = {
-    "rmsnorm": _RMSNORM,
-    "gemma_rmsnorm": _GEMMA_RMSNORM,
-    "fused_add_rmsnorm": _FUSED_ADD,
-    "gemma_fused_add_rmsnorm": _GEMMA_FUSED_ADD,
-}
+# out = norm(input [+ residual]) * weight over n0 x n1 rows of `hidden` elements at 2-D strides;
+# with fused_add, residual is updated in place and out may be input.
+NORM = Module(
+    "norm", "norm.cpp.jinja",
+    params={"dtype": DType(), "fused_add": Bool(), "gemma": Bool()},
+    entries=[Entry("run", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
+                          "int64_t in_s1, int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, "
+                          "int64_t n0, int64_t n1, int64_t hidden, double eps, int64_t num_threads")],
+)
 
 
+@kernel_op(NORM, fused_add=False, gemma=False)
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """``out = input / sqrt(mean(input**2, -1) + eps) * weight``; input ``[N, D]`` or ``[B, H, D]``."""
-    return _normalize(input, weight, eps, out, _RMSNORM)
+    return _normalize(input, weight, eps, out, rmsnorm.kernels)
 
 
+@kernel_op(NORM, fused_add=False, gemma=True)
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """Gemma's RMSNorm: scales by ``1 + weight``."""
-    return _normalize(input, weight, eps, out, _GEMMA_RMSNORM)
+    return _normalize(input, weight, eps, out, gemma_rmsnorm.kernels)
 
 
+@kernel_op(NORM, fused_add=True, gemma=False)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> None:
     """In place: ``residual += input; input = rmsnorm(residual)``.
 
     The sum is formed in fp32 and normalized before rounding; ``residual``
     stores it rounded to the dtype.
     """
-    _fused_add(input, residual, weight, eps, _FUSED_ADD)
+    _fused_add(input, residual, weight, eps, fused_add_rmsnorm.kernels)
 
 
+@kernel_op(NORM, fused_add=True, gemma=True)
 def gemma_fused_add_rmsnorm(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> None:
     """In place, Gemma scaling: ``residual += input; input = gemma_rmsnorm(residual)``."""
-    _fused_add(input, residual, weight, eps, _GEMMA_FUSED_ADD)
+    _fused_add(input, residual, weight, eps, gemma_fused_add_rmsnorm.kernels)
 
 
-def _variant_and_shape(variants: dict, input: torch.Tensor) -> tuple[Variant, torch.Size]:
-    variant = variant_for_input(variants, input, "input")
+def _variant_and_shape(kernels: OpKernels, input: torch.Tensor) -> tuple[Variant, torch.Size]:
+    variant = variant_for_input(kernels, input, "input")
     shape = input.shape
     if len(shape) not in (2, 3):
         raise ValueError(f"input must be 2-D [tokens, hidden] or 3-D [batch, heads, hidden], got shape {tuple(shape)}")
@@ -72,8 +73,8 @@ def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> t
     return weight if weight.is_contiguous() else weight.contiguous()
 
 
-def _normalize(input, weight, eps, out, variants):
-    variant, shape = _variant_and_shape(variants, input)
+def _normalize(input, weight, eps, out, kernels):
+    variant, shape = _variant_and_shape(kernels, input)
     weight = _checked_weight(weight, input, shape[-1])
     input, strides = readable_rows(input, shape, input.stride())
     if out is None:
@@ -85,27 +86,27 @@ def _normalize(input, weight, eps, out, variants):
     _, _, out_s0, out_s1 = row_geometry(shape, out_strides)
     if n0 * n1 * shape[-1] == 0:
         return out
-    variant.kernel()(
+    variant.kernel().run(
         out.data_ptr(), out_s0, out_s1, input.data_ptr(), in_s0, in_s1, 0, 0, 0,
         weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )
     return out
 
 
-def _fused_add(input, residual, weight, eps, variants):
-    variant, shape = _variant_and_shape(variants, input)
+def _fused_add(input, residual, weight, eps, kernels):
+    variant, shape = _variant_and_shape(kernels, input)
     same_dtype(residual, "residual", input)
     if residual.shape != shape:
         raise ValueError(f"residual must have the input's shape {tuple(shape)}, got {tuple(residual.shape)}")
     strides, res_strides = input.stride(), residual.stride()
-    writable_rows(shape, strides, "input")
-    writable_rows(shape, res_strides, "residual")
+    writable_rows(input, shape, strides, "input")
+    writable_rows(residual, shape, res_strides, "residual")
     weight = _checked_weight(weight, input, shape[-1])
     n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
     _, _, res_s0, res_s1 = row_geometry(shape, res_strides)
     if n0 * n1 * shape[-1] == 0:
         return
-    variant.kernel()(
+    variant.kernel().run(
         input.data_ptr(), in_s0, in_s1, input.data_ptr(), in_s0, in_s1, residual.data_ptr(), res_s0, res_s1,
         weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
     )

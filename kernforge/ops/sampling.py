@@ -5,10 +5,11 @@ so the result never depends on how ties are ordered:
 
 * top-k: ``t`` is the k-th largest value; entries tied with it are all kept
   (more than k may survive). ``top_k >= vocab`` keeps every entry.
-* top-p: ``x`` is kept iff the mass of strictly larger entries is below
-  ``top_p * mass(row)``: the smallest set of largest entries reaching ``top_p``
-  of the mass, ties at the cut kept. ``top_p = 1`` keeps everything.
-* min-p: ``t = min_p * max(row)``.
+* top-p: ``t`` is the largest value with ``mass(x >= t) >= top_p * mass(row)``:
+  the smallest set of largest entries reaching ``top_p`` of the mass, ties at
+  the cut kept. ``top_p = 0`` keeps the largest entry and its ties (as
+  FlashInfer's top-p renorm does); ``top_p >= 1`` keeps everything.
+* min-p: ``t = min_p * max(row)``; ``min_p <= 0`` keeps everything.
 * ``top_k_top_p``: ``filter_apply_order="top_k_first"`` applies top-p to the
   top-k renormalized row; ``"joint"`` keeps the intersection of both filters
   on the full row.
@@ -22,6 +23,16 @@ deterministic whatever the thread count; ``deterministic`` is accepted for
 FlashInfer compatibility. A row with a NaN or without positive mass gives
 token 0 and ``valid = False``.
 
+Per-row parameters (``top_k``, ``top_p``, ``min_p``, softmax's ``temperature``)
+are a Python number or a 1-D CPU tensor with one value per output row; a 0-D,
+2-D or wrong-length tensor raises FlashInfer's ValueError, word for word.
+``top_k`` / ``top_p`` / ``min_p`` tensors of any dtype are cast by value, as
+FlashInfer's ``.int()`` / ``.float()`` (a float ``top_k`` truncates); a
+``temperature`` tensor must be floating-point, as in FlashInfer. Values
+FlashInfer leaves undefined (a hang, token 0 flagged invalid, NaN) raise
+ValueError before any row is touched: ``top_k < 1``, ``top_p < 0``,
+``min_p > 1``, NaN, and a temperature that is not finite and > 0.
+
 ``*_from_logits`` ops compute exactly :func:`softmax` and then the matching
 ``*_from_probs`` op, fused per row, so their samples are those of
 ``softmax`` followed by the ``*_from_probs`` op for the same seed.
@@ -33,21 +44,30 @@ from numbers import Integral, Real
 
 import torch
 
-from kernforge.ops._common import num_threads, readable_rows, variant_for_input, variants_by_dtype, writable_rows
+from kernforge.jit.module import DType, Entry, Module, Struct
+from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
+from kernforge.ops._registry import ALL_DTYPES, export, kernel_op
 
-TEMPLATE = "sampling.cpp.jinja"
-_ALL_DTYPES = variants_by_dtype(TEMPLATE)  # {torch.dtype: Variant}, keyed by the input's dtype
-_FP32_ONLY = {torch.float32: _ALL_DTYPES[torch.float32]}
-
-# op name -> the kernels it runs (for pre-warm): probs are fp32, logits and renorm inputs any float.
-OPS = {
-    **{name: _FP32_ONLY for name in (
-        "sampling_from_probs", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
-        "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs")},
-    **{name: _ALL_DTYPES for name in (
-        "softmax", "sampling_from_logits", "top_k_top_p_sampling_from_logits", "top_p_renorm_probs",
-        "top_k_renorm_probs", "top_k_mask_logits")},
-}
+_I64 = "int64_t"
+# One kernel for every sampling op: which op is `action`; per-row parameters are a scalar or an
+# array (`*_arr`, 0 when absent); addresses are int64. Filled by name from Python.
+SAMPLING_ARGS = Struct("kf_sampling_args", (
+    ("action", _I64), ("input", _I64), ("input_stride", _I64), ("input_rows", _I64), ("vocab", _I64),
+    ("from_logits", _I64), ("row_index", _I64), ("row_index_64", _I64), ("batch", _I64),
+    ("top_k_arr", _I64), ("top_k", _I64), ("top_p_arr", _I64), ("top_p", "double"),
+    ("min_p_arr", _I64), ("min_p", "double"), ("temperature_arr", _I64), ("temperature", "double"),
+    ("top_k_first", _I64), ("seed_arr", _I64), ("seed_len", _I64), ("seed", _I64),
+    ("offset_arr", _I64), ("offset_len", _I64), ("offset", _I64),
+    ("samples", _I64), ("samples_64", _I64), ("valid", _I64), ("out", _I64), ("out_stride", _I64),
+    ("num_threads", _I64),
+))
+SAMPLING = Module(
+    "sampling", "sampling.cpp.jinja",
+    params={"dtype": DType()},
+    structs=[SAMPLING_ARGS],
+    entries=[Entry("run", "const kf_sampling_args* args", returns="int64_t")],
+)
+_FP32 = (torch.float32,)  # probabilities are fp32, as in FlashInfer
 
 _SAMPLE, _RENORM, _MASK_LOGITS, _SOFTMAX = 0, 1, 2, 3
 _FILTER_ORDERS = ("top_k_first", "joint")
@@ -55,8 +75,8 @@ _FILTER_ORDERS = ("top_k_first", "joint")
 # Error kinds the kernel reports as (kind << 32) | row, checked before it touches any row.
 _PARAM_RULES = {
     1: ("top_k", "must be >= 1"),
-    2: ("top_p", "must be in (0, 1]"),
-    3: ("min_p", "must be in [0, 1]"),
+    2: ("top_p", "must be >= 0"),
+    3: ("min_p", "must be <= 1"),
     4: ("temperature", "must be finite and > 0"),
     5: ("indices", "must be in [0, number of rows of the input)"),
 }
@@ -79,7 +99,8 @@ class _Call:
         self.values = {}  # argument name -> its Python scalar or tensor, for error messages
         self.batch = self.rows if indices is None else _checked_indices(indices, self.rows)
         self.args = {
-            "input": x.data_ptr(), "row_index": 0, "row_index_64": 0,
+            "input": x.data_ptr(), "input_stride": self.stride, "input_rows": self.rows, "vocab": self.vocab,
+            "batch": self.batch, "row_index": 0, "row_index_64": 0,
             "top_k_arr": 0, "top_k": self.vocab, "top_p_arr": 0, "top_p": 1.0, "min_p_arr": 0, "min_p": 0.0,
             "temperature_arr": 0, "temperature": 1.0, "top_k_first": 1,
             "seed_arr": 0, "seed_len": 0, "seed": 0, "offset_arr": 0, "offset_len": 0, "offset": 0,
@@ -93,7 +114,7 @@ class _Call:
             self.values["indices"] = indices
 
     def per_row(self, name: str, value, integral: bool) -> None:
-        """A per-request parameter: a Python number or a [batch] tensor."""
+        """A per-request parameter: a Python number or a [batch] tensor, checked as FlashInfer does."""
         if value is None:
             return
         self.values[name] = value
@@ -101,6 +122,9 @@ class _Call:
             self.args[f"{name}_arr"] = self._row_tensor(name, value, integral).data_ptr()
             return
         if isinstance(value, bool) or not isinstance(value, Integral if integral else Real):
+            if name == "temperature":  # FlashInfer's _validate_softmax_temperature
+                raise TypeError("temperature must be None, a real scalar, or a 1D floating-point tensor with one "
+                                "value per logits row")
             kind = "an int" if integral else "a float"
             raise TypeError(f"{name} must be {kind} or a [batch] tensor, got {type(value).__name__}")
         if integral:
@@ -108,13 +132,14 @@ class _Call:
         self.args[name] = value
 
     def _row_tensor(self, name: str, t: torch.Tensor, integral: bool) -> torch.Tensor:
+        """``t`` after FlashInfer's checks, cast by value (FlashInfer's ``.int()`` / ``.float()``) to the
+        kernel's int64 / fp32; one value per output row."""
+        if name == "temperature":
+            _check_temperature_tensor(t, self.batch)
+        else:
+            _check_param_tensor(name, t, self.batch)
         if not t.is_cpu:
             raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
-        if integral != (not t.dtype.is_floating_point and t.dtype != torch.bool):
-            kind = "an integer" if integral else "a floating-point"
-            raise TypeError(f"{name} must have {kind} dtype, got {t.dtype}")
-        if t.shape != (self.batch,):
-            raise ValueError(f"{name} must have shape ({self.batch},) (one value per output row), got {tuple(t.shape)}")
         t = t.to(torch.int64 if integral else torch.float32).contiguous()
         self.keep.append(t)
         return t
@@ -145,14 +170,9 @@ class _Call:
     def run(self, variant, action: int, from_logits: bool) -> None:
         if not self.batch:
             return
-        a = self.args
-        status = variant.kernel()(
-            action, a["input"], self.stride, self.rows, self.vocab, int(from_logits), a["row_index"],
-            a["row_index_64"], self.batch, a["top_k_arr"], a["top_k"], a["top_p_arr"], a["top_p"], a["min_p_arr"],
-            a["min_p"], a["temperature_arr"], a["temperature"], a["top_k_first"], a["seed_arr"], a["seed_len"],
-            a["seed"], a["offset_arr"], a["offset_len"], a["offset"], a["samples"], a["samples_64"], a["valid"],
-            a["out"], a["out_stride"], num_threads(),
-        )
+        kernel = variant.kernel()
+        self.args.update(action=action, from_logits=int(from_logits), num_threads=num_threads())
+        status = kernel.run(kernel.new("kf_sampling_args", self.args))
         if status:
             self._raise_param_error(status >> 32, status & 0xFFFFFFFF)
 
@@ -176,10 +196,45 @@ def _checked_out(out, shape, dtype) -> torch.Tensor:
         raise ValueError(f"out is on device {out.device}; kernforge kernels run on the CPU")
     if out.shape != shape:
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    writable_rows(shape, out.stride(), "out")
-    if shape[0] > 1 and out.stride(0) < shape[1]:
-        raise ValueError(f"out's rows overlap (strides {out.stride()} for shape {tuple(shape)}); rows are written in parallel")
+    writable_rows(out, shape, out.stride(), "out")
     return out
+
+
+def _param_error(name: str, message: str) -> ValueError:
+    """FlashInfer's ValueError, word for word; a note (shown in tracebacks) names the parameter."""
+    error = ValueError(message)
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(f"(kernforge: the sampling parameter is {name})")
+    return error
+
+
+def _check_param_tensor(name: str, t: torch.Tensor, batch: int) -> None:
+    """FlashInfer's check_tensor_param (csrc/sampling_utils.h) for a top_k / top_p / min_p tensor.
+    Its reference length is the number of output rows (FlashInfer's probs.size(0) without indices)."""
+    if t.dim() == 0:
+        raise _param_error(name, "Expected a 1D tensor of shape (batch_size,) or scalar for the sampling "
+                                 "parameter, but got a 0-dimensional tensor.")
+    if t.dim() > 1:
+        raise _param_error(name, f"Expected a 1D tensor or scalar for the sampling parameter, but got a "
+                                 f"{t.dim()}D tensor.")
+    if t.shape[0] != batch:
+        raise _param_error(name, f"Sampling parameter tensor batch size mismatch: expected length {batch} to "
+                                 f"match the reference tensor batch size, but got length {t.shape[0]}.")
+
+
+_TEMPERATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_temperature_tensor(t: torch.Tensor, rows: int) -> None:
+    """FlashInfer's _validate_softmax_temperature (flashinfer/sampling.py) for a temperature tensor."""
+    if t.dim() != 1:
+        raise ValueError(f"temperature tensor must be 1D with one value per logits row, got shape {tuple(t.shape)}")
+    if t.shape[0] != rows:
+        raise ValueError(f"temperature tensor length must equal logits.size(0) ({rows}), got {t.shape[0]}")
+    if not t.is_cpu:
+        raise ValueError(f"temperature tensor must be on the same device as logits (cpu), got {t.device}")
+    if t.dtype not in _TEMPERATURE_DTYPES:
+        raise ValueError(f"temperature tensor must have dtype float16, bfloat16, float32, or float64, got {t.dtype}")
 
 
 def _checked_indices(indices, rows: int) -> int:
@@ -192,19 +247,19 @@ def _checked_indices(indices, rows: int) -> int:
     return indices.shape[0]
 
 
-def _input(x, name: str, dtypes: dict, check_nan: bool = False):
-    """The variant for input ``x`` (one of ``dtypes``), after the type and NaN checks."""
-    variant = variant_for_input(_ALL_DTYPES, x, name)
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+def _input(x, name: str, kernels, check_nan: bool = False):
+    """The variant for input ``x`` (one of the op's dtypes), after the type and NaN checks."""
+    if isinstance(x, torch.Tensor) and x.dtype in ALL_DTYPES and x.dtype not in kernels.dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in kernels.dtypes)}, got {x.dtype}")
+    variant = variant_for_input(kernels, x, name)
     if check_nan and torch.isnan(x).any():
         raise ValueError(f"{name} contains NaN")
     return variant
 
 
-def _sample(x, name, *, from_logits, indices, generator, check_nan, seed, offset, return_valid,
+def _sample(x, name, kernels, *, from_logits, indices, generator, check_nan, seed, offset, return_valid,
             top_k=None, top_p=None, min_p=None, filter_apply_order="top_k_first"):
-    variant = _input(x, name, _ALL_DTYPES if from_logits else _FP32_ONLY, check_nan)
+    variant = _input(x, name, kernels, check_nan)
     if filter_apply_order not in _FILTER_ORDERS:
         raise ValueError(f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}")
     call = _Call(x, name, indices)
@@ -220,9 +275,9 @@ def _sample(x, name, *, from_logits, indices, generator, check_nan, seed, offset
     return (samples, valid) if return_valid else samples
 
 
-def _rows_out(x, name, dtypes, action, out, out_dtype=None, **per_row):
+def _rows_out(x, name, kernels, action, out, out_dtype=None, **per_row):
     """Renorm / mask / softmax: one output row per input row, into ``out`` (which may be ``x``)."""
-    variant = _input(x, name, dtypes)
+    variant = _input(x, name, kernels)
     call = _Call(x, name, None)
     for param, value in per_row.items():
         call.per_row(param, value, integral=param == "top_k")
@@ -235,65 +290,73 @@ def _rows_out(x, name, dtypes, action, out, out_dtype=None, **per_row):
 # --------------------------------------------------------------------------- public ops
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = None, enable_pdl: bool | None = None,
             out: torch.Tensor | None = None):
     """``torch.softmax(logits / temperature, -1)`` in fp32; temperature a float or a [batch] tensor.
     ``enable_pdl`` is a GPU launch option, accepted for FlashInfer compatibility. ``out`` (fp32, an
     addition to FlashInfer's signature, like the renorm ops'): a preallocated result, or fp32
     ``logits`` themselves."""
-    return _rows_out(logits, "logits", _ALL_DTYPES, _SOFTMAX, out, torch.float32, temperature=temperature)
+    return _rows_out(logits, "logits", softmax.kernels, _SOFTMAX, out, torch.float32, temperature=temperature)
 
 
+@kernel_op(SAMPLING, _FP32)
 def sampling_from_probs(probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
                         offset=None, return_valid=False):
     """A token per output row, drawn from the categorical distribution ``probs`` (fp32 [rows, vocab])."""
-    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid)
+    return _sample(probs, "probs", sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid)
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def sampling_from_logits(logits, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
                          offset=None, return_valid=False):
     """``sampling_from_probs(softmax(logits))``, fused per row."""
-    return _sample(logits, "logits", from_logits=True, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid)
+    return _sample(logits, "logits", sampling_from_logits.kernels, from_logits=True, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid)
 
 
+@kernel_op(SAMPLING, _FP32)
 def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True, generator=None, check_nan=False,
                               seed=None, offset=None, return_valid=False):
     """Nucleus sampling: draw among the smallest set of largest probabilities holding ``top_p`` of the mass."""
-    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid, top_p=top_p)
+    return _sample(probs, "probs", top_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_p=top_p)
 
 
+@kernel_op(SAMPLING, _FP32)
 def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True, generator=None, check_nan=False,
                               seed=None, offset=None, return_valid=False):
     """Draw among the ``top_k`` largest probabilities (and entries tied with the k-th)."""
-    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k)
+    return _sample(probs, "probs", top_k_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k)
 
 
+@kernel_op(SAMPLING, _FP32)
 def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True, generator=None, check_nan=False,
                               seed=None, offset=None, return_valid=False):
     """Draw among the probabilities >= ``min_p * max(probs)``."""
-    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid, min_p=min_p)
+    return _sample(probs, "probs", min_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, min_p=min_p)
 
 
+@kernel_op(SAMPLING, _FP32)
 def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, filter_apply_order="top_k_first",
                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
                                     return_valid=False):
     """Top-k then top-p (``"top_k_first"``), or both on the full row (``"joint"``), then sample."""
-    return _sample(probs, "probs", from_logits=False, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
+    return _sample(probs, "probs", top_k_top_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
                    filter_apply_order=filter_apply_order)
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
                                      deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
                                      return_valid=False):
     """``top_k_top_p_sampling_from_probs(softmax(logits), ...)``, fused per row."""
-    return _sample(logits, "logits", from_logits=True, indices=indices, generator=generator, check_nan=check_nan,
-                   seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
+    return _sample(logits, "logits", top_k_top_p_sampling_from_logits.kernels, from_logits=True, indices=indices, generator=generator,
+                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
                    filter_apply_order=filter_apply_order)
 
 
@@ -302,21 +365,24 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_
 # page-faults on every call under glibc malloc and can cost more than the kernel.
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def top_p_renorm_probs(probs, top_p, out=None):
     """Zero the entries outside the top-p set and renormalize; same dtype as ``probs``."""
-    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, out, top_p=top_p)
+    return _rows_out(probs, "probs", top_p_renorm_probs.kernels, _RENORM, out, top_p=top_p)
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def top_k_renorm_probs(probs, top_k, out=None):
     """Zero the entries below the k-th largest and renormalize; same dtype as ``probs``."""
-    return _rows_out(probs, "probs", _ALL_DTYPES, _RENORM, out, top_k=top_k)
+    return _rows_out(probs, "probs", top_k_renorm_probs.kernels, _RENORM, out, top_k=top_k)
 
 
+@kernel_op(SAMPLING, ALL_DTYPES)
 def top_k_mask_logits(logits, top_k, out=None):
     """Set the logits below the k-th largest to -inf; same dtype as ``logits``."""
-    return _rows_out(logits, "logits", _ALL_DTYPES, _MASK_LOGITS, out, top_k=top_k)
+    return _rows_out(logits, "logits", top_k_mask_logits.kernels, _MASK_LOGITS, out, top_k=top_k)
 
 
 # FlashInfer's older singular names, which SGLang still calls.
-top_p_renorm_prob = top_p_renorm_probs
-top_k_renorm_prob = top_k_renorm_probs
+top_p_renorm_prob = export("top_p_renorm_prob", top_p_renorm_probs)
+top_k_renorm_prob = export("top_k_renorm_prob", top_k_renorm_probs)

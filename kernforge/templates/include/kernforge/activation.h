@@ -2,7 +2,13 @@
 // kf::VecF; the activation is a policy type with a static apply(VecF).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
+#include "kernforge/loops.h"
+#include "kernforge/parallel.h"
 #include "kernforge/rows.h"
+#include "kernforge/vec.h"
 
 namespace kf {
 
@@ -53,7 +59,7 @@ inline RowChunks split_row(int64_t d) {
 // Chunks start at multiples of kChunkAlign elements, so a streaming (aligned) row stays aligned.
 template <class Act, class T>
 inline void act_and_mul_span(T* out, const T* gate, const T* up, int64_t begin, int64_t end, bool stream) {
-  for_each_vector(begin, end, [&](int64_t j, int64_t count) {
+  for_each_vector(begin, end, [&](int, int64_t j, int64_t count) {
     store_out(Act::apply(VecF::load(gate + j, count)) * VecF::load(up + j, count), out + j, count, stream);
   });
 }

@@ -54,6 +54,18 @@ inline void compiler_barrier() { __asm__ __volatile__("" ::: "memory"); }
 
 // Loads a tile configuration for the lifetime of the scope and releases the tile state after it,
 // so the thread does not keep AMX state live (which costs on every context switch).
+//
+// The configuration is per thread, and LDTILECFG also zeroes every tile: a parallel kernel loads it
+// once per thread per parallel region, not once per task. kf::parallel_blocks (parallel.h) hands
+// each thread its one block of tasks, so the scope goes around the thread's task loop:
+//
+//   kf::parallel_blocks(num_tiles, num_threads, [&](int64_t, int64_t begin, int64_t end) {
+//     const kf::amx::TileScope tiles(kf::amx::bf16_16x16x32_config());
+//     for (int64_t tile = begin; tile < end; ++tile)
+//       kf::amx::dpbf16_16x16x32(c_of(tile), ldc, a_of(tile), lda, b_of(tile), ldb);
+//   });
+//
+// (request_tile_permission() once before, on any thread: the permission is process-wide.)
 class TileScope {
  public:
   explicit TileScope(const TileConfig& config) {

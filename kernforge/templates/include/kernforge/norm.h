@@ -6,33 +6,28 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
+#include "kernforge/loops.h"
+#include "kernforge/parallel.h"
 #include "kernforge/rows.h"
+#include "kernforge/vec.h"
 
 namespace kf {
 
 namespace norm_detail {
 
-// Sum of squares of the fp32 row produced by load(j, count). Four independent accumulators hide
-// the FMA latency; without -ffast-math the compiler may not reassociate to do this itself.
+// Sum of squares of the fp32 row produced by load(j, count), one accumulator per chain of
+// for_each_vector: four independent accumulators hide the FMA latency; without -ffast-math the
+// compiler may not reassociate to do this itself.
 template <class Load>
 inline float sum_of_squares(int64_t n, const Load& load) {
-  constexpr int64_t kWidth = VecF::kWidth;
-  VecF acc0 = VecF::zero(), acc1 = VecF::zero(), acc2 = VecF::zero(), acc3 = VecF::zero();
-  int64_t j = 0;
-  for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
-    const VecF v0 = load(j, kWidth), v1 = load(j + kWidth, kWidth);
-    const VecF v2 = load(j + 2 * kWidth, kWidth), v3 = load(j + 3 * kWidth, kWidth);
-    acc0 = fma(v0, v0, acc0);
-    acc1 = fma(v1, v1, acc1);
-    acc2 = fma(v2, v2, acc2);
-    acc3 = fma(v3, v3, acc3);
-  }
-  for_each_vector(j, n, [&](int64_t k, int64_t count) {
-    const VecF v = load(k, count);
-    acc0 = fma(v, v, acc0);
+  Chains acc = Chains::of(0.0f);
+  for_each_vector(0, n, [&](int chain, int64_t j, int64_t count) {
+    const VecF v = load(j, count);
+    acc.v[chain] = fma(v, v, acc.v[chain]);
   });
-  return reduce_add((acc0 + acc1) + (acc2 + acc3));
+  return reduce_add(acc.sum());
 }
 
 inline VecF inverse_rms(float sum_of_squares, int64_t n, double eps) {
@@ -50,7 +45,7 @@ template <bool kGemma, class T>
 inline void rmsnorm_row(T* out, const T* x, const T* weight, int64_t n, double eps, bool stream) {
   const auto load_x = [&](int64_t j, int64_t count) { return VecF::load(x + j, count); };
   const VecF inv_rms = inverse_rms(sum_of_squares(n, load_x), n, eps);
-  for_each_vector(0, n, [&](int64_t j, int64_t count) {
+  for_each_vector(0, n, [&](int, int64_t j, int64_t count) {
     store_out(load_x(j, count) * inv_rms * load_scale<kGemma>(weight, j, count), out + j, count, stream);
   });
 }
@@ -65,7 +60,7 @@ inline void fused_add_rmsnorm_row(T* out, T* residual, const T* x, const T* weig
     return VecF::load(x + j, count) + VecF::load(residual + j, count);
   };
   const VecF inv_rms = inverse_rms(sum_of_squares(n, load_sum), n, eps);
-  for_each_vector(0, n, [&](int64_t j, int64_t count) {
+  for_each_vector(0, n, [&](int, int64_t j, int64_t count) {
     const VecF sum = load_sum(j, count);
     sum.store(residual + j, count);
     (sum * inv_rms * load_scale<kGemma>(weight, j, count)).store(out + j, count);

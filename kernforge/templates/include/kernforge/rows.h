@@ -1,18 +1,13 @@
-// Row-wise kernel plumbing shared by norm.h and activation.h: strided row addressing, a per-row
-// vector loop with a partial tail, and an OpenMP loop that forks only when it pays.
+// Row-wise kernel plumbing shared by norm.h and activation.h: strided row addressing and
+// non-temporal stores for large outputs. (The vector loop is in loops.h, threads in parallel.h.)
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 #include "kernforge/vec.h"
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 namespace kf {
 
@@ -31,38 +26,6 @@ struct StridedRows {
 template <class T>
 inline StridedRows<T> rows_at(int64_t address, int64_t stride0, int64_t stride1) {
   return {reinterpret_cast<T*>(address), stride0, stride1};
-}
-
-// Calls op(j, count) for consecutive vectors covering [begin, end): count is VecF::kWidth except
-// for a shorter last one. In the main loop count is a compile-time constant, so the partial
-// load/store branches vanish there. Four vectors per step put independent dependency chains
-// (e.g. four exps) next to each other, which the out-of-order core overlaps.
-template <class Op>
-inline void for_each_vector(int64_t begin, int64_t end, const Op& op) {
-  constexpr int64_t kWidth = VecF::kWidth;
-  int64_t j = begin;
-  for (; j + 4 * kWidth <= end; j += 4 * kWidth) {
-    op(j, kWidth);
-    op(j + kWidth, kWidth);
-    op(j + 2 * kWidth, kWidth);
-    op(j + 3 * kWidth, kWidth);
-  }
-  for (; j + kWidth <= end; j += kWidth) op(j, kWidth);
-  if (j < end) op(j, end - j);
-}
-
-// Threads worth using: at most `requested` (<= 0 means OpenMP's default), at most one per task,
-// and at most one per `min_elements_per_thread` elements of work. An OpenMP fork/join costs ~1 us
-// here, so small jobs must stay on the calling thread; each kernel measures its own break-even.
-inline int64_t useful_threads(int64_t requested, int64_t num_tasks, int64_t total_elements,
-                              int64_t min_elements_per_thread) {
-#if defined(_OPENMP)
-  if (requested <= 0) requested = omp_get_max_threads();
-#else
-  requested = 1;
-#endif
-  const int64_t by_work = std::max<int64_t>(1, total_elements / min_elements_per_thread);
-  return std::min({requested, num_tasks, by_work});
 }
 
 // Outputs at least this large are written with non-temporal stores. They cannot stay in the L3 for
@@ -95,18 +58,6 @@ inline void fence_streaming_stores(bool streamed) {
 #else
   (void)streamed;
 #endif
-}
-
-// Runs body(task) for task in [0, num_tasks), each thread taking one contiguous block of tasks;
-// with num_threads <= 1 it runs inline, without touching OpenMP.
-template <class Body>
-inline void parallel_for(int64_t num_tasks, int64_t num_threads, const Body& body) {
-  if (num_threads <= 1) {
-    for (int64_t task = 0; task < num_tasks; ++task) body(task);
-    return;
-  }
-#pragma omp parallel for num_threads(int(num_threads)) schedule(static)
-  for (int64_t task = 0; task < num_tasks; ++task) body(task);
 }
 
 }  // namespace kf

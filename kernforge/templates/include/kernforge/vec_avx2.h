@@ -106,17 +106,18 @@ inline VecF clamp(VecF x, VecF lo, VecF hi) { return {_mm256_min_ps(hi.v, _mm256
 // Round to the nearest integral value, ties to even.
 inline VecF rint(VecF x) { return {_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 
-// x * 2^n for integral-valued n in [-252, 254]. 2^n is built in two halves so that each factor is
-// a normal float: results that overflow become Inf and results in the subnormal range are rounded
-// once, by the last multiply.
+// x * 2^n for integral-valued n in [-252, 254], as x * 2^(n - m) * 2^m with m = clamp(n, -126, 127):
+// both factors are normal floats. The first is 1 unless n is outside [-126, 127], and then the
+// first multiply is exact whenever the result is not 0 or Inf anyway, so results that overflow
+// become Inf and results in the subnormal range are rounded once, by the last multiply.
 inline VecF ldexp(VecF x, VecF n) {
   const __m256i n_int = _mm256_cvtps_epi32(n.v);
-  const __m256i half = _mm256_srai_epi32(n_int, 1);
-  const __m256i rest = _mm256_sub_epi32(n_int, half);
+  const __m256i last = _mm256_min_epi32(_mm256_max_epi32(n_int, _mm256_set1_epi32(-126)), _mm256_set1_epi32(127));
+  const __m256i first = _mm256_sub_epi32(n_int, last);
   const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 scale_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-  const __m256 scale_rest = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
-  return {_mm256_mul_ps(_mm256_mul_ps(x.v, scale_half), scale_rest)};
+  const __m256 scale_first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+  const __m256 scale_last = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(last, bias), 23));
+  return {_mm256_mul_ps(_mm256_mul_ps(x.v, scale_first), scale_last)};
 }
 
 inline float reduce_add(VecF a) {

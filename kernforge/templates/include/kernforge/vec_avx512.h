@@ -68,9 +68,10 @@ struct VecF {
 
   __m256i narrow_bf16() const {
 #if defined(__AVX512BF16__)
-    // One instruction, RNE, NaN-preserving. (It flushes fp32 subnormals to zero; torch keeps them.)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
+    // One instruction, RNE, NaN-preserving; but it flushes fp32 subnormals to zero, which
+    // kf::float_to_bf16_bits (and torch) keep, so a vector holding any takes the path below.
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
     // Same rounding as kf::float_to_bf16_bits: add 0x7fff plus the kept LSB, keep the top half.
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -79,7 +80,6 @@ struct VecF {
     const __m512i quiet_nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
     const __m512i result = _mm512_mask_blend_epi32(is_nan, rounded, quiet_nan);
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(result, 16));
-#endif
   }
 };
 

@@ -146,17 +146,18 @@ inline VecF rint(VecF x) {
   const VecF rounded = copysign((magnitude + two_23) - two_23, x);
   return select(magnitude < two_23, rounded, x);
 }
-// x * 2^n for integral-valued n in [-252, 254]. 2^n is built in two halves so that each factor is
-// a normal float: results that overflow become Inf and results in the subnormal range are rounded
-// once, by the last multiply.
+// x * 2^n for integral-valued n in [-252, 254], as x * 2^(n - m) * 2^m with m = clamp(n, -126, 127):
+// both factors are normal floats. The first is 1 unless n is outside [-126, 127], and then the
+// first multiply is exact whenever the result is not 0 or Inf anyway, so results that overflow
+// become Inf and results in the subnormal range are rounded once, by the last multiply.
 inline VecF ldexp(VecF x, VecF n) {
   return generic_detail::zip(x, n, [](float xi, float ni) {
     const int32_t n_int = int32_t(ni);
-    const int32_t half = n_int >> 1;
-    const int32_t rest = n_int - half;
-    const float scale_half = bit_cast<float>(uint32_t(half + 127) << 23);
-    const float scale_rest = bit_cast<float>(uint32_t(rest + 127) << 23);
-    return xi * scale_half * scale_rest;
+    const int32_t last = n_int < -126 ? -126 : (n_int > 127 ? 127 : n_int);
+    const int32_t first = n_int - last;
+    const float scale_first = bit_cast<float>(uint32_t(first + 127) << 23);
+    const float scale_last = bit_cast<float>(uint32_t(last + 127) << 23);
+    return xi * scale_first * scale_last;
   });
 }
 

@@ -56,7 +56,8 @@ inline VecF erf(VecF x) {
 }
 
 // tanh(x). Cephes tanhf: |x| < 0.625: x + x^3 P(x^2); otherwise 1 - 2 / (e^{2|x|} + 1), which
-// saturates to exactly +-1 once e^{2|x|} overflows. Max relative error ~2e-7.
+// saturates to exactly +-1 once e^{2|x|} overflows. The sign is x's (tanh(-0) = -0: the small
+// branch alone gives +0 there). Max relative error ~2e-7.
 inline VecF tanh(VecF x) {
   static constexpr float kSmall[] = {-3.33332819422e-1f, 1.33314422036e-1f, -5.37397155531e-2f,
                                      2.06390887954e-2f, -5.70498872745e-3f};
@@ -65,7 +66,7 @@ inline VecF tanh(VecF x) {
   const VecF x2 = x * x;
   const VecF small = fma(x * x2, math_detail::polynomial(x2, kSmall), x);
   const VecF large = one - VecF::broadcast(2.0f) / (exp(a + a) + one);
-  return select(a < VecF::broadcast(0.625f), small, copysign(large, x));
+  return copysign(select(a < VecF::broadcast(0.625f), small, large), x);
 }
 
 // 1 / (1 + e^-x), without cancellation for either sign.

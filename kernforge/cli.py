@@ -1,13 +1,17 @@
-"""``python -m kernforge {info,list,clear,prewarm}``."""
+"""``python -m kernforge {info,list,clear,modules,prewarm}``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
-from kernforge.cache import disk, prewarm
-from kernforge.jit import compiler, core, isa, loader, render
+from kernforge.cache import disk
+from kernforge.jit import compiler, core, isa, loader, module, render
+
+# The module: ``kernforge.prewarm`` (the package attribute) is the prewarm() function.
+prewarm = importlib.import_module("kernforge.prewarm")
 
 
 def _info(args) -> int:
@@ -42,6 +46,12 @@ def _clear(args) -> int:
     return 0
 
 
+def _modules(args) -> int:
+    for name, declared in sorted(module.registered_modules().items()):
+        print(json.dumps(declared.schema()))
+    return 0
+
+
 def _parse_param(text: str):
     name, sep, value = text.partition("=")
     if not sep:
@@ -61,8 +71,8 @@ def _prewarm(args) -> int:
         manifest = json.loads(open(args.manifest).read())
     elif args.op:
         manifest = {"kernels": [{"op": op, "dtype": args.dtype or list(prewarm.ALL_DTYPES)} for op in args.op]}
-    elif args.template:
-        manifest = {"kernels": [{"template": args.template, "params": dict(args.param or [])}]}
+    elif args.module:
+        manifest = {"kernels": [{"module": args.module, "params": dict(args.param or [])}]}
     else:
         manifest = prewarm.all_ops_manifest(args.dtype or prewarm.ALL_DTYPES)
     if args.print_manifest:
@@ -78,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="CPU features, tier, compiler and cache").set_defaults(run=_info)
     sub.add_parser("list", help="cached variants").set_defaults(run=_list)
     sub.add_parser("clear", help="delete every cached variant").set_defaults(run=_clear)
+    sub.add_parser("modules", help="every kernel module's parameters (the manifest schema)").set_defaults(run=_modules)
     p = sub.add_parser("prewarm", help="compile variants ahead of time (default: every op and dtype)")
     p.add_argument("manifest", nargs="?", help="JSON manifest of kernels to build")
     p.add_argument("--model-config", help="derive the manifest from a model's config.json")
     p.add_argument("--op", action="append", help="an op to build (repeatable)")
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
-    p.add_argument("--template", help="a template to build, with --param NAME=VALUE")
+    p.add_argument("--module", help="a kernel module to build (name or package.module:ATTR), with --param NAME=VALUE")
     p.add_argument("--param", action="append", type=_parse_param, help="template parameter NAME=VALUE")
     p.add_argument("--template-dir", action="append", default=[], help="extra template directory (repeatable)")
     p.add_argument("--isa", help="tier to build for (default: the tier in use)")

@@ -7,9 +7,15 @@ A manifest is JSON::
       "kernels": [
         {"op": "rmsnorm", "dtype": ["bfloat16", "float16"]},
         {"op": "silu_and_mul", "dtype": "bfloat16"},
-        {"template": "my_op.cpp.jinja", "params": {"dtype": "bf16"}}
+        {"module": "norm", "params": {"dtype": "bf16", "fused_add": true, "gemma": false}},
+        {"module": "my_package.kernels:RELU2", "params": {"dtype": "bf16"}}
       ]
     }
+
+A ``module`` is a registered module's name or ``package.module:ATTRIBUTE`` (a
+user's :class:`~kernforge.jit.module.Module`, imported to register it); its
+params are checked against the declaration (``python -m kernforge modules``
+prints every schema).
 
 ``manifest_from_model_config`` derives one from a Hugging Face ``config.json``.
 The norm and activation kernels take the hidden size at run time (they are
@@ -20,6 +26,7 @@ nothing.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -28,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kernforge.jit import core, isa
+from kernforge.jit.module import DeclarationError, Module, registered
+from kernforge.ops import OPS
+from kernforge.ops._common import TORCH_DTYPES, dtype_name
 
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -71,8 +81,6 @@ def manifest_from_model_config(config: dict | str | Path) -> dict:
 
 def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) -> list[core.KernelSpec]:
     """Every KernelSpec a manifest asks for (duplicates removed, order kept)."""
-    from kernforge.ops import variant_for
-
     if not isinstance(manifest, dict):
         manifest = json.loads(Path(manifest).read_text())
     tier = (tier or manifest.get("isa") or isa.selected_tier()).lower()
@@ -81,24 +89,42 @@ def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) ->
         if "op" in item:
             dtypes = item.get("dtype", ALL_DTYPES)
             for dtype in [dtypes] if isinstance(dtypes, str) else dtypes:
-                specs[variant_for(item["op"], dtype).spec(tier)] = None
-        elif "template" in item:
-            tiers = item.get("tiers")
-            variant = core.Variant(item["template"], item.get("params", {}), tuple(tiers or isa.TIER_ORDER))
-            specs[variant.spec(tier)] = None
+                specs[op_kernels(item["op"]).variant(TORCH_DTYPES[dtype_name(dtype)]).spec(tier)] = None
+        elif "module" in item:
+            module = find_module(item["module"])
+            params = {k: tuple(v) if isinstance(v, list) else v for k, v in item.get("params", {}).items()}
+            specs[module.variant(**params).spec(tier)] = None
         else:
-            raise ValueError(f"manifest entry {item!r} needs an 'op' or a 'template'")
+            raise ValueError(f"manifest entry {item!r} needs an 'op' or a 'module'")
     return list(specs)
 
 
+def op_kernels(op: str):
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    return OPS[op]
+
+
+def find_module(name: str) -> Module:
+    """A registered module by name, or ``package.module:ATTRIBUTE`` (imported)."""
+    if ":" not in name:
+        return registered(name)
+    path, _, attribute = name.partition(":")
+    try:
+        imported = importlib.import_module(path)
+    except ImportError as exc:  # a ValueError, so the CLI reports it as an error line
+        raise DeclarationError(f"cannot import {path!r} (for module {name!r}): {exc}") from None
+    module = getattr(imported, attribute, None)
+    if not isinstance(module, Module):
+        raise DeclarationError(f"{name} is not a kernforge Module")
+    return module
+
+
 def all_ops_manifest(dtypes=ALL_DTYPES) -> dict:
-    from kernforge.ops import OP_VARIANTS
-    from kernforge.ops._common import dtype_name
-
     def taken(op):  # the requested dtypes this op takes (sampling from probs takes fp32 only)
-        return [d for d in dtypes if any(dtype_name(t) == dtype_name(d) for t in OP_VARIANTS[op])]
+        return [d for d in dtypes if TORCH_DTYPES[dtype_name(d)] in OPS[op].dtypes]
 
-    return {"kernels": [{"op": op, "dtype": taken(op)} for op in OP_VARIANTS if taken(op)]}
+    return {"kernels": [{"op": op, "dtype": taken(op)} for op in OPS if taken(op)]}
 
 
 def prewarm(

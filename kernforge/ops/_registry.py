@@ -1,0 +1,63 @@
+"""The op registry: each public op is declared once, where it is defined.
+
+``@kernel_op(MODULE, dtypes, **fixed)`` on an op's function records which
+module variant the op runs for each input dtype (what pre-warm builds) and
+exports the function under its name; ``export(name, fn)`` adds an alias.
+``kernforge.ops`` and ``kernforge`` export exactly what is registered here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernforge.jit.core import Variant
+from kernforge.jit.module import Module
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ALL_DTYPES = tuple(DTYPE_NAMES)
+
+
+class OpKernels:
+    """The kernels one op runs: a module, its fixed parameters, and the input dtypes
+    the op takes (each picks the module's ``dtype`` parameter)."""
+
+    __slots__ = ("op", "module", "fixed", "dtypes", "by_dtype")
+
+    def __init__(self, op: str, module: Module, dtypes: tuple[torch.dtype, ...], fixed: dict):
+        self.op, self.module, self.dtypes, self.fixed = op, module, dtypes, fixed
+        self.by_dtype: dict[torch.dtype, Variant] = {}  # filled on first use of each dtype
+
+    def variant(self, dtype: torch.dtype) -> Variant:
+        """The variant for inputs of ``dtype`` (a torch dtype)."""
+        found = self.by_dtype.get(dtype)
+        if found is None:
+            if dtype not in self.dtypes:
+                takes = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+                raise ValueError(f"{self.op} does not take {dtype} inputs (it takes {takes})")
+            found = self.by_dtype[dtype] = self.module.variant(dtype=DTYPE_NAMES[dtype], **self.fixed)
+        return found
+
+
+# op name -> its kernels (pre-warm's view); public name -> function (the exports)
+OPS: dict[str, OpKernels] = {}
+PUBLIC: dict[str, Callable] = {}
+
+
+def kernel_op(module: Module, dtypes: tuple[torch.dtype, ...] = ALL_DTYPES, **fixed) -> Callable:
+    """Register the decorated function as a public op running ``module`` with ``fixed`` params."""
+
+    def register(fn: Callable) -> Callable:
+        OPS[fn.__name__] = OpKernels(fn.__name__, module, dtypes, fixed)
+        PUBLIC[fn.__name__] = fn
+        fn.kernels = OPS[fn.__name__]
+        return fn
+
+    return register
+
+
+def export(name: str, fn: Callable) -> Callable:
+    """Export ``fn`` under another public name as well (FlashInfer's older spellings)."""
+    PUBLIC[name] = fn
+    return fn
