@@ -22,6 +22,8 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -101,6 +103,32 @@ def pytest_unconfigure(config):
 def kernforge_cache_dir():
     """This run's cache directory (kernels compile into it on first use)."""
     return _run_cache
+
+
+# Compiles every op variant, best tier first, in a child process while the tests run: the
+# compiler then uses the core the test process leaves idle, instead of each first use compiling
+# in turn. A test that needs a variant the child is building waits on its file lock and loads
+# the result (same key: the child gets this process's environment as the session starts); one
+# the child has not reached compiles on demand as before. A child, not a thread, because tests
+# change the environment (compiler, cache dir, cffi mode) of this process while they run.
+_BACKGROUND_PREWARM = """
+import sys, kernforge
+from kernforge.prewarm import all_ops_manifest, specs_from_manifest
+for tier in sys.argv[1:]:
+    kernforge.prewarm(specs_from_manifest(all_ops_manifest(), tier), jobs=1, progress=False)
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_prewarm(request):
+    if request.config.getoption("reuse_cache") and not _run_cache_is_temporary:
+        yield None  # a reused cache is warm already
+        return
+    child = subprocess.Popen([sys.executable, "-c", _BACKGROUND_PREWARM, *_tiers],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield child
+    child.kill()  # the tests are done: whatever it is still compiling is not needed
+    child.wait()
 
 
 # --------------------------------------------------------------------------- tiers

@@ -99,8 +99,8 @@ def _fused_add(input, residual, weight, eps, kernels):
     if residual.shape != shape:
         raise ValueError(f"residual must have the input's shape {tuple(shape)}, got {tuple(residual.shape)}")
     strides, res_strides = input.stride(), residual.stride()
-    writable_rows(input, shape, strides, "input")
-    writable_rows(residual, shape, res_strides, "residual")
+    writable_rows(shape, strides, "input")
+    writable_rows(shape, res_strides, "residual")
     weight = _checked_weight(weight, input, shape[-1])
     n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
     _, _, res_s0, res_s1 = row_geometry(shape, res_strides)

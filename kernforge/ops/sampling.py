@@ -196,7 +196,7 @@ def _checked_out(out, shape, dtype) -> torch.Tensor:
         raise ValueError(f"out is on device {out.device}; kernforge kernels run on the CPU")
     if out.shape != shape:
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    writable_rows(out, shape, out.stride(), "out")
+    writable_rows(shape, out.stride(), "out")
     return out
 
 

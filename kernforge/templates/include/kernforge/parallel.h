@@ -53,6 +53,17 @@ inline void parallel_blocks(int64_t num_tasks, int64_t num_threads, const Body& 
   body(int64_t(0), int64_t(0), num_tasks);
 }
 
+// The calling thread's number in the parallel region it runs in, 0 .. threads - 1 (0 outside
+// one, and in the bodies parallel_blocks and parallel_for run inline): an index into per-thread
+// state allocated for one call.
+inline int64_t thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 enum class Schedule {
   kStatic,   // one contiguous block of tasks per thread (parallel_blocks): for tasks of equal cost
   kDynamic,  // each thread takes the next task when it finishes one: for tasks of uneven cost
@@ -62,17 +73,16 @@ enum class Schedule {
 // num_tasks); inline, in task order, when that is one thread.
 template <Schedule kSchedule = Schedule::kStatic, class Body>
 inline void parallel_for(int64_t num_tasks, int64_t num_threads, const Body& body) {
+  if (num_threads <= 1 || num_tasks <= 1) {
+    for (int64_t task = 0; task < num_tasks; ++task) body(task);
+    return;
+  }
   if constexpr (kSchedule == Schedule::kStatic) {
     parallel_blocks(num_tasks, num_threads, [&](int64_t, int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) body(task);
     });
   } else {
-    num_threads = std::min(num_threads, num_tasks);
-    if (num_threads <= 1) {
-      for (int64_t task = 0; task < num_tasks; ++task) body(task);
-      return;
-    }
-#pragma omp parallel for num_threads(int(num_threads)) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(int(std::min(num_threads, num_tasks))) schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) body(task);
   }
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernforge/parallel.h"
 #include "kernforge/sampling/rng.h"
