@@ -242,6 +242,15 @@ def test_templates():
 
 
 @pytest.fixture
+def user_template_dirs():
+    """Restore the template search path after a test that registers its own folders."""
+    saved = list(render._user_dirs)
+    yield
+    render._user_dirs[:] = saved
+    render.search_path_changed()
+
+
+@pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh private cache root, a neutral environment and an empty in-process memo."""
     root = tmp_path / "kf-cache"

@@ -46,15 +46,6 @@ _COMPILING = re.compile(r"^kernforge: compiling (\S+) \.\.\.$", re.MULTILINE)
 pytestmark = pytest.mark.usefixtures("test_templates")
 
 
-@pytest.fixture
-def user_template_dirs():
-    """Restore the template search path after a test that registers its own folders."""
-    saved = list(render._user_dirs)
-    yield
-    render._user_dirs[:] = saved
-    core.invalidate_dispatch()
-
-
 def axpy_spec(dtype="fp32", tier="generic") -> core.KernelSpec:
     return core.KernelSpec.make(AXPY, {"dtype": dtype}, tier)
 

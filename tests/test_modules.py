@@ -39,15 +39,6 @@ import planned_op  # noqa: E402  (the README's plan/run example)
 pytestmark = pytest.mark.usefixtures("test_templates")
 
 
-@pytest.fixture
-def user_dirs():
-    """Restore the template search path after a test that registers its own folders."""
-    saved = list(render._user_dirs)
-    yield
-    render._user_dirs[:] = saved
-    render.search_path_changed()
-
-
 def toy(**overrides) -> Module:
     fields = dict(name="toy", template="axpy.cpp.jinja", params={"dtype": Enum(("fp32", "fp64"))},
                   entries=[Entry("run", "int64_t x, int64_t y, int64_t n, double a", returns="int64_t")],
@@ -196,7 +187,7 @@ ANSWER = Module("answer", "answer.cpp.jinja", params={}, entries=[Entry("answer"
                 tiers={t: "generic" for t in ALL_TIERS}, register=False)
 
 
-def test_template_registered_after_first_use_shadows_the_old_one(cache, tmp_path, user_dirs):
+def test_template_registered_after_first_use_shadows_the_old_one(cache, tmp_path, user_template_dirs):
     kernforge.register_template_dir(_constant_template(tmp_path / "first", 1))
     variant = ANSWER.variant()
     assert variant.kernel().answer() == 1
@@ -208,7 +199,7 @@ def test_template_registered_after_first_use_shadows_the_old_one(cache, tmp_path
 # --------------------------------------------------------------------------- header-exact keys
 
 
-def test_editing_a_header_rebuilds_only_its_dependants(cache, tmp_path, user_dirs):
+def test_editing_a_header_rebuilds_only_its_dependants(cache, tmp_path, user_template_dirs):
     folder = tmp_path / "headers"
     (folder / "include" / "toy").mkdir(parents=True)
     for name, value in (("a", 10), ("b", 20)):
