@@ -11,7 +11,8 @@ the inputs.
 What is compared, and how:
 
 * Exact (bit for bit): loads/stores (full, partial for every count 0..kWidth and beyond,
-  fp32/bf16/fp16, narrowing RNE with ties, NaN quieting, overflow to Inf), stream,
+  fp32/bf16/fp16/fp8_e4m3/fp8_e5m2, narrowing RNE with ties, NaN quieting, overflow to Inf,
+  fp8 saturation), stream (fp32/bf16/fp16),
   broadcast, zero, unary -, abs, copysign, clamp, max, select, to_bits, < and >=,
   compress_store, reduce_add (against the pairwise halving tree every tier uses), + - * /,
   fma, rint, ldexp, add_if. Where IEEE leaves a NaN's payload to the operand order the
@@ -24,6 +25,10 @@ What is compared, and how:
   both with a guard page (an inaccessible page starting at element ``count``; a touch
   faults, the template catches it). A positive control (a full access into the guard)
   shows the probe detects touches.
+* fp8: every one of the 256 bit patterns in every lane, and the scalar kf::to_float, against
+  torch's ``.to(torch.float32)`` bit for bit (NaN payloads included); kf::from_float against
+  torch's ``.to(torch.float8_*)`` on every rounding tie and its neighbours, the subnormal and
+  saturation/overflow edges, and random bits.
 * Where the interface leaves a choice, the test accepts exactly that choice:
   reduce_max is tested on NaN-free vectors and a zero result by value (which signed zero
   wins is order-dependent); add_if may return ``acc`` itself or ``acc + 0`` where the mask
@@ -39,10 +44,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import kernforge
 from kernforge.jit import core, isa, render
-from kernforge.jit.module import Entry, Module
+from kernforge.jit.module import DeclarationError, DType, Entry, Module
+from kernforge.ops._registry import FP8_DTYPE_NAMES
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -82,7 +89,10 @@ EXACT_OPS = {name: code for code, name in enumerate(
      "select_lt", "select_ge", "add_if_lt", "add_if_ge", "add_assign", "mul_assign"])}
 # Ops that only move bits: a NaN must come out with its payload and sign intact.
 BIT_EXACT_NAN = {"neg", "abs", "copysign", "clamp", "max", "select_lt", "select_ge"}
-DTYPES = {"fp32": (0, np.float32, np.uint32), "bf16": (1, np.uint16, np.uint16), "fp16": (2, np.uint16, np.uint16)}
+DTYPES = {"fp32": (0, np.float32, np.uint32), "bf16": (1, np.uint16, np.uint16), "fp16": (2, np.uint16, np.uint16),
+          "fp8_e4m3": (3, np.uint8, np.uint8), "fp8_e5m2": (4, np.uint8, np.uint8)}
+FP8 = {name: dtype for dtype, name in FP8_DTYPE_NAMES.items()}  # kernforge name -> torch dtype
+STREAM_DTYPES = ["fp32", "bf16", "fp16"]  # no non-temporal fp8 stores
 MATH_OPS = {"exp": 0, "erf": 1, "tanh": 2, "sigmoid": 3}
 
 # Max error in fp32 ulp of the exact result (the std:: function in double). The headers claim
@@ -104,7 +114,7 @@ def f32(bits) -> np.ndarray:
 
 
 def bits_of(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).view(np.uint32 if x.dtype == np.float32 else np.uint16)
+    return np.ascontiguousarray(x).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize])
 
 
 # Awkward fp32 values: signed zeros, subnormals, the normal range's edges, infinities, quiet and
@@ -194,6 +204,8 @@ def show(x) -> str:
         return repr(float(x))
     if isinstance(x, np.uint16):
         return f"0x{int(x):04x}"
+    if isinstance(x, np.uint8):
+        return f"0x{int(x):02x}"
     return repr(x)
 
 
@@ -411,10 +423,30 @@ def test_broadcast_and_zero(vec):
 
 
 def storage_values(dtype: str, gen: np.random.Generator) -> np.ndarray:
-    """Raw storage elements to load: every 16-bit pattern for bf16/fp16; fp32 specials + random bits."""
+    """Raw storage elements to load: every 16-bit pattern for bf16/fp16; every 8-bit pattern in
+    every lane for fp8 (256 * 17: 17 is coprime to kWidth); fp32 specials + random bits."""
     if dtype == "fp32":
         return np.concatenate([SPECIALS, random_bits(gen, 1 << 16)])
+    if dtype in FP8:
+        return (np.arange(256 * 17) % 256).astype(np.uint8)
     return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def fp8_ties(dtype: str) -> np.ndarray:
+    """Every fp32 that rounds delicately to fp8: for each fp32 sign/exponent/kept-mantissa prefix,
+    the dropped bits at the tie, either side of it, zero, one and all-ones (the normal range's RNE,
+    carries into the exponent, to Inf and past the saturation bound); plus midpoints between
+    consecutive fp8 values (the subnormal ties, exact in fp32) and their neighbours."""
+    dropped = 20 if dtype == "fp8_e4m3" else 21
+    tie = 1 << (dropped - 1)
+    prefixes = np.arange(1 << (32 - dropped), dtype=np.uint32) << dropped
+    lows = [0, 1, tie - 1, tie, tie + 1, (1 << dropped) - 1]
+    values = torch.arange(256, dtype=torch.uint8).view(FP8[dtype]).double()
+    finite = np.sort(np.unique(values[torch.isfinite(values)].numpy()))
+    mids = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)
+    core_ = np.concatenate([mids, finite.astype(np.float32)])
+    return np.concatenate([f32(prefixes[:, None] | np.array(lows, np.uint32)).ravel(), core_,
+                           np.nextafter(core_, np.float32(np.inf)), np.nextafter(core_, np.float32(-np.inf))])
 
 
 def narrowing_inputs(dtype: str, gen: np.random.Generator) -> np.ndarray:
@@ -433,12 +465,22 @@ def narrowing_inputs(dtype: str, gen: np.random.Generator) -> np.ndarray:
         above_max = np.array([65519.996, 65520.0, 65520.004, 65535.0, 65536.0, 1e6], np.float32)
         core_ = np.concatenate([mids, above_max, halves.astype(np.float32)])
         parts += [core_, -core_, np.nextafter(core_, np.float32(np.inf)), np.nextafter(core_, np.float32(-np.inf))]
+    elif dtype in FP8:
+        parts += [fp8_ties(dtype), np.array([448, 449, 463.99997, 464, 464.00003, 479.99997, 480, 57344, 61439.996,
+                                             61440, 61440.004, 65536, 1e6], np.float32)]
     return np.concatenate(parts).astype(np.float32)
+
+
+def to_storage(dtype: str, x: np.ndarray) -> np.ndarray:
+    """torch's narrowing of fp32 x to an fp8 dtype, as raw bytes."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(FP8[dtype]).view(torch.uint8).numpy()
 
 
 def as_float(dtype: str, raw: np.ndarray) -> np.ndarray:
     if dtype == "fp32":
         return raw
+    if dtype in FP8:  # torch's widening (numpy has no fp8)
+        return torch.from_numpy(np.ascontiguousarray(raw)).view(FP8[dtype]).float().numpy()
     if dtype == "fp16":
         return raw.view(np.float16).astype(np.float32)
     return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -450,8 +492,12 @@ def test_load_full(vec, dtype):
     (src,) = vec.pad(storage_values(dtype, rng(400)).astype(storage))
     got, want = np.empty(len(src), np.float32), np.empty(len(src), np.float32)
     assert vec.kernel.load_full(code, len(src), addr(src), addr(got), addr(want)) == 0
-    # The scalar conversion itself agrees with numpy's (NaN payloads aside).
-    assert same_bits(want, as_float(dtype, src), nan_payloads=False).all(), f"kf::to_float({dtype}) disagrees with numpy"
+    # The scalar conversion itself agrees with numpy's (NaN payloads aside), and with torch's for fp8
+    # bit for bit.
+    reference = as_float(dtype, src)
+    agrees = same_bits(want, reference, nan_payloads=dtype in FP8)
+    assert agrees.all(), report(f"kf::to_float({dtype}) vs {'torch' if dtype in FP8 else 'numpy'}", vec, ~agrees,
+                                {"stored": src, "to_float": want, "reference": reference})
     ok = same_bits(got, want)
     assert ok.all(), report(f"VecF::load(const {dtype}*)", vec, ~ok, {"stored": src, "got": got, "want": want})
 
@@ -466,6 +512,11 @@ def test_store_full(vec, dtype):
         with np.errstate(over="ignore"):
             ref = src.astype(np.float16)
         assert same_bits(want.view(np.float16).astype(np.float32), ref.astype(np.float32), nan_payloads=False).all()
+    if dtype in FP8:  # kf::from_float is torch's narrowing, bit for bit
+        ref = to_storage(dtype, src)
+        agrees = want == ref
+        assert agrees.all(), report(f"kf::from_float<{dtype}> vs torch", vec, ~agrees,
+                                    {"x": src, "from_float": want, "torch": ref})
     ok = bits_of(got) == bits_of(want)
     assert ok.all(), report(f"VecF::store({dtype}*)", vec, ~ok, {"x": src, "got": got, "want": want})
 
@@ -492,7 +543,7 @@ def test_load_partial(vec, dtype):
 def test_store_partial(vec, dtype):
     code, storage, _ = DTYPES[dtype]
     (src,) = vec.pad(narrowing_inputs(dtype, rng(700))[: 512 * vec.width])
-    sentinel = 0x7FBADBAD if dtype == "fp32" else 0xBADB
+    sentinel = {"fp32": 0x7FBADBAD, "bf16": 0xBADB, "fp16": 0xBADB}.get(dtype, 0x5A)
     for count in partial_counts(vec):
         got, want = np.full(len(src), sentinel, storage), np.full(len(src), sentinel, storage)
         assert vec.kernel.store_partial(code, count, len(src), addr(src), addr(got), addr(want)) == 0
@@ -511,7 +562,11 @@ def test_partial_access_guard_page(vec, dtype):
         assert vec.kernel.guard(code, 0, count, addr(got)) == 0, \
             f"VecF::load(const {dtype}*, count={count}) touched memory at or past element count on {vec.tier}"
         valid = min(count, w)
-        want = np.concatenate([np.arange(1, valid + 1), np.zeros(w - valid)]).astype(np.float32)
+        # The template stores from_float<T>(1..valid) before the guard: exact except for e5m2 (9 -> 8 ...).
+        stored = np.arange(1, valid + 1, dtype=np.float32)
+        if dtype in FP8:
+            stored = as_float(dtype, to_storage(dtype, stored))
+        want = np.concatenate([stored, np.zeros(w - valid, np.float32)])
         assert np.array_equal(bits_of(got), bits_of(want)), f"guarded load count={count}: {got} != {want}"
         assert vec.kernel.guard(code, 1, count, 0) == 0, \
             f"v.store({dtype}*, count={count}) touched memory at or past element count on {vec.tier}"
@@ -520,7 +575,7 @@ def test_partial_access_guard_page(vec, dtype):
 def test_guard_page_detects_touches(vec):
     """Positive control for the guard probe: a full load/store that straddles it faults, caught."""
     got = np.zeros(vec.width, np.float32)
-    for code in (0, 1, 2):
+    for code, _, _ in DTYPES.values():
         for count in (0, vec.width - 1):
             assert vec.kernel.guard(code, 2, count, addr(got)) == 1, f"full load, guard at {count}: not detected"
             assert vec.kernel.guard(code, 3, count, 0) == 1, f"full store, guard at {count}: not detected"
@@ -528,7 +583,7 @@ def test_guard_page_detects_touches(vec):
         assert vec.kernel.guard(code, 3, vec.width, 0) == 0
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", STREAM_DTYPES)
 def test_stream(vec, dtype):
     code, storage, _ = DTYPES[dtype]
     (src,) = vec.pad(narrowing_inputs(dtype, rng(800))[: 1024 * vec.width])
@@ -583,3 +638,19 @@ def test_math(vec, op):
         # exact result there is subnormal (below FLT_MIN).
         ok |= (x < -88.7) & (bits_of(got) == 0) & (want < FLT_MIN)
     assert ok.all(), report(f"{op} (max {MATH_ULP[op]} ulp)", vec, ~ok, {"x": x, "got": got, "want": want, "ulp_err": err})
+
+
+# ---- fp8 as a module parameter
+
+
+def test_fp8_dtype_param(isa_tier):
+    """A module lists the fp8 storage types in its DType to get them (any tier: isa_tier is unused);
+    the default DType, which the float ops use, still rejects them."""
+    module = Module("fp8_param_probe", "vec_conformance.cpp.jinja",
+                    params={"kv_dtype": DType(("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
+                    entries=[Entry("width", "", returns="int64_t")], register=False)
+    for torch_dtype, name in FP8_DTYPE_NAMES.items():
+        for spelling in (torch_dtype, str(torch_dtype), name):
+            assert module.variant(kv_dtype=spelling).params["kv_dtype"] == name
+    with pytest.raises(DeclarationError, match="one of fp32, bf16, fp16"):
+        DType().check("probe", "dtype", torch.float8_e4m3fn)

@@ -122,13 +122,17 @@ _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
     "bf16": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
 }
 
 
 @dataclass(frozen=True)
 class DType(Param):
     """A storage dtype, spelled ``fp32``/``bf16``/``fp16`` in keys and templates
-    (``kf::bf16`` in C++); torch dtypes and their names are accepted."""
+    (``kf::bf16`` in C++); torch dtypes and their names are accepted. The fp8 storage
+    types ``fp8_e4m3`` (torch.float8_e4m3fn) and ``fp8_e5m2`` (torch.float8_e5m2) are
+    accepted only where a module lists them in ``choices``."""
 
     choices: tuple[str, ...] = ("fp32", "bf16", "fp16")
     kind = "dtype"

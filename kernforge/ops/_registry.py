@@ -17,6 +17,9 @@ from kernforge.jit.module import Module
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 ALL_DTYPES = tuple(DTYPE_NAMES)
+# Storage-only dtypes (fp8 KV caches): kernels read them (kf::fp8_e4m3, kf::fp8_e5m2) and compute in
+# fp32; ops never take them as their float inputs, so they stay out of DTYPE_NAMES.
+FP8_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class OpKernels:

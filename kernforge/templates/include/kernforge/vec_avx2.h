@@ -1,5 +1,5 @@
 // AVX2 tier (AVX2 + FMA + F16C): kf::VecF holds 8 fp32 lanes in one ymm register.
-// AVX2 has no 16-bit masked load/store, so bf16/fp16 tails go through a small stack buffer.
+// AVX2 has no 8- or 16-bit masked load/store, so bf16/fp16/fp8 tails go through a small stack buffer.
 #pragma once
 
 #include "kernforge/intrinsics.h"
@@ -27,12 +27,16 @@ struct VecF {
     if (count >= kWidth) return load(p);
     return {_mm256_maskload_ps(p, tail_mask(count))};  // masked-off lanes are not accessed
   }
-  template <class Half>  // bf16 or fp16
-  static VecF load(const Half* p, int64_t count) {
-    static_assert(sizeof(Half) == 2, "16-bit storage types only");
+  // fp8: 8 bytes -> 8 lanes, decoded in registers (the hot loop of fp8 attention reads these).
+  static VecF load(const fp8_e4m3* p) { return widen_e4m3(load_8_bytes(p)); }
+  static VecF load(const fp8_e5m2* p) { return widen_e5m2(load_8_bytes(p)); }
+
+  template <class Narrow>  // bf16, fp16, fp8_e4m3 or fp8_e5m2
+  static VecF load(const Narrow* p, int64_t count) {
+    static_assert(sizeof(Narrow) <= 2, "narrow storage types only");
     if (count >= kWidth) return load(p);
-    Half staged[kWidth] = {};
-    std::memcpy(staged, p, count * sizeof(Half));
+    Narrow staged[kWidth] = {};
+    std::memcpy(staged, p, count * sizeof(Narrow));
     return load(staged);
   }
 
@@ -49,13 +53,18 @@ struct VecF {
     if (count >= kWidth) return store(p);
     _mm256_maskstore_ps(p, tail_mask(count), v);
   }
-  template <class Half>  // bf16 or fp16
-  void store(Half* p, int64_t count) const {
-    static_assert(sizeof(Half) == 2, "16-bit storage types only");
+  // fp8 stores narrow lane by lane with kf::from_float (exact, torch's rounding, not vectorized):
+  // for writing caches, not for hot loops.
+  void store(fp8_e4m3* p) const { store_lanes(p); }
+  void store(fp8_e5m2* p) const { store_lanes(p); }
+
+  template <class Narrow>  // bf16, fp16, fp8_e4m3 or fp8_e5m2
+  void store(Narrow* p, int64_t count) const {
+    static_assert(sizeof(Narrow) <= 2, "narrow storage types only");
     if (count >= kWidth) return store(p);
-    Half staged[kWidth];
+    Narrow staged[kWidth];
     store(staged);
-    std::memcpy(p, staged, count * sizeof(Half));
+    std::memcpy(p, staged, count * sizeof(Narrow));
   }
 
  private:
@@ -66,6 +75,37 @@ struct VecF {
 
   static VecF widen_bf16(__m128i h) {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+
+  template <class Fp8>
+  static __m128i load_8_bytes(const Fp8* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+  // e4m3 in 8 ops per 8 lanes: the 7 magnitude bits go to fp32 bits 20..26, where as an fp32 they
+  // are the fp8 value times 2^-120 (exponent field = the fp8 exponent, bias 127 instead of 7; an
+  // fp8 subnormal is an fp32 subnormal with the same mantissa), so one multiply by 2^120 rebiases
+  // normals and subnormals alike, exactly. Needs MXCSR.DAZ off (the default), else fp8 subnormals
+  // read as 0. NaN lanes (magnitude 0x7f) take torch's NaN, 0x7ff00000; the sign bit,
+  // sign-extended into bit 31 by the widening, is or-ed in last.
+  static VecF widen_e4m3(__m128i bytes) {
+    const __m256i shifted = _mm256_slli_epi32(_mm256_cvtepi8_epi32(bytes), 20);  // bit 31 = sign
+    const __m256i nan_magnitude = _mm256_set1_epi32(0x07f00000);
+    const __m256i magnitude = _mm256_and_si256(shifted, nan_magnitude);
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, nan_magnitude));
+    const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
+    const __m256 nan_or_value = _mm256_blendv_ps(value, _mm256_castsi256_ps(_mm256_set1_epi32(0x7ff00000)), is_nan);
+    const __m256 sign = _mm256_and_ps(_mm256_castsi256_ps(shifted), _mm256_set1_ps(-0.0f));
+    return {_mm256_or_ps(nan_or_value, sign)};
+  }
+
+  // e5m2 in 2 ops per 8 lanes: interleaving zero bytes below makes each byte the top half of an
+  // fp16, which vcvtph2ps widens exactly (Inf/NaN included, NaNs quieted as torch does).
+  static VecF widen_e5m2(__m128i bytes) { return {_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes))}; }
+
+  template <class Fp8>
+  void store_lanes(Fp8* p) const {
+    alignas(32) float lanes[kWidth];
+    _mm256_store_ps(lanes, v);
+    for (int i = 0; i < kWidth; ++i) p[i] = from_float<Fp8>(lanes[i]);
   }
 
   __m128i narrow_fp16() const { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

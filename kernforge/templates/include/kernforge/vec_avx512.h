@@ -1,5 +1,6 @@
 // AVX-512 tier (F/BW/VL/DQ): kf::VecF holds 16 fp32 lanes in one zmm register.
-// Tails use AVX-512 masked loads/stores, which never touch (or fault on) masked-off memory.
+// Tails use AVX-512 masked loads/stores, which never touch (or fault on) masked-off memory
+// (fp8 partial stores write only lanes below count, one by one).
 #pragma once
 
 #include "kernforge/intrinsics.h"
@@ -34,6 +35,18 @@ struct VecF {
     return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(count), p))};
   }
 
+  // fp8: 16 bytes -> 16 lanes, decoded in registers (the hot loop of fp8 attention reads these).
+  static VecF load(const fp8_e4m3* p) { return widen_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static VecF load(const fp8_e5m2* p) { return widen_e5m2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static VecF load(const fp8_e4m3* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return widen_e4m3(_mm_maskz_loadu_epi8(tail_mask(count), p));
+  }
+  static VecF load(const fp8_e5m2* p, int64_t count) {
+    if (count >= kWidth) return load(p);
+    return widen_e5m2(_mm_maskz_loadu_epi8(tail_mask(count), p));
+  }
+
   void store(fp32* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16()); }
   void store(fp16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_fp16()); }
@@ -56,12 +69,50 @@ struct VecF {
     _mm256_mask_storeu_epi16(p, tail_mask(count), narrow_fp16());
   }
 
+  // fp8 stores narrow lane by lane with kf::from_float (exact, torch's rounding, not vectorized):
+  // for writing caches, not for hot loops.
+  void store(fp8_e4m3* p) const { store_lanes(p, kWidth); }
+  void store(fp8_e5m2* p) const { store_lanes(p, kWidth); }
+  void store(fp8_e4m3* p, int64_t count) const { store_lanes(p, count < kWidth ? count : kWidth); }
+  void store(fp8_e5m2* p, int64_t count) const { store_lanes(p, count < kWidth ? count : kWidth); }
+
  private:
   // Lanes [0, count) set; count in [0, kWidth].
   static __mmask16 tail_mask(int64_t count) { return __mmask16(0xffffu >> (kWidth - count)); }
 
   static VecF widen_bf16(__m256i h) {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+
+  // e4m3 in 6 ops per 16 lanes (sign-extend, shift, and, compare, masked multiply, ternlog):
+  // the 7 magnitude bits go to fp32 bits 20..26, where as an fp32 they are the fp8 value times
+  // 2^-120 (its exponent field is the fp8 exponent, bias 127 instead of 7; an fp8 subnormal is an
+  // fp32 subnormal with the same mantissa), so one multiply by 2^120 rebiases normals and
+  // subnormals alike, exactly. Needs MXCSR.DAZ off (the default), else fp8 subnormals read as 0.
+  // The NaN lanes (magnitude 0x7f) skip the multiply and take torch's NaN, 0x7ff00000; the sign
+  // bit, sign-extended into bit 31 by the widening, is or-ed in last.
+  static VecF widen_e4m3(__m128i bytes) {
+    const __m512i shifted = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);  // bit 31 = sign
+    const __m512i magnitude = _mm512_and_si512(shifted, _mm512_set1_epi32(0x07f00000));
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(magnitude, _mm512_set1_epi32(0x07f00000));
+    const __m512 value = _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7ff00000)), finite,
+                                            _mm512_castsi512_ps(magnitude), _mm512_set1_ps(0x1p120f));
+    // value | (shifted & sign bit)
+    return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(value), shifted,
+                                                          _mm512_set1_epi32(int(0x80000000u)), 0xf8))};
+  }
+
+  // e5m2 in 3 ops per 16 lanes: each byte is the top half of an fp16 (zero-extend, shift, vcvtph2ps;
+  // exact, Inf/NaN included, NaNs quieted as torch does).
+  static VecF widen_e5m2(__m128i bytes) {
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8))};
+  }
+
+  template <class Fp8>
+  void store_lanes(Fp8* p, int64_t count) const {
+    alignas(64) float lanes[kWidth];
+    _mm512_store_ps(lanes, v);
+    for (int64_t i = 0; i < count; ++i) p[i] = from_float<Fp8>(lanes[i]);
   }
 
   __m256i narrow_fp16() const { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

@@ -18,7 +18,8 @@ struct VecF {
   }
 
   // Full loads/stores touch kWidth elements; the (p, count) forms touch min(count, kWidth),
-  // reading zeros into the missing lanes.
+  // reading zeros into the missing lanes. Every storage type, fp8 included, converts through the
+  // scalar kf::to_float / kf::from_float.
   template <class T>
   static VecF load(const T* p) {
     VecF r;
