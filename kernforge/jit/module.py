@@ -285,6 +285,9 @@ class Module:
         struct_pointers = tuple(f"const {s}*" for s in self.structs)
         for entry in self.entries.values():
             _check_fields(f"module {name}, entry {entry.name}", entry.args, struct_pointers)
+            if entry.symbol(name) in self.structs:
+                raise DeclarationError(f"module {name}: struct {entry.symbol(name)} has the C name of entry "
+                                       f"{entry.name}; rename the struct")
         from kernforge.jit import isa  # tier names only; isa does not import modules back
 
         unknown = [t for t in [*tiers, *tiers.values()] if t not in isa.TIERS]

@@ -1,0 +1,390 @@
+// Batch decode attention over a paged KV cache (flash-decoding on CPU).
+//
+// One work item is the group of query heads that share a KV head, for one request, against a range
+// of its KV tokens: each K and V row is read from memory once for the whole group. Tokens go in
+// blocks of kBlock: the block's scores for every head of the group (q.k as fp32 FMAs, kWidth dot
+// products reduced together), an online-softmax update in fp32, then p.V into fp32 accumulators.
+// KV rows are converted in registers (bf16/fp16/fp8 -> fp32), never copied. The next block's rows
+// are prefetched while this one computes (BlockPrefetcher).
+//
+// Phase 1 runs the planner's lists (work_plan.h), one per thread; phase 2 merges the partial states
+// of the units the planner split across threads. The output and LSE follow FlashInfer: LSE is
+// log2(sum(exp(logit))) of the final (scaled, soft-capped) logits, out = softmax . V * v_scale.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "kernforge/attention/bf16_dot.h"
+#include "kernforge/attention/softmax_state.h"
+#include "kernforge/attention/work_plan.h"
+#include "kernforge/parallel.h"
+#include "kernforge/reduce_lanes.h"
+#include "kernforge/vec.h"
+
+namespace kf {
+namespace attention {
+
+constexpr int kDecodeBlock = 32;  // KV tokens per softmax block
+
+// Heads per score tile: the group rounded up to a power of two, at most 8 and at most kWidth.
+constexpr int decode_head_tile(int group) {
+  const int cap = VecF::kWidth < 8 ? VecF::kWidth : 8;
+  if (group == 0) return cap;  // runtime group: tiles of `cap` heads
+  int tile = 1;
+  while (tile < group && tile < cap) tile *= 2;
+  return tile;
+}
+
+// Per-thread scratch, in floats: for each KV head of a unit, its group's q and accumulators (padded
+// to whole head tiles) and their softmax state; one block of scores shared by the heads.
+inline int64_t decode_head_floats(int64_t group, int64_t head_dim, int64_t head_tile) {
+  const int64_t padded = (group + head_tile - 1) / head_tile * head_tile;
+  return padded * (2 * head_dim + 3);
+}
+inline int64_t decode_scratch_floats(int64_t heads, int64_t group, int64_t head_dim, int64_t head_tile) {
+  const int64_t padded = (group + head_tile - 1) / head_tile * head_tile;
+  return heads * decode_head_floats(group, head_dim, head_tile) + padded * kDecodeBlock;
+}
+
+template <class QT, class KVT, class OutT, int kHeadDim, int kGroup>
+class DecodeKernel {
+  static constexpr int kW = VecF::kWidth;
+  static constexpr int kHeadTile = decode_head_tile(kGroup);
+  static constexpr int kTokenTile = kW / kHeadTile;  // tokens per score tile: kHeadTile * kTokenTile = kW
+  static_assert(kHeadDim % kW == 0, "head_dim must be a multiple of the vector width");
+  static_assert(kDecodeBlock % kTokenTile == 0 && kDecodeBlock % kW == 0, "whole tiles per block");
+  // bf16 q and KV: dot products on bf16 pairs (bf16_dot.h), q kept unscaled in bf16.
+  static constexpr bool kBf16Dot = KF_HAS_BF16_DOT && std::is_same<QT, bf16>::value &&
+                                   std::is_same<KVT, bf16>::value && kHeadDim % 32 == 0;
+
+ public:
+  explicit DecodeKernel(const kf_decode_planned& p)
+      : p_(p), group_(kGroup > 0 ? kGroup : int(p.group)),
+        padded_group_((group_ + kHeadTile - 1) / kHeadTile * kHeadTile),
+        plan_{reinterpret_cast<const int32_t*>(p.plan), p.units},
+        slot_rows_(plan_.heads_per_unit() * group_) {}
+
+  void run(const kf_decode_layer& io) const {
+    const int64_t lists = plan_.num_lists();
+    parallel_blocks(lists, lists, [&](int64_t, int64_t begin, int64_t end) {
+      for (int64_t list = begin; list < end; ++list) run_list(io, list);
+    });
+    if (plan_.num_merges() > 0) {
+      parallel_for(plan_.num_merges(), lists, [&](int64_t m) { merge(io, plan_.merges()[m]); });
+    }
+  }
+
+ private:
+  // One KV head's state within a unit: its group's scaled q rows, output accumulators, running max
+  // m, running sum l, and alpha, the factor this block rescales the accumulators by.
+  struct HeadState {
+    float *q, *acc, *m, *l, *alpha;
+  };
+  // Row addresses of a block's tokens for the unit's first KV head (head h: + h * head stride).
+  struct Rows {
+    const KVT* k[kDecodeBlock];
+    const KVT* v[kDecodeBlock];
+  };
+
+  float* scratch(int64_t list) const {
+    return reinterpret_cast<float*>(p_.workspace) +
+           list * decode_scratch_floats(plan_.heads_per_unit(), group_, kHeadDim, kHeadTile);
+  }
+  HeadState head_state(float* scratch, int64_t head) const {
+    float* q = scratch + head * decode_head_floats(group_, kHeadDim, kHeadTile);
+    const int64_t g = padded_group_;
+    float* acc = q + g * kHeadDim;
+    float* m = acc + g * kHeadDim;
+    return {q, acc, m, m + g, m + 2 * g};
+  }
+  float* block_scores(float* scratch) const {
+    return scratch + plan_.heads_per_unit() * decode_head_floats(group_, kHeadDim, kHeadTile);
+  }
+  float* partial_out(int64_t slot) const { return reinterpret_cast<float*>(p_.partials) + slot * slot_rows_ * kHeadDim; }
+  float* partial_lse(int64_t slot) const {
+    return reinterpret_cast<float*>(p_.partials) + plan_.num_slots() * slot_rows_ * kHeadDim + slot * slot_rows_;
+  }
+
+  void run_list(const kf_decode_layer& io, int64_t list) const {
+    float* s = scratch(list);
+    const int32_t* offsets = plan_.list_offsets();
+    for (int64_t i = offsets[list]; i < offsets[list + 1]; ++i) run_item(io, plan_.items()[i], s);
+  }
+
+  void run_item(const kf_decode_layer& io, const WorkItem& w, float* scratch) const {
+    float* scores = block_scores(scratch);
+    for (int64_t h = 0; h < w.num_heads; ++h) start_head(io, w, h, head_state(scratch, h));
+    Rows rows[2];
+    if (w.begin < w.end) resolve_rows(io, w, w.begin, rows[0]);
+    for (int64_t t = w.begin, block = 0; t < w.end; t += kDecodeBlock, ++block) {
+      const int64_t count = std::min<int64_t>(kDecodeBlock, w.end - t);
+      const Rows& cur = rows[block & 1];
+      Rows& next = rows[(block + 1) & 1];
+      const int64_t next_count = std::max<int64_t>(0, std::min<int64_t>(kDecodeBlock, w.end - t - kDecodeBlock));
+      if (next_count > 0) resolve_rows(io, w, t + kDecodeBlock, next);
+      const int64_t tiles = w.num_heads * (padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile);
+      BlockPrefetcher prefetch(next, next_count, w.num_heads, io, tiles);
+      for (int64_t h = 0; h < w.num_heads; ++h) {
+        const HeadState st = head_state(scratch, h);
+        const int64_t k_offset = h * io.k_stride_head, v_offset = h * io.v_stride_head;
+        compute_scores(cur, k_offset, count, st, scores, prefetch, float(io.qk_scale));
+        softmax_update(count, st, scores);
+        accumulate_values(cur, v_offset, count, st, scores);
+      }
+    }
+    for (int64_t h = 0; h < w.num_heads; ++h) finish(io, w, h, head_state(scratch, h));
+  }
+
+  // The group's q rows, scaled so that q.k is the logit (with a soft cap: logit / cap); a fresh
+  // softmax state.
+  void start_head(const kf_decode_layer& io, const WorkItem& w, int64_t h, const HeadState& st) const {
+    const VecF scale = VecF::broadcast(kBf16Dot ? 1.0f : float(io.qk_scale));  // bf16 q: scaled after q.k
+    const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_b;
+    for (int64_t g = 0; g < padded_group_; ++g) {
+      const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_h;
+      for (int64_t d = 0; d < kHeadDim; d += kW) {
+        const VecF row = g < group_ ? VecF::load(src + d) * scale : VecF::zero();
+        if constexpr (kBf16Dot) {
+          row.store(reinterpret_cast<bf16*>(st.q) + g * kHeadDim + d);
+        } else {
+          row.store(st.q + g * kHeadDim + d);
+        }
+      }
+      std::fill(st.acc + g * kHeadDim, st.acc + (g + 1) * kHeadDim, 0.0f);
+      st.m[g] = -std::numeric_limits<float>::infinity();
+      st.l[g] = 0.0f;
+    }
+  }
+
+  // Row addresses of the tokens [t, t + kDecodeBlock) that the item covers, for its first KV head.
+  void resolve_rows(const kf_decode_layer& io, const WorkItem& w, int64_t t, Rows& rows) const {
+    const int64_t count = std::min<int64_t>(kDecodeBlock, w.end - t);
+    const int32_t* pages = reinterpret_cast<const int32_t*>(p_.indices) +
+                           reinterpret_cast<const int32_t*>(p_.indptr)[w.request];
+    const KVT* k = reinterpret_cast<const KVT*>(io.k) + w.kv_head * io.k_stride_head;
+    const KVT* v = reinterpret_cast<const KVT*>(io.v) + w.kv_head * io.v_stride_head;
+    int64_t page_iter = t / p_.page_size, offset = t % p_.page_size;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t page = pages[page_iter];
+      rows.k[j] = k + page * io.k_stride_page + offset * io.k_stride_token;
+      rows.v[j] = v + page * io.v_stride_page + offset * io.v_stride_token;
+      if (++offset == p_.page_size) offset = 0, ++page_iter;
+    }
+  }
+
+  // Fetches the next block's K and V rows while this block computes, a few lines per score tile,
+  // in address order: token by token (all heads of a token are one row in NHD) or head by head
+  // (HND). Spread out, the fetches overlap the arithmetic; in address order, they let the hardware
+  // prefetcher run ahead within each page (software prefetches alone are limited by the core's few
+  // outstanding L1 misses). The page table hides the next page from the hardware prefetcher.
+  class BlockPrefetcher {
+   public:
+    BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
+        : rows_(rows), count_(count), heads_(heads), k_head_(io.k_stride_head), v_head_(io.v_stride_head),
+          token_major_(io.k_stride_head < io.k_stride_token),
+          per_step_((count * heads * kRowLines + steps - 1) / std::max<int64_t>(steps, 1)) {}
+
+    void step() {
+      const int64_t total = count_ * heads_ * kRowLines;
+      for (int64_t end = std::min(total, next_ + per_step_); next_ < end; ++next_) {
+        const int64_t row = next_ / kRowLines, line = next_ % kRowLines;
+        const int64_t token = token_major_ ? row / heads_ : row % count_;
+        const int64_t head = token_major_ ? row % heads_ : row / count_;
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + 64 * line);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + 64 * line);
+      }
+    }
+
+   private:
+    static constexpr int64_t kRowLines = (kHeadDim * int64_t(sizeof(KVT)) + 63) / 64;
+    const Rows& rows_;
+    const int64_t count_, heads_, k_head_, v_head_;
+    const bool token_major_;
+    const int64_t per_step_;
+    int64_t next_ = 0;
+  };
+
+  // scores[g][j] = logit of group head g against token j, for j < count (tiles past count read
+  // token 0 again; their scores are never used).
+  void compute_scores(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, float* scores,
+                      BlockPrefetcher& prefetch, float qk_scale) const {
+    const bool capped = p_.soft_cap > 0.0;
+    const VecF cap = VecF::broadcast(float(p_.soft_cap)), scale = VecF::broadcast(qk_scale);
+    for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
+      for (int64_t j0 = 0; j0 < count; j0 += kTokenTile) {
+        prefetch.step();
+        const KVT* k[kTokenTile];
+        for (int jj = 0; jj < kTokenTile; ++jj) k[jj] = rows.k[j0 + jj < count ? j0 + jj : 0] + head_offset;
+        VecF tile = score_tile(st, g0, k, scale);
+        if (capped) tile = cap * tanh(tile);
+        alignas(64) float lanes[kW];
+        tile.store(lanes);
+        for (int gg = 0; gg < kHeadTile; ++gg) {
+          for (int jj = 0; jj < kTokenTile; ++jj) scores[(g0 + gg) * kDecodeBlock + j0 + jj] = lanes[gg * kTokenTile + jj];
+        }
+      }
+    }
+  }
+
+  // kHeadTile x kTokenTile logits (heads g0.., tokens k), lane gg * kTokenTile + jj.
+  static VecF score_tile(const HeadState& st, int64_t g0, const KVT* const (&k)[kTokenTile], const VecF& scale) {
+#if KF_HAS_BF16_DOT
+    if constexpr (kBf16Dot) {
+      return bf16_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
+                 reinterpret_cast<const bf16*>(st.q) + g0 * kHeadDim, k) * scale;
+    }
+#endif
+    (void)scale;  // q is pre-scaled on this path
+    const float* q = st.q + g0 * kHeadDim;
+    VecF acc[kW];
+    for (int i = 0; i < kW; ++i) acc[i] = VecF::zero();
+    for (int64_t d = 0; d < kHeadDim; d += kW) {
+      VecF kv[kTokenTile];
+      for (int jj = 0; jj < kTokenTile; ++jj) kv[jj] = VecF::load(k[jj] + d);
+      for (int gg = 0; gg < kHeadTile; ++gg) {
+        const VecF qv = VecF::load(q + gg * kHeadDim + d);
+        for (int jj = 0; jj < kTokenTile; ++jj) acc[gg * kTokenTile + jj] = fma(qv, kv[jj], acc[gg * kTokenTile + jj]);
+      }
+    }
+    return reduce_lanes(acc);
+  }
+
+  // Online softmax: scores become probabilities relative to the new running max; alpha is what
+  // the accumulators must be rescaled by.
+  void softmax_update(int64_t count, const HeadState& st, float* scores) const {
+    for (int64_t g = 0; g < padded_group_; ++g) {
+      float* row = scores + g * kDecodeBlock;
+      for (int64_t j = count; j < kDecodeBlock; ++j) row[j] = -std::numeric_limits<float>::infinity();
+      VecF block_max = VecF::load(row);
+      for (int64_t j = kW; j < kDecodeBlock; j += kW) block_max = max(block_max, VecF::load(row + j));
+      const float m_new = std::max(st.m[g], reduce_max(block_max));
+      const VecF shift = VecF::broadcast(m_new);
+      VecF sum = VecF::zero();
+      for (int64_t j = 0; j < kDecodeBlock; j += kW) {
+        const VecF p = exp(VecF::load(row + j) - shift);
+        p.store(row + j);
+        if (j + kW <= count) sum += p;
+      }
+      for (int64_t j = count; j < kDecodeBlock; ++j) row[j] = 0.0f;  // exp's floor is not exactly 0
+      float block_sum = reduce_add(sum);
+      for (int64_t j = count / kW * kW; j < count; ++j) block_sum += row[j];
+#if KF_HAS_BF16_DOT
+      if constexpr (kBf16Dot) bf16_dot::pack_probabilities(row);
+#endif
+      st.alpha[g] = std::exp(st.m[g] - m_new);  // 0 on the first block (m = -inf)
+      st.l[g] = st.l[g] * st.alpha[g] + block_sum;
+      st.m[g] = m_new;
+    }
+  }
+
+  // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
+  // head_dim at a time so that small head tiles still have four independent FMA chains.
+  void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
+                         const float* scores) const {
+#if KF_HAS_BF16_DOT
+    if constexpr (kBf16Dot) return accumulate_values_bf16(rows, head_offset, count, st, scores);
+#endif
+    constexpr int kChunks = kHeadTile >= 4 ? 1 : 4 / kHeadTile;
+    for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
+      int64_t d = 0;
+      for (; d + kChunks * kW <= kHeadDim; d += kChunks * kW) {
+        value_step<kChunks>(rows, head_offset, count, st, scores, g0, d);
+      }
+      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d);
+    }
+  }
+
+#if KF_HAS_BF16_DOT
+  void accumulate_values_bf16(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
+                              const float* scores) const {
+    constexpr int kChunks = kHeadTile == 1 ? 2 : 1;  // 32-element chunks per step: >= 4 FMA chains
+    alignas(64) static const bf16 kZeros[kChunks * bf16_dot::kChunk] = {};
+    for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
+      const uint32_t* pairs[kHeadTile];
+      float* acc[kHeadTile];
+      for (int gg = 0; gg < kHeadTile; ++gg) pairs[gg] = reinterpret_cast<const uint32_t*>(scores + (g0 + gg) * kDecodeBlock);
+      int64_t d = 0;
+      for (; d + kChunks * bf16_dot::kChunk <= kHeadDim; d += kChunks * bf16_dot::kChunk) {
+        for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+      }
+      for (; d < kHeadDim; d += bf16_dot::kChunk) {
+        for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        bf16_dot::accumulate_values<kHeadTile, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+      }
+    }
+  }
+#endif
+
+  template <int kChunks>
+  static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
+                         const float* scores, int64_t g0, int64_t d) {
+    VecF acc[kHeadTile][kChunks];
+    for (int gg = 0; gg < kHeadTile; ++gg) {
+      const VecF alpha = VecF::broadcast(st.alpha[g0 + gg]);
+      for (int c = 0; c < kChunks; ++c) acc[gg][c] = VecF::load(st.acc + (g0 + gg) * kHeadDim + d + c * kW) * alpha;
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const KVT* v_row = rows.v[j] + head_offset + d;
+      VecF v[kChunks];
+      for (int c = 0; c < kChunks; ++c) v[c] = VecF::load(v_row + c * kW);
+      for (int gg = 0; gg < kHeadTile; ++gg) {
+        const VecF p = VecF::broadcast(scores[(g0 + gg) * kDecodeBlock + j]);
+        for (int c = 0; c < kChunks; ++c) acc[gg][c] = fma(p, v[c], acc[gg][c]);
+      }
+    }
+    for (int gg = 0; gg < kHeadTile; ++gg) {
+      for (int c = 0; c < kChunks; ++c) acc[gg][c].store(st.acc + (g0 + gg) * kHeadDim + d + c * kW);
+    }
+  }
+
+  // Normalizes and writes one KV head's group: to the output (whole unit) or to its partial slot.
+  void finish(const kf_decode_layer& io, const WorkItem& w, int64_t h, const HeadState& st) const {
+    for (int64_t g = 0; g < group_; ++g) {
+      const float l = st.l[g], lse = segment_lse(st.m[g], l);
+      const VecF scale = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
+      const float* acc = st.acc + g * kHeadDim;
+#if KF_HAS_BF16_DOT
+      alignas(64) float ordered[kHeadDim];
+      if constexpr (kBf16Dot) {
+        for (int64_t d = 0; d < kHeadDim; d += bf16_dot::kChunk) bf16_dot::unscramble_chunk(acc + d, ordered + d);
+        acc = ordered;
+      }
+#endif
+      if (w.slot >= 0) {
+        const int64_t row = h * group_ + g;
+        float* out = partial_out(w.slot) + row * kHeadDim;
+        for (int64_t d = 0; d < kHeadDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+        partial_lse(w.slot)[row] = lse;
+        continue;
+      }
+      const int64_t head = (w.kv_head + h) * group_ + g;
+      OutT* out = reinterpret_cast<OutT*>(io.out) + w.request * io.out_stride_b + head * io.out_stride_h;
+      for (int64_t d = 0; d < kHeadDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+      if (io.lse) reinterpret_cast<float*>(io.lse)[w.request * io.lse_stride_b + head * io.lse_stride_h] = lse;
+    }
+  }
+
+  void merge(const kf_decode_layer& io, const MergeItem& m) const {
+    for (int64_t row = 0; row < m.num_heads * group_; ++row) {
+      const int64_t head = m.kv_head * group_ + row;
+      OutT* out = reinterpret_cast<OutT*>(io.out) + m.request * io.out_stride_b + head * io.out_stride_h;
+      float* lse = io.lse ? reinterpret_cast<float*>(io.lse) + m.request * io.lse_stride_b + head * io.lse_stride_h
+                          : nullptr;
+      merge_state_row<float, OutT>(m.num_slots, partial_out(m.first_slot) + row * kHeadDim, slot_rows_ * kHeadDim,
+                                   partial_lse(m.first_slot) + row, slot_rows_, kHeadDim, out, lse);
+    }
+  }
+
+  const kf_decode_planned& p_;
+  const int64_t group_, padded_group_;
+  const PlanView plan_;
+  const int64_t slot_rows_;  // output rows of one partial slot: a unit's KV heads x group
+};
+
+}  // namespace attention
+}  // namespace kf
