@@ -26,6 +26,10 @@ from functools import cached_property
 
 import torch
 
+from kernforge.jit.module import DType, Entry, Module
+from kernforge.ops._common import num_threads
+from kernforge.ops._registry import FP8_DTYPE_NAMES, export, kernel_op
+
 KV_LAYOUTS = ("NHD", "HND")
 # Storage dtypes a cache may have (FlashInfer's decode reads fp8 caches as well).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -127,8 +131,8 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_
 
 
 def _unpack_tensor(t: torch.Tensor, kv_layout: str, name: str) -> PagedKVCache:
+    dtype = _storage_dtype(t, name)
     shape, strides = t.shape, t.stride()  # read once: torch.Size slices cost 0.4 us each
-    _check_storage(t, name)
     if len(shape) == 5 and shape[1] == 2:
         pages, _, a, b, head_dim = shape
         page_stride, kv_stride, a_stride, b_stride, dim_stride = strides
@@ -141,22 +145,19 @@ def _unpack_tensor(t: torch.Tensor, kv_layout: str, name: str) -> PagedKVCache:
                          f"page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}")
     k_ptr = t.data_ptr()
     rows = _rows(kv_layout, page_stride, a_stride, b_stride, dim_stride, head_dim)
-    return _new(t, kv_layout, name, pages, a, b, head_dim, t.dtype, k_ptr,
-                k_ptr + kv_stride * _ITEMSIZE[t.dtype], rows, rows, None)
+    return _new(t, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, k_ptr + kv_stride * _ITEMSIZE[dtype],
+                rows, rows, None)
 
 
 def _unpack_pair(pair, kv_layout: str, name: str) -> PagedKVCache:
     k, v = pair
-    for plane, which in ((k, 0), (v, 1)):
-        if not isinstance(plane, torch.Tensor):
-            raise TypeError(f"{name}[{which}] must be a torch.Tensor, got {type(plane).__name__}")
-        _check_storage(plane, f"{name}[{which}]")
+    dtype = _storage_dtype(k, name, 0)
+    if _storage_dtype(v, name, 1) is not dtype:
+        raise TypeError(f"{name}: the V cache has dtype {v.dtype} but the K cache has {dtype}; they must match")
     shape = k.shape
     if v.shape != shape:
         raise ValueError(f"{name}: the V cache has shape {tuple(v.shape)} but the K cache has {tuple(shape)}; "
                          "they must match")
-    if v.dtype is not k.dtype:
-        raise TypeError(f"{name}: the V cache has dtype {v.dtype} but the K cache has {k.dtype}; they must match")
     k_strides, v_strides = k.stride(), v.stride()
     if len(shape) == 4:
         pages, a, b, head_dim = shape
@@ -173,16 +174,24 @@ def _unpack_pair(pair, kv_layout: str, name: str) -> PagedKVCache:
     else:
         raise ValueError(f"{name}[0] (the K cache) must be [num_pages, {_plane_dims(kv_layout)}] (or "
                          f"[num_pages, H, D] for page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}")
-    return _new(pair, kv_layout, name, pages, a, b, head_dim, k.dtype, k.data_ptr(), v.data_ptr(), k_rows, v_rows,
+    return _new(pair, kv_layout, name, pages, a, b, head_dim, dtype, k.data_ptr(), v.data_ptr(), k_rows, v_rows,
                 planes)
 
 
-def _check_storage(t: torch.Tensor, name: str) -> None:
+def _storage_dtype(t, name: str, which: int | None = None) -> torch.dtype:
+    """The dtype of a CPU cache tensor ``t`` (``name``, or ``name[which]`` of a pair)."""
+    try:  # warm path: two attribute reads
+        if t.dtype in _ITEMSIZE and t.is_cpu:
+            return t.dtype
+    except AttributeError:
+        pass
+    name = name if which is None else f"{name}[{which}]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _ITEMSIZE:
         raise TypeError(f"{name} has dtype {t.dtype}; a KV cache is float32, bfloat16, float16, "
                         "float8_e4m3fn or float8_e5m2")
-    if not t.is_cpu:
-        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
 
 
 def _plane_dims(kv_layout: str) -> str:
@@ -218,3 +227,194 @@ def _new(source, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, v_ptr, k_
     if planes is not None:
         state["k"], state["v"] = planes
     return cache
+
+
+# --------------------------------------------------------------------------- appending
+
+_I64 = "int64_t "
+# Appending copies rows, so one variant per element type; fp8 caches are appended in fp8, as FlashInfer.
+PAGE = Module(
+    "page", "page.cpp.jinja",
+    params={"dtype": DType(choices=("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
+    entries=[Entry("append", ", ".join(_I64 + arg for arg in (
+        "key", "key_stride_n", "key_stride_h", "value", "value_stride_n", "value_stride_h",
+        "batch_indices", "positions", "num_tokens",
+        "k_cache", "k_page_stride", "k_token_stride", "k_head_stride",
+        "v_cache", "v_page_stride", "v_token_stride", "v_head_stride",
+        "kv_indices", "num_kv_indices", "kv_indptr", "batch_size",
+        "num_pages", "page_size", "num_heads", "head_dim", "num_threads")), returns="int64_t")],
+)
+
+
+@kernel_op(PAGE)
+def append_paged_kv_cache(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_layout: str = "NHD",
+) -> None:
+    """Write ``append_key[i]``/``append_value[i]`` (``[nnz, num_kv_heads, head_dim]``) into the slot
+    of token ``positions[i]`` of request ``batch_indices[i]``, as FlashInfer does.
+
+    The pages must already be allocated (``kv_indices``/``kv_indptr`` include them);
+    ``kv_last_page_len`` gives the batch size and is not otherwise read, as in FlashInfer.
+    Index tensors are int32 (other integer dtypes are converted, as FlashInfer's ``.int()``).
+    Every index used is checked before anything is written: a batch index outside
+    ``[0, batch_size)``, a position below 0 or past the request's pages, a ``kv_indptr``
+    range outside ``kv_indices`` or a page outside ``[0, num_pages)`` raises ValueError
+    naming the argument and the entry, with the cache untouched.
+    """
+    cache = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    variant = _APPEND_VARIANTS.get(cache.dtype) or _first_append_variant(cache.dtype)
+    k_page, k_token, k_head = cache.k_strides
+    v_page, v_token, v_head = cache.v_strides
+    append_key, key_n, key_h, num_tokens = _token_rows(append_key, "append_key", cache)
+    append_value, value_n, value_h, value_tokens = _token_rows(append_value, "append_value", cache)
+    if value_tokens != num_tokens:
+        raise ValueError(f"append_value has {value_tokens} tokens but append_key has {num_tokens}; they must match")
+    batch_size = _batch_size(kv_last_page_len)
+    batch_indices = _index_vector(batch_indices, "batch_indices", num_tokens, "append_key's tokens")
+    positions = _index_vector(positions, "positions", num_tokens, "append_key's tokens")
+    kv_indptr = _index_vector(kv_indptr, "kv_indptr", batch_size + 1, "kv_last_page_len + 1")
+    kv_indices = _index_vector(kv_indices, "kv_indices", None, None)
+    if num_tokens == 0:
+        return
+    status = variant.kernel().append(
+        append_key.data_ptr(), key_n, key_h, append_value.data_ptr(), value_n, value_h,
+        batch_indices.data_ptr(), positions.data_ptr(), num_tokens,
+        cache.k_ptr, k_page, k_token, k_head, cache.v_ptr, v_page, v_token, v_head,
+        kv_indices.data_ptr(), kv_indices.numel(), kv_indptr.data_ptr(), batch_size,
+        cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, num_threads(),
+    )
+    if status:
+        _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, cache)
+
+
+_APPEND_VARIANTS = append_paged_kv_cache.kernels.by_dtype  # {cache dtype: variant}, filled on first use
+
+
+def _first_append_variant(dtype: torch.dtype):
+    if dtype in FP8_DTYPE_NAMES:  # storage-only dtypes: the registry's op dtypes (what pre-warm builds) are floats
+        _APPEND_VARIANTS[dtype] = PAGE.variant(dtype=FP8_DTYPE_NAMES[dtype])
+        return _APPEND_VARIANTS[dtype]
+    return append_paged_kv_cache.kernels.variant(dtype)  # unpack admitted only cache dtypes
+
+
+def _token_rows(t, name: str, cache: PagedKVCache):
+    """``t`` as [tokens, num_kv_heads, head_dim] rows of the cache's dtype:
+    (tensor, token stride, head stride, tokens)."""
+    try:  # warm path: attribute reads
+        if t.dtype is cache.dtype and t.is_cpu:
+            tokens, heads, head_dim = t.shape
+            token_stride, head_stride, dim_stride = t.stride()
+            if heads == cache.num_kv_heads and head_dim == cache.head_dim and (dim_stride == 1 or head_dim == 1):
+                return t, token_stride, head_stride, tokens
+    except (AttributeError, ValueError):  # not a tensor, not 3-D: explained below
+        pass
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype is not cache.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but paged_kv_cache has {cache.dtype}; they must match")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    if t.dim() != 3 or t.shape[1] != cache.num_kv_heads or t.shape[2] != cache.head_dim:
+        raise ValueError(f"{name} must be [nnz, num_kv_heads, head_dim] = [nnz, {cache.num_kv_heads}, "
+                         f"{cache.head_dim}] to match paged_kv_cache, got shape {tuple(t.shape)}")
+    t = t.contiguous()  # only read: a strided head_dim is copied
+    return t, t.stride(0), t.stride(1), t.shape[0]
+
+
+_INT32 = torch.int32
+_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def _index_vector(t, name: str, length: int | None, length_from: str | None) -> torch.Tensor:
+    """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
+    try:  # warm path: attribute reads
+        if t.dtype is _INT32 and t.is_cpu and t.dim() == 1 and (length is None or t.numel() == length) \
+                and t.is_contiguous():
+            return t
+    except AttributeError:
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected an integer tensor (int32)")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    if t.dim() != 1 or (length is not None and t.numel() != length):
+        expected = f"[{length}] (the length of {length_from})" if length is not None else "1-D"
+        raise ValueError(f"{name} must be {expected}, got shape {tuple(t.shape)}")
+    return t.to(_INT32).contiguous()  # as FlashInfer's .int()
+
+
+def _batch_size(kv_last_page_len) -> int:
+    """The batch size, from kv_last_page_len (append reads nothing else of it, as FlashInfer)."""
+    try:
+        if kv_last_page_len.dim() == 1:
+            return kv_last_page_len.numel()
+    except AttributeError:
+        raise TypeError(f"kv_last_page_len must be a torch.Tensor, got {type(kv_last_page_len).__name__}") from None
+    raise ValueError(f"kv_last_page_len must be 1-D [batch_size], got shape {tuple(kv_last_page_len.shape)}")
+
+
+def _raise_append_error(status: int, batch_indices, positions, kv_indices, kv_indptr, cache) -> None:
+    kind, index = status >> 32, status & 0xFFFFFFFF
+    if kind == 1:
+        raise ValueError(f"batch_indices[{index}] = {int(batch_indices[index])} is out of range "
+                         f"[0, {kv_indptr.numel() - 1}) (the batch size of kv_indptr and kv_last_page_len)")
+    if kind == 2:
+        request, position = int(batch_indices[index]), int(positions[index])
+        if position < 0:
+            raise ValueError(f"positions[{index}] = {position} is negative")
+        pages = int(kv_indptr[request + 1]) - int(kv_indptr[request])
+        raise ValueError(f"positions[{index}] = {position} is beyond the pages of request {request}: it needs page "
+                         f"{position // cache.page_size} of the request (page size {cache.page_size}) but kv_indptr "
+                         f"gives the request {pages} pages")
+    if kind == 3:
+        raise ValueError(f"kv_indptr[{index}:{index + 2}] = {kv_indptr[index:index + 2].tolist()} is not a range "
+                         f"of kv_indices (which has {kv_indices.numel()} entries)")
+    if kind == 4:
+        raise ValueError(f"kv_indices[{index}] = {int(kv_indices[index])} is out of range "
+                         f"[0, {cache.num_pages}) (the pages of paged_kv_cache)")
+    raise AssertionError(f"append kernel returned unknown status {status:#x}")
+
+
+# --------------------------------------------------------------------------- index helpers
+
+
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Sequence lengths from the page table, FlashInfer's formula:
+    ``clamp(pages - 1, min=0) * page_size + kv_last_page_len`` per request."""
+    return torch.clamp(kv_indptr[1:] - kv_indptr[:-1] - 1, min=0) * page_size + kv_last_page_len
+
+
+export("get_seq_lens", get_seq_lens)
+
+
+def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int):
+    """For each of the ``nnz`` appended tokens (ragged by ``append_indptr``), its request and its
+    position in the request's sequence, where ``seq_lens`` already counts the appended tokens:
+    token ``j`` of request ``b`` (``append_indptr[b] <= j < append_indptr[b + 1]``) is at
+    ``seq_lens[b] - append_indptr[b + 1] + j``. Both int32, as in FlashInfer."""
+    batch_size = len(append_indptr) - 1
+    if len(seq_lens) != batch_size:
+        raise ValueError(f"seq_lens must have one entry per request ({batch_size}, from append_indptr), "
+                         f"got shape {tuple(seq_lens.shape)}")
+    append_indptr = append_indptr.to(torch.int64)
+    appended = append_indptr[1:] - append_indptr[:-1]
+    total = int(append_indptr[-1] - append_indptr[0]) if batch_size else 0
+    if nnz != total or (batch_size and int(append_indptr[0]) != 0):
+        raise ValueError(f"nnz = {nnz} must equal append_indptr[-1] = {total}, with append_indptr[0] = 0")
+    if batch_size and bool((appended < 0).any()):
+        raise ValueError("append_indptr must be non-decreasing")
+    batch_indices = torch.repeat_interleave(torch.arange(batch_size, dtype=torch.int64), appended, output_size=nnz)
+    shift = seq_lens.to(torch.int64) - append_indptr[1:]  # position - token index, per request
+    positions = torch.arange(nnz, dtype=torch.int64) + shift[batch_indices]
+    return batch_indices.to(torch.int32), positions.to(torch.int32)
+
+
+export("get_batch_indices_positions", get_batch_indices_positions)
