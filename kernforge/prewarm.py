@@ -34,6 +34,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
+
 from kernforge.jit import core, isa
 from kernforge.jit.module import DeclarationError, Module, registered
 from kernforge.ops import OPS
@@ -52,8 +54,10 @@ _GATED_BY_HF_ACTIVATION = {
 }
 
 
-def manifest_from_model_config(config: dict | str | Path) -> dict:
-    """Ops a decoder model needs, from its ``config.json`` (path or dict)."""
+def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = ()) -> dict:
+    """Ops a decoder model needs, from its ``config.json`` (path or dict). Decode attention
+    is built for a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
+    ``"float8_e4m3fn"``)."""
     if not isinstance(config, dict):
         config = json.loads(Path(config).read_text())
     config = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM
@@ -70,13 +74,42 @@ def manifest_from_model_config(config: dict | str | Path) -> dict:
         sizes[name] = value
     gemma = "gemma" in str(config.get("model_type", "")).lower()
     norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if gemma else ["rmsnorm", "fused_add_rmsnorm"]
+    attention = _attention_shape(config, sizes["hidden_size"])
     return {
-        "model": {**sizes, "dtype": dtype, "activation": activation, "model_type": config.get("model_type")},
+        "model": {**sizes, **attention, "dtype": dtype, "activation": activation,
+                  "model_type": config.get("model_type")},
         "kernels": [
             *({"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]),
+            *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
+            *({"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)} for kv_dtype in
+              [dtype, *kv_cache_dtypes]),
             {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
         ],
     }
+
+
+# Per-layer ops of the attention block besides decode: RoPE on q/k, then writing k/v to the cache.
+_ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
+
+
+def _attention_shape(config: dict, hidden_size: int) -> dict:
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"config.json needs a positive integer num_attention_heads, got {heads!r}")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden_size // heads
+    if not isinstance(kv_heads, int) or heads % kv_heads:
+        raise ValueError(f"config.json num_key_value_heads {kv_heads!r} must divide num_attention_heads {heads}")
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
+    from kernforge.ops.decode import decode_variant_params  # the one rule plan() uses
+
+    q = TORCH_DTYPES[dtype_name(dtype)]
+    kv = getattr(torch, kv_dtype) if kv_dtype.startswith("float8") else TORCH_DTYPES[dtype_name(kv_dtype)]
+    group = attention["num_attention_heads"] // attention["num_key_value_heads"]
+    return decode_variant_params(q, kv, q, attention["head_dim"], group)
 
 
 def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) -> list[core.KernelSpec]:

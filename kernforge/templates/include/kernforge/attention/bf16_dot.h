@@ -90,14 +90,14 @@ inline void accumulate_values(const bf16* const* v, int64_t offset, const bf16* 
   }
 }
 
-// A scrambled 32-element accumulator chunk back in element order.
+// A scrambled 32-element accumulator chunk back in element order: 128-bit blocks interleaved,
+// [lo.0 hi.0 lo.1 hi.1] and [lo.2 hi.2 lo.3 hi.3].
 inline void unscramble_chunk(const float* scrambled, float* out) {
-  for (int block = 0; block < 4; ++block) {
-    for (int i = 0; i < 4; ++i) {
-      out[8 * block + i] = scrambled[4 * block + i];
-      out[8 * block + 4 + i] = scrambled[16 + 4 * block + i];
-    }
-  }
+  const __m512 lo = _mm512_loadu_ps(scrambled), hi = _mm512_loadu_ps(scrambled + 16);
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 
 }  // namespace bf16_dot
