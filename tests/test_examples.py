@@ -19,3 +19,11 @@ def test_custom_variant_example_runs_on_every_tier(kernforge_cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     for tier in kernforge.jit.runnable_tiers():
         assert f"relu2_and_mul on tier {tier}: matches torch" in result.stdout
+
+
+@pytest.mark.slow  # a child process: imports torch, compiles RoPE, append and decode
+def test_decode_step_example_matches_torch(kernforge_cache_dir):
+    result = subprocess.run([sys.executable, str(EXAMPLES / "decode_step.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("max |error| vs torch") == 4

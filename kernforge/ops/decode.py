@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from numbers import Real
 
 import torch
 
 from kernforge.jit.module import DType, Entry, Int, Module, Struct
 from kernforge.ops._common import num_threads
-from kernforge.ops._registry import DTYPE_NAMES, export
-from kernforge.ops.page import KVLayoutError, PagedKVCache, check_kv_layout, unpack_paged_kv_cache
+from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export
+from kernforge.ops.page import PagedKVCache, check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
 # Fixed for the plan's lifetime: filled once in plan().
@@ -66,7 +67,7 @@ DECODE = Module(
     ],
 )
 
-_KV_TORCH_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2", **DTYPE_NAMES}
+_KV_TORCH_NAMES = {**DTYPE_NAMES, **FP8_DTYPE_NAMES}
 # Splitting a request's KV across threads costs a merge; pieces under this many tokens are not worth it.
 _MIN_SPLIT, _NO_SPLIT = 128, 1 << 30
 _PLAN_HEADER = 8  # int32s before the list offsets (work_plan.h PlanLayout)
@@ -133,6 +134,8 @@ def _index_copy(t, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype == torch.int64 and t.numel() and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
+        raise ValueError(f"{name} holds values beyond int32")
     return t.to(torch.int32, copy=True).contiguous()
 
 
@@ -436,7 +439,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if kv_len == 0:  # an empty page would be an empty cache: give the request no page instead
         cache = tuple(torch.zeros((1, 1, num_kv_heads, head_dim) if kv_layout == "NHD" else
                                   (1, num_kv_heads, 1, head_dim), dtype=k.dtype) for _ in range(2))
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(), kv_layout)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(num_qo_heads, num_kv_heads, head_dim), kv_layout)
     wrapper.plan(torch.tensor([0, 1 if kv_len else 0], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                  torch.tensor([kv_len if kv_len else 1], dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
                  page_size, window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q.dtype,
@@ -446,14 +449,21 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
-_SINGLE_WORKSPACE: list[torch.Tensor] = []
+_SINGLE_WORKSPACE = threading.local()
 
 
-def _single_workspace() -> torch.Tensor:
-    """single_decode's workspace, made once (a plan of one request needs a few KB per thread)."""
-    if not _SINGLE_WORKSPACE:
-        _SINGLE_WORKSPACE.append(torch.empty(16 << 20, dtype=torch.uint8))
-    return _SINGLE_WORKSPACE[0]
+def _single_workspace(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """single_decode's workspace, one per calling thread (it holds the kernel's scratch), grown to
+    an upper bound of what a plan for these heads needs: per thread, the KV heads' padded groups
+    of q and accumulators, and up to two partial slots of every query head."""
+    group = num_qo_heads // num_kv_heads
+    padded = -(-group // MAX_GROUP) * MAX_GROUP  # head tiles are at most MAX_GROUP heads
+    per_thread = num_kv_heads * padded * (2 * head_dim + 3) + padded * 32 + 2 * num_qo_heads * (head_dim + 1)
+    needed = 4 * num_threads() * per_thread
+    buffer = getattr(_SINGLE_WORKSPACE, "buffer", None)
+    if buffer is None or buffer.numel() < needed:
+        buffer = _SINGLE_WORKSPACE.buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8)
+    return buffer
 
 
 export("BatchDecodeWithPagedKVCacheWrapper", BatchDecodeWithPagedKVCacheWrapper)
