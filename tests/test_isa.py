@@ -68,7 +68,7 @@ def proc_cpuinfo_flags() -> set[str] | None:
 SDM_BITS = {
     "fma": (1, 12), "f16c": (1, 29),
     "avx2": (2, 5), "avx512f": (2, 16), "avx512dq": (2, 17), "avx512bw": (2, 30), "avx512vl": (2, 31),
-    "avx512_vnni": (3, 11),
+    "avx512vbmi": (3, 1), "avx512_vnni": (3, 11),
     "amx_bf16": (4, 22), "avx512_fp16": (4, 23), "amx_tile": (4, 24), "amx_int8": (4, 25),
     "avx512_bf16": (5, 5),
 }
@@ -89,7 +89,7 @@ def regs(features=(), xcr0=XCR0_AMX, amx_granted=True, noise=True) -> list[int]:
     if noise:  # unrelated bits (SSE4.2, OSXSAVE, BMI1, ...) must not matter
         r[1] |= (1 << 20) | (1 << 27)
         r[2] |= (1 << 3) | (1 << 8)
-        r[3] |= 1 << 1
+        r[3] |= 1 << 2
     return r
 
 

@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "kernforge/attention/bf16_dot.h"
+#include "kernforge/attention/fp8_dot.h"
 #include "kernforge/attention/softmax_state.h"
 #include "kernforge/attention/work_plan.h"
 #include "kernforge/parallel.h"
@@ -60,6 +61,11 @@ class DecodeKernel {
   // bf16 q and KV: dot products on bf16 pairs (bf16_dot.h), q kept unscaled in bf16.
   static constexpr bool kBf16Dot = KF_HAS_BF16_DOT && std::is_same<QT, bf16>::value &&
                                    std::is_same<KVT, bf16>::value && kHeadDim % 32 == 0;
+  // bf16 q and fp8 KV: the rows converted to bf16 in registers for the same dot products (fp8_dot.h).
+  static constexpr bool kFp8Dot = KF_HAS_FP8_DOT && std::is_same<QT, bf16>::value &&
+                                  (std::is_same<KVT, fp8_e4m3>::value || std::is_same<KVT, fp8_e5m2>::value) &&
+                                  kHeadDim % 64 == 0;
+  static constexpr bool kBf16Operands = kBf16Dot || kFp8Dot;  // q and p in bf16, q unscaled
 
  public:
   explicit DecodeKernel(const kf_decode_planned& p)
@@ -142,18 +148,21 @@ class DecodeKernel {
   // The group's q rows, scaled so that q.k is the logit (with a soft cap: logit / cap); a fresh
   // softmax state.
   void start_head(const kf_decode_layer& io, const WorkItem& w, int64_t h, const HeadState& st) const {
-    const VecF scale = VecF::broadcast(kBf16Dot ? 1.0f : float(io.qk_scale));  // bf16 q: scaled after q.k
+    const VecF scale = VecF::broadcast(kBf16Operands ? 1.0f : float(io.qk_scale));  // bf16 q: scaled after q.k
     const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_b;
     for (int64_t g = 0; g < padded_group_; ++g) {
       const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_h;
       for (int64_t d = 0; d < kHeadDim; d += kW) {
         const VecF row = g < group_ ? VecF::load(src + d) * scale : VecF::zero();
-        if constexpr (kBf16Dot) {
+        if constexpr (kBf16Operands) {
           row.store(reinterpret_cast<bf16*>(st.q) + g * kHeadDim + d);
         } else {
           row.store(st.q + g * kHeadDim + d);
         }
       }
+#if KF_HAS_FP8_DOT
+      if constexpr (kFp8Dot) fp8_dot::arrange_q<kHeadDim>(reinterpret_cast<bf16*>(st.q) + g * kHeadDim);
+#endif
       std::fill(st.acc + g * kHeadDim, st.acc + (g + 1) * kHeadDim, 0.0f);
       st.m[g] = -std::numeric_limits<float>::infinity();
       st.l[g] = 0.0f;
@@ -238,6 +247,12 @@ class DecodeKernel {
                  reinterpret_cast<const bf16*>(st.q) + g0 * kHeadDim, k) * scale;
     }
 #endif
+#if KF_HAS_FP8_DOT
+    if constexpr (kFp8Dot) {
+      return fp8_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
+                 reinterpret_cast<const bf16*>(st.q) + g0 * kHeadDim, k) * scale;
+    }
+#endif
     (void)scale;  // q is pre-scaled on this path
     const float* q = st.q + g0 * kHeadDim;
     VecF acc[kW];
@@ -273,7 +288,7 @@ class DecodeKernel {
       float block_sum = reduce_add(sum);
       for (int64_t j = count / kW * kW; j < count; ++j) block_sum += row[j];
 #if KF_HAS_BF16_DOT
-      if constexpr (kBf16Dot) bf16_dot::pack_probabilities(row);
+      if constexpr (kBf16Operands) bf16_dot::pack_probabilities(row);
 #endif
       st.alpha[g] = std::exp(st.m[g] - m_new);  // 0 on the first block (m = -inf)
       st.l[g] = st.l[g] * st.alpha[g] + block_sum;
@@ -287,6 +302,9 @@ class DecodeKernel {
                          const float* scores) const {
 #if KF_HAS_BF16_DOT
     if constexpr (kBf16Dot) return accumulate_values_bf16(rows, head_offset, count, st, scores);
+#endif
+#if KF_HAS_FP8_DOT
+    if constexpr (kFp8Dot) return accumulate_values_fp8(rows, head_offset, count, st, scores);
 #endif
     constexpr int kChunks = kHeadTile >= 4 ? 1 : 4 / kHeadTile;
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
@@ -315,6 +333,31 @@ class DecodeKernel {
       for (; d < kHeadDim; d += bf16_dot::kChunk) {
         for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
         bf16_dot::accumulate_values<kHeadTile, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+      }
+    }
+  }
+#endif
+
+#if KF_HAS_FP8_DOT
+  // As accumulate_values_bf16, in 64-element chunks of 4 accumulator vectors: at most 4 heads at a
+  // time (16 accumulators), a group of 8 in two passes.
+  void accumulate_values_fp8(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
+                             const float* scores) const {
+    constexpr int kHeads = kHeadTile < 4 ? kHeadTile : 4;
+    constexpr int kChunks = std::min(4 / kHeads, kHeadDim / fp8_dot::kChunk);  // 16 accumulators
+    alignas(64) static const KVT kZeros[kChunks * fp8_dot::kChunk] = {};
+    for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeads) {
+      const uint32_t* pairs[kHeads];
+      float* acc[kHeads];
+      for (int gg = 0; gg < kHeads; ++gg) pairs[gg] = reinterpret_cast<const uint32_t*>(scores + (g0 + gg) * kDecodeBlock);
+      int64_t d = 0;
+      for (; d + kChunks * fp8_dot::kChunk <= kHeadDim; d += kChunks * fp8_dot::kChunk) {
+        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+      }
+      for (; d < kHeadDim; d += fp8_dot::kChunk) {
+        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        fp8_dot::accumulate_values<kHeads, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
       }
     }
   }
@@ -352,6 +395,12 @@ class DecodeKernel {
       alignas(64) float ordered[kHeadDim];
       if constexpr (kBf16Dot) {
         for (int64_t d = 0; d < kHeadDim; d += bf16_dot::kChunk) bf16_dot::unscramble_chunk(acc + d, ordered + d);
+        acc = ordered;
+      }
+#endif
+#if KF_HAS_FP8_DOT
+      if constexpr (kFp8Dot) {
+        for (int64_t d = 0; d < kHeadDim; d += fp8_dot::kChunk) fp8_dot::unscramble_chunk(acc + d, ordered + d);
         acc = ordered;
       }
 #endif
