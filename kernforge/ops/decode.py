@@ -27,7 +27,7 @@ from numbers import Real
 import torch
 
 from kernforge.jit.module import DType, Entry, Int, Module, Struct
-from kernforge.ops._common import num_threads
+from kernforge.ops._common import num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export
 from kernforge.ops.page import PagedKVCache, check_kv_layout, unpack_paged_kv_cache
 
@@ -44,7 +44,7 @@ DECODE_IO = Struct("kf_decode_layer", (
     ("v", _I64), ("v_stride_page", _I64), ("v_stride_token", _I64), ("v_stride_head", _I64),
     ("out", _I64), ("out_stride_b", _I64), ("out_stride_h", _I64),
     ("lse", _I64), ("lse_stride_b", _I64), ("lse_stride_h", _I64),
-    ("qk_scale", "double"), ("v_scale", "double"),
+    ("qk_scale", "double"), ("v_scale", "double"), ("num_threads", _I64),
 ))
 KV_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 MAX_GROUP = 8  # GQA groups up to this are compile-time constants; larger ones (MQA) use group 0
@@ -314,11 +314,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out = torch.empty(plan.q_shape, dtype=plan.out_dtype)
         else:
             _check_out(out, plan.q_shape, plan.out_dtype, "out")
+            writable_rows(out.shape, out.stride(), "out")
         if return_lse:
             if lse is None:
                 lse = torch.empty(plan.q_shape[:2], dtype=torch.float32)
             else:
                 _check_out(lse, plan.q_shape[:2], torch.float32, "lse")
+                writable_rows(lse.shape, lse.stride(), "lse")
         qk_scale = plan.sm_scale
         if q_scale is not None:
             qk_scale *= _scalar(q_scale, "q_scale")
@@ -337,6 +339,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             io.lse = 0
         io.qk_scale = qk_scale
         io.v_scale = 1.0 if v_scale is None else _scalar(v_scale, "v_scale")
+        io.num_threads = num_threads()
         plan.kernel.run(plan.args, io)
         return (out, lse) if return_lse else out
 

@@ -1,14 +1,16 @@
 // Batch decode attention over a paged KV cache (flash-decoding on CPU).
 //
-// One work item is the group of query heads that share a KV head, for one request, against a range
-// of its KV tokens: each K and V row is read from memory once for the whole group. Tokens go in
-// blocks of kBlock: the block's scores for every head of the group (q.k as fp32 FMAs, kWidth dot
-// products reduced together), an online-softmax update in fp32, then p.V into fp32 accumulators.
-// KV rows are converted in registers (bf16/fp16/fp8 -> fp32), never copied. The next block's rows
-// are prefetched while this one computes (BlockPrefetcher).
+// A work item is one request's KV heads (work_plan.h) against a range of its KV tokens, walked in
+// blocks of kDecodeBlock tokens. For each KV head, the query heads of its GQA group are computed
+// together, so each K and V row is read from memory once per KV head: the block's scores (kWidth
+// dot products reduced together), an online-softmax update in fp32, then p.V into fp32
+// accumulators. The dot products run on bf16 pairs (vdpbf16ps) where the CPU has AVX512-BF16 and
+// q is bf16: bf16 KV as it is (bf16_dot.h), fp8 KV decoded to bf16 by table lookup with VBMI
+// (fp8_dot.h); otherwise KV rows are widened to fp32 in registers for FMAs. KV is never copied.
+// The next block's rows are prefetched while this one computes (BlockPrefetcher).
 //
-// Phase 1 runs the planner's lists (work_plan.h), one per thread; phase 2 merges the partial states
-// of the units the planner split across threads. The output and LSE follow FlashInfer: LSE is
+// Phase 1 runs the planner's lists, one per thread; phase 2 merges the partial states of the units
+// the planner split across threads. The output and LSE follow FlashInfer: LSE is
 // log2(sum(exp(logit))) of the final (scaled, soft-capped) logits, out = softmax . V * v_scale.
 #pragma once
 
@@ -75,12 +77,13 @@ class DecodeKernel {
         slot_rows_(plan_.heads_per_unit() * group_) {}
 
   void run(const kf_decode_layer& io) const {
-    const int64_t lists = plan_.num_lists();
-    parallel_blocks(lists, lists, [&](int64_t, int64_t begin, int64_t end) {
+    // The lists were balanced for the threads at plan time; run on at most the threads allowed now.
+    const int64_t lists = plan_.num_lists(), threads = std::min<int64_t>(lists, io.num_threads);
+    parallel_blocks(lists, threads, [&](int64_t, int64_t begin, int64_t end) {
       for (int64_t list = begin; list < end; ++list) run_list(io, list);
     });
     if (plan_.num_merges() > 0) {
-      parallel_for(plan_.num_merges(), lists, [&](int64_t m) { merge(io, plan_.merges()[m]); });
+      parallel_for(plan_.num_merges(), threads, [&](int64_t m) { merge(io, plan_.merges()[m]); });
     }
   }
 
