@@ -60,7 +60,6 @@ DECODE = Module(
         Entry("plan", "int64_t indptr, int64_t last_page_len, int64_t indices, int64_t batch, "
                       "int64_t num_indices, int64_t page_size, int64_t num_kv_heads, int64_t window_left, "
                       "int64_t num_lists, int64_t min_split, int64_t plan, int64_t capacity", returns=_I64),
-        Entry("plan_units", "int64_t batch, int64_t num_kv_heads, int64_t num_lists", returns=_I64),
         Entry("plan_capacity", "int64_t units, int64_t num_lists", returns=_I64),
         Entry("scratch_floats", "int64_t heads, int64_t group", returns=_I64),
         Entry("run", "const kf_decode_planned* plan, const kf_decode_layer* io"),
@@ -246,7 +245,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         group = num_qo_heads // num_kv_heads
         kernel = DECODE.variant(**decode_variant_params(q_dtype, kv_dtype, out_dtype, head_dim, group)).kernel()
         lists = num_threads()
-        units = kernel.plan_units(batch, num_kv_heads, lists)
+        units = batch * num_kv_heads  # the plan buffer's layout; a unit may hold several KV heads
         plan_buffer = torch.empty(kernel.plan_capacity(units, lists), dtype=torch.int32)
         error = kernel.plan(indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(), batch, indices.numel(),
                             page_size, num_kv_heads, -1 if window_left < 0 else int(window_left),

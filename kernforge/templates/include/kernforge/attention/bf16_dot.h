@@ -54,9 +54,11 @@ inline void pack_probabilities(float* p) {
 //   + sum over token pairs of (p_j, p_j+1) . (V_j, V_j+1), for the tokens [0, count).
 // Token j's chunk starts at v[j] + offset; zero (kChunks chunks of zeros) stands in for token
 // `count` when count is odd.
-template <int kHeads, int kChunks>
+// between(), once per token pair, lets the caller interleave its own work (prefetches) evenly.
+template <int kHeads, int kChunks, class Between>
 inline void accumulate_values(const bf16* const* v, int64_t offset, const bf16* zero, int64_t count,
-                              const uint32_t* const* pairs, const float* alpha, float* const* acc) {
+                              const uint32_t* const* pairs, const float* alpha, float* const* acc,
+                              const Between& between) {
   __m512 lo[kHeads][kChunks], hi[kHeads][kChunks];
   for (int h = 0; h < kHeads; ++h) {
     const __m512 a = _mm512_set1_ps(alpha[h]);
@@ -66,6 +68,7 @@ inline void accumulate_values(const bf16* const* v, int64_t offset, const bf16* 
     }
   }
   for (int64_t j = 0; j < count; j += 2) {
+    between();
     const bf16* first = v[j] + offset;
     const bf16* second = j + 1 < count ? v[j + 1] + offset : zero;
     __m512bh v_lo[kChunks], v_hi[kChunks];

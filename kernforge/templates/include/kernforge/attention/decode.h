@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -135,15 +136,19 @@ class DecodeKernel {
       Rows& next = rows[(block + 1) & 1];
       const int64_t next_count = std::max<int64_t>(0, std::min<int64_t>(kDecodeBlock, w.end - t - kDecodeBlock));
       if (next_count > 0) resolve_rows(io, w, t + kDecodeBlock, next);
-      const int64_t tiles = w.num_heads * (padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile);
-      BlockPrefetcher prefetch(next, next_count, w.num_heads, io, tiles);
+      // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass.
+      const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;
+      const int64_t steps = w.num_heads * ((padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile) +
+                                           value_steps);
+      BlockPrefetcher prefetch(next, next_count, w.num_heads, io, steps);
       for (int64_t h = 0; h < w.num_heads; ++h) {
         const HeadState st = head_state(scratch, h);
         const int64_t k_offset = h * io.k_stride_head, v_offset = h * io.v_stride_head;
         compute_scores(cur, k_offset, count, st, scores, prefetch, float(io.qk_scale));
         softmax_update(count, st, scores);
-        accumulate_values(cur, v_offset, count, st, scores);
+        accumulate_values(cur, v_offset, count, st, scores, prefetch);
       }
+      prefetch.finish();
     }
     for (int64_t h = 0; h < w.num_heads; ++h) finish(io, w, h, head_state(scratch, h));
   }
@@ -196,28 +201,35 @@ class DecodeKernel {
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
-        : rows_(rows), count_(count), heads_(heads), k_head_(io.k_stride_head), v_head_(io.v_stride_head),
+        : rows_(rows), k_head_(io.k_stride_head), v_head_(io.v_stride_head),
           token_major_(io.k_stride_head < io.k_stride_token),
-          per_step_((count * heads * kRowLines + steps - 1) / std::max<int64_t>(steps, 1)) {}
+          outer_end_(count == 0 ? 0 : token_major_ ? count : heads), inner_end_(token_major_ ? heads : count),
+          lines_per_step_(std::max<int64_t>(1, (count * heads * kRowLines + steps - 1) / std::max<int64_t>(steps, 1))) {}
 
+    // The next lines_per_step lines of K and of V, walked with counters (a division per line would
+    // cost as much as the arithmetic around it).
     void step() {
-      const int64_t total = count_ * heads_ * kRowLines;
-      for (int64_t end = std::min(total, next_ + per_step_); next_ < end; ++next_) {
-        const int64_t row = next_ / kRowLines, line = next_ % kRowLines;
-        const int64_t token = token_major_ ? row / heads_ : row % count_;
-        const int64_t head = token_major_ ? row % heads_ : row / count_;
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + 64 * line);
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + 64 * line);
+      for (int64_t n = 0; n < lines_per_step_ && outer_ < outer_end_; ++n) {
+        const int64_t token = token_major_ ? outer_ : inner_, head = token_major_ ? inner_ : outer_;
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + 64 * line_);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + 64 * line_);
+        if (++line_ < kRowLines) continue;
+        line_ = 0;
+        if (++inner_ == inner_end_) inner_ = 0, ++outer_;
       }
+    }
+    // Whatever the steps did not reach.
+    void finish() {
+      while (outer_ < outer_end_) step();
     }
 
    private:
     static constexpr int64_t kRowLines = (kHeadDim * int64_t(sizeof(KVT)) + 63) / 64;
     const Rows& rows_;
-    const int64_t count_, heads_, k_head_, v_head_;
+    const int64_t k_head_, v_head_;
     const bool token_major_;
-    const int64_t per_step_;
-    int64_t next_ = 0;
+    const int64_t outer_end_, inner_end_, lines_per_step_;
+    int64_t outer_ = 0, inner_ = 0, line_ = 0;
   };
 
   // scores[g][j] = logit of group head g against token j, for j < count (tiles past count read
@@ -235,8 +247,8 @@ class DecodeKernel {
         if (capped) tile = cap * tanh(tile);
         alignas(64) float lanes[kW];
         tile.store(lanes);
-        for (int gg = 0; gg < kHeadTile; ++gg) {
-          for (int jj = 0; jj < kTokenTile; ++jj) scores[(g0 + gg) * kDecodeBlock + j0 + jj] = lanes[gg * kTokenTile + jj];
+        for (int gg = 0; gg < kHeadTile; ++gg) {  // a head's kTokenTile scores are adjacent lanes
+          std::memcpy(scores + (g0 + gg) * kDecodeBlock + j0, lanes + gg * kTokenTile, kTokenTile * sizeof(float));
         }
       }
     }
@@ -301,27 +313,36 @@ class DecodeKernel {
 
   // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
   // head_dim at a time so that small head tiles still have four independent FMA chains.
+  // The first pass over the tokens also paces the prefetcher: one step per token (pair).
   void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                         const float* scores) const {
+                         const float* scores, BlockPrefetcher& prefetch) const {
 #if KF_HAS_BF16_DOT
-    if constexpr (kBf16Dot) return accumulate_values_bf16(rows, head_offset, count, st, scores);
+    if constexpr (kBf16Dot) return accumulate_values_bf16(rows, head_offset, count, st, scores, prefetch);
 #endif
 #if KF_HAS_FP8_DOT
-    if constexpr (kFp8Dot) return accumulate_values_fp8(rows, head_offset, count, st, scores);
+    if constexpr (kFp8Dot) return accumulate_values_fp8(rows, head_offset, count, st, scores, prefetch);
 #endif
     constexpr int kChunks = kHeadTile >= 4 ? 1 : 4 / kHeadTile;
+    const auto step = [&] { prefetch.step(); };
+    const auto none = [] {};
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       int64_t d = 0;
       for (; d + kChunks * kW <= kHeadDim; d += kChunks * kW) {
-        value_step<kChunks>(rows, head_offset, count, st, scores, g0, d);
+        if (g0 == 0 && d == 0) {
+          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, step);
+        } else {
+          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, none);
+        }
       }
-      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d);
+      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, none);
     }
   }
 
 #if KF_HAS_BF16_DOT
   void accumulate_values_bf16(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                              const float* scores) const {
+                              const float* scores, BlockPrefetcher& prefetch) const {
+    const auto step = [&] { prefetch.step(); };
+    const auto none = [] {};
     constexpr int kChunks = kHeadTile == 1 ? 2 : 1;  // 32-element chunks per step: >= 4 FMA chains
     alignas(64) static const bf16 kZeros[kChunks * bf16_dot::kChunk] = {};
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
@@ -331,11 +352,18 @@ class DecodeKernel {
       int64_t d = 0;
       for (; d + kChunks * bf16_dot::kChunk <= kHeadDim; d += kChunks * bf16_dot::kChunk) {
         for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+        if (g0 == 0 && d == 0) {
+          bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs,
+                                                          st.alpha + g0, acc, step);
+        } else {
+          bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs,
+                                                          st.alpha + g0, acc, none);
+        }
       }
       for (; d < kHeadDim; d += bf16_dot::kChunk) {
         for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        bf16_dot::accumulate_values<kHeadTile, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+        bf16_dot::accumulate_values<kHeadTile, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc,
+                                                  none);
       }
     }
   }
@@ -345,7 +373,9 @@ class DecodeKernel {
   // As accumulate_values_bf16, in 64-element chunks of 4 accumulator vectors: at most 4 heads at a
   // time (16 accumulators), a group of 8 in two passes.
   void accumulate_values_fp8(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                             const float* scores) const {
+                             const float* scores, BlockPrefetcher& prefetch) const {
+    const auto step = [&] { prefetch.step(); };
+    const auto none = [] {};
     constexpr int kHeads = kHeadTile < 4 ? kHeadTile : 4;
     constexpr int kChunks = std::min(4 / kHeads, kHeadDim / fp8_dot::kChunk);  // 16 accumulators
     alignas(64) static const KVT kZeros[kChunks * fp8_dot::kChunk] = {};
@@ -356,25 +386,33 @@ class DecodeKernel {
       int64_t d = 0;
       for (; d + kChunks * fp8_dot::kChunk <= kHeadDim; d += kChunks * fp8_dot::kChunk) {
         for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+        if (g0 == 0 && d == 0) {
+          fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0,
+                                                      acc, step);
+        } else {
+          fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0,
+                                                      acc, none);
+        }
       }
       for (; d < kHeadDim; d += fp8_dot::kChunk) {
         for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        fp8_dot::accumulate_values<kHeads, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc);
+        fp8_dot::accumulate_values<kHeads, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc,
+                                              none);
       }
     }
   }
 #endif
 
-  template <int kChunks>
+  template <int kChunks, class Between>
   static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                         const float* scores, int64_t g0, int64_t d) {
+                         const float* scores, int64_t g0, int64_t d, const Between& between) {
     VecF acc[kHeadTile][kChunks];
     for (int gg = 0; gg < kHeadTile; ++gg) {
       const VecF alpha = VecF::broadcast(st.alpha[g0 + gg]);
       for (int c = 0; c < kChunks; ++c) acc[gg][c] = VecF::load(st.acc + (g0 + gg) * kHeadDim + d + c * kW) * alpha;
     }
     for (int64_t j = 0; j < count; ++j) {
+      between();
       const KVT* v_row = rows.v[j] + head_offset + d;
       VecF v[kChunks];
       for (int c = 0; c < kChunks; ++c) v[c] = VecF::load(v_row + c * kW);

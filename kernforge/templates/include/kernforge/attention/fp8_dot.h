@@ -141,9 +141,11 @@ inline VecF score_tile(const bf16* q, const FP8* const (&k)[kTokens]) {
 //   + sum over token pairs of (p_j, p_j+1) . (V_j, V_j+1), for the tokens [0, count).
 // Token j's chunk starts at v[j] + offset; zero (kChunks chunks of zero bytes) stands in for token
 // `count` when count is odd. kHeads * kChunks <= 4 keeps the accumulators in registers.
-template <int kHeads, int kChunks, class FP8>
+// between(), once per token pair, lets the caller interleave its own work (prefetches) evenly.
+template <int kHeads, int kChunks, class FP8, class Between>
 inline void accumulate_values(const FP8* const* v, int64_t offset, const FP8* zero, int64_t count,
-                              const uint32_t* const* pairs, const float* alpha, float* const* acc) {
+                              const uint32_t* const* pairs, const float* alpha, float* const* acc,
+                              const Between& between) {
   static_assert(kHeads * kChunks <= 4, "16 accumulators at most");
   const Converter<FP8> table;
   __m512 sums[kHeads][kChunks][4];
@@ -154,6 +156,7 @@ inline void accumulate_values(const FP8* const* v, int64_t offset, const FP8* ze
     }
   }
   for (int64_t j = 0; j < count; j += 2) {
+    between();
     const FP8* first_row = v[j] + offset;
     const FP8* second_row = j + 1 < count ? v[j + 1] + offset : zero;
     __m512bh words[kChunks][4];

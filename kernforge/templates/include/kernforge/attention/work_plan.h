@@ -57,7 +57,7 @@ struct PlanLayout {
 // Read access to a finished plan.
 struct PlanView {
   const int32_t* base;
-  int64_t units;  // capacity the buffer was laid out for (plan_units)
+  int64_t units;  // the buffer was laid out for batch * num_kv_heads units
 
   int64_t num_lists() const { return base[PlanLayout::kNumLists]; }
   int64_t num_merges() const { return base[PlanLayout::kNumMerges]; }
@@ -113,18 +113,19 @@ inline int64_t validate(const PlanInput& in, int32_t* max_page) {
   return kPlanOk;
 }
 
-// KV heads per unit: all of them, unless there are fewer requests than lists; then the fewest
-// divisions of the heads that give every list a unit (a short request then needs no split).
-inline int64_t heads_per_unit(int64_t batch, int64_t num_kv_heads, int64_t num_lists) {
-  int64_t parts = 1;
-  while (batch * parts < num_lists && parts < num_kv_heads) {
-    do ++parts; while (num_kv_heads % parts);
-  }
-  return num_kv_heads / parts;
-}
+// KV heads per unit: all of them, so that a thread reads whole token rows (NHD) and whole pages.
+// Only when there are fewer requests than lists and they are short (under kShortUnit tokens a
+// list) are a request's heads divided, in the fewest parts that give every list a unit: a short
+// request then needs no split along its KV and no merge.
+constexpr int64_t kShortUnit = 1024;
 
-inline int64_t plan_units(int64_t batch, int64_t num_kv_heads, int64_t num_lists) {
-  return batch * (num_kv_heads / heads_per_unit(batch, num_kv_heads, num_lists));
+inline int64_t heads_per_unit(const PlanInput& in, int64_t visible_tokens) {
+  if (in.batch >= in.num_lists || visible_tokens >= kShortUnit * in.num_lists) return in.num_kv_heads;
+  int64_t parts = 1;
+  while (in.batch * parts < in.num_lists && parts < in.num_kv_heads) {
+    do ++parts; while (in.num_kv_heads % parts);
+  }
+  return in.num_kv_heads / parts;
 }
 
 // Writes items list by list; tracks the running cost against the list boundaries.
@@ -200,19 +201,21 @@ inline void place_unit(PlanWriter& w, const PlanInput& in, int32_t b, int32_t h,
   if (pieces) w.merge(MergeItem{b, h, heads, first_slot, pieces + 1});
 }
 
-// Validates the page table and writes the plan. Returns 0 or a PlanError code.
+// Validates the page table and writes the plan. Returns 0 or a PlanError code. The buffer is laid
+// out for units = batch * num_kv_heads (PlanLayout::capacity), whatever the heads per unit.
 inline int64_t plan_decode(const PlanInput& in, int32_t* plan, int64_t capacity) {
-  const int64_t heads = heads_per_unit(in.batch, in.num_kv_heads, in.num_lists);
-  const int64_t units = plan_units(in.batch, in.num_kv_heads, in.num_lists);
+  const int64_t units = in.batch * in.num_kv_heads;
   if (capacity < PlanLayout::capacity(units, in.num_lists)) return plan_error(kCapacity, 0);
   int32_t max_page = -1;
   if (const int64_t error = validate(in, &max_page)) return error;
 
-  int64_t total_cost = 0;
+  int64_t visible_tokens = 0;
   for (int64_t b = 0; b < in.batch; ++b) {
     const int64_t kv_len = kv_length(in, b);
-    total_cost += in.num_kv_heads * (kv_len - first_visible(in, kv_len) + in.unit_overhead);
+    visible_tokens += kv_len - first_visible(in, kv_len);
   }
+  const int64_t heads = heads_per_unit(in, visible_tokens);
+  const int64_t total_cost = in.num_kv_heads * (visible_tokens + in.batch * in.unit_overhead);
   PlanWriter writer(plan, units, in.num_lists, std::max<int64_t>(total_cost, 1));
   for (int64_t b = 0; b < in.batch; ++b) {
     const int64_t kv_len = kv_length(in, b), first = first_visible(in, kv_len);
