@@ -31,9 +31,10 @@ prewarm = importlib.import_module("kernforge.prewarm")  # the module (``kernforg
 TESTS_DIR = Path(__file__).resolve().parent
 
 LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
-         "model_type": "llama"}
+         "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8}
 GEMMA2 = {"hidden_size": 2304, "intermediate_size": 9216, "hidden_activation": "gelu_pytorch_tanh",
-          "torch_dtype": "bfloat16", "model_type": "gemma2"}
+          "torch_dtype": "bfloat16", "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 4,
+          "head_dim": 256}
 
 
 pytestmark = pytest.mark.usefixtures("test_templates")
@@ -178,31 +179,53 @@ def test_prewarm_of_a_broken_template_raises(cache):
 SAMPLER = {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"}
 
 
+ATTENTION_OPS = [{"op": op, "dtype": "bfloat16"} for op in
+                 ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")]
+
+
+def decode_entry(kv_dtype: str, head_dim: int, group: int) -> dict:
+    return {"module": "decode", "params": {"q_dtype": "bf16", "kv_dtype": kv_dtype, "out_dtype": "bf16",
+                                           "head_dim": head_dim, "group": group}}
+
+
 def test_manifest_from_llama_config():
     manifest = prewarm.manifest_from_model_config(LLAMA)
     assert manifest["kernels"] == [{"op": "rmsnorm", "dtype": "bfloat16"},
                                    {"op": "fused_add_rmsnorm", "dtype": "bfloat16"},
                                    {"op": "silu_and_mul", "dtype": "bfloat16"},
+                                   *ATTENTION_OPS,
+                                   decode_entry("bf16", head_dim=128, group=4),  # hidden / heads, heads / KV heads
                                    SAMPLER]
     assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
+
+
+def test_manifest_builds_decode_for_each_kv_cache_dtype_and_mqa():
+    mqa = {**LLAMA, "num_key_value_heads": 1}
+    decodes = [k for k in prewarm.manifest_from_model_config(mqa, ("float8_e4m3fn",))["kernels"] if "module" in k]
+    assert decodes == [decode_entry("bf16", 128, group=0), decode_entry("fp8_e4m3", 128, group=0)]  # group 32: runtime
+    specs = prewarm.specs_from_manifest({"kernels": decodes}, tier="generic")
+    assert [dict(s.params)["kv_dtype"] for s in specs] == ["bf16", "fp8_e4m3"]
 
 
 def test_manifest_from_gemma2_config_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA2))
     manifest = prewarm.manifest_from_model_config(path)
-    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER]
+    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER and k not in ATTENTION_OPS and "op" in k]
     assert {k["op"] for k in model_kernels} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"}
     assert {k["dtype"] for k in model_kernels} == {"bfloat16"}
+    assert decode_entry("bf16", head_dim=256, group=2) in manifest["kernels"]  # config's head_dim wins
     specs = prewarm.specs_from_manifest(manifest, tier="generic")
     assert {(s.template, dict(s.params).get("gemma")) for s in specs} >= {("norm.cpp.jinja", True)}
-    assert {dict(s.params)["dtype"] for s in specs if s.template != "sampling.cpp.jinja"} == {"bf16"}
+    assert {dict(s.params).get("dtype", dict(s.params).get("q_dtype")) for s in specs
+            if s.template != "sampling.cpp.jinja"} == {"bf16"}
 
 
 def test_manifest_from_multimodal_config_reads_the_text_config():
     config = {"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text"}}
-    ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"]]
-    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul", SAMPLER["op"]]
+    ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"] if "op" in k]
+    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul",
+                   *(k["op"] for k in ATTENTION_OPS), SAMPLER["op"]]
 
 
 @pytest.mark.parametrize("change, match", [
@@ -210,7 +233,10 @@ def test_manifest_from_multimodal_config_reads_the_text_config():
     ({"hidden_size": None}, "hidden_size"),
     ({"hidden_size": "4096"}, "hidden_size"),
     ({"intermediate_size": 0}, "intermediate_size"),
-], ids=["unknown-activation", "no-hidden-size", "string-hidden-size", "zero-intermediate"])
+    ({"num_attention_heads": None}, "num_attention_heads"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads"),
+], ids=["unknown-activation", "no-hidden-size", "string-hidden-size", "zero-intermediate", "no-heads",
+        "kv-heads-not-dividing"])
 def test_bad_model_config_raises_value_error(change, match):
     config = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
