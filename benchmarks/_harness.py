@@ -151,6 +151,28 @@ def compare(fns: dict[str, Callable[[], object]], *, budget_s: float = 0.5, roun
 
 # --------------------------------------------------------------------------- limits
 
+def timed(fns: dict[str, Callable[[], object]], args, warmup_s: float = 0.05) -> tuple[dict, float]:
+    """compare() under a LoadMeter, with the budget options of base_parser's benchmarks: measured
+    again (after waiting for quiet) while other processes took more than args.max_bg of the CPUs,
+    unless one attempt took more than 30 s. Returns the timings and the other processes' share."""
+    for attempt in range(args.retries + 1):
+        if attempt:
+            wait_for_quiet(args.retry_wait)
+        t0 = time.perf_counter()
+        with LoadMeter() as m:
+            t = compare(fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples,
+                        warmup=1, warmup_s=warmup_s)
+        took = time.perf_counter() - t0
+        if m.other <= args.max_bg:
+            break
+        again = attempt < args.retries and took < 30
+        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
+              f"{'measuring again' if again else 'keeping it, flagged'})", file=sys.stderr, flush=True)
+        if not again:
+            break
+    return t, m.other
+
+
 def load_roof() -> tuple[dict, Path]:
     """The measured roofline and the file it came from (shared first, then the copy)."""
     for path in ROOF_PATHS:

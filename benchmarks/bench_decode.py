@@ -141,6 +141,9 @@ class PagedBatch:
         return self.indices[self.indptr[i]:self.indptr[i + 1]].long()
 
 
+WARMUP_S = 0.02  # seconds of warm-up calls per implementation and case (H.timed)
+
+
 def kv_bytes(tokens: int, esize: int = 2) -> int:
     """Bytes of K and V for ``tokens`` tokens (read once per decode call)."""
     return tokens * HKV * D * 2 * esize
@@ -335,27 +338,6 @@ def rotating(call: Callable[[int], object], layers: int) -> Callable[[], object]
     return lambda: call(nxt())
 
 
-def timed(fns: dict, args) -> tuple[dict, float]:
-    """H.compare under a LoadMeter; measured again (after waiting for quiet) while other processes
-    took more than --max-bg of the CPUs, unless one attempt took more than 30 s."""
-    for attempt in range(args.retries + 1):
-        if attempt:
-            H.wait_for_quiet(args.retry_wait)
-        t0 = time.perf_counter()
-        with H.LoadMeter() as m:
-            t = H.compare(fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples,
-                          warmup=1, warmup_s=0.02)
-        took = time.perf_counter() - t0
-        if m.other <= args.max_bg:
-            break
-        again = attempt < args.retries and took < 30
-        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
-              f"{'measuring again' if again else 'keeping it, flagged'})", file=sys.stderr, flush=True)
-        if not again:
-            break
-    return t, m.other
-
-
 def read_bandwidth(args) -> dict[str, float]:
     """DRAM read GB/s now: kernforge's stream probe (read-only sum, 256 MiB) and torch x.sum() over
     1 GiB fp32, at the current thread count."""
@@ -441,7 +423,7 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
             rec["checks"]["kf fp8"] = f"FAIL ({type(exc).__name__}: {exc})"
             del calls["kf fp8"]
 
-    t, rec["background_load"] = timed({n: rotating(c, layers) for n, c in calls.items()}, args)
+    t, rec["background_load"] = H.timed({n: rotating(c, layers) for n, c in calls.items()}, args, WARMUP_S)
     rec["us"] = {n: v.us for n, v in t.items()}
     rec["timings"] = {n: v.to_json() for n, v in t.items()}
     rec["plan_us"] = {n: H.measure(p, budget_s=args.budget, min_samples=5).us for n, p in plans.items()}
@@ -496,7 +478,7 @@ def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
                 del calls[name]
     if not calls:
         return rec
-    t, rec["background_load"] = timed(calls, args)
+    t, rec["background_load"] = H.timed(calls, args, WARMUP_S)
     rec["us"] = {n: v.us for n, v in t.items()}
     rec["timings"] = {n: v.to_json() for n, v in t.items()}
     return rec
@@ -535,7 +517,7 @@ def bench_dispatch(args, vllm: Vllm | None) -> dict:
         except Exception as exc:
             rec["checks"][name] = f"FAIL ({type(exc).__name__}: {exc})"
             del fns[name]
-    t, rec["background_load"] = timed(fns, args)
+    t, rec["background_load"] = H.timed(fns, args, WARMUP_S)
     rec["us"] = {n: v.us for n, v in t.items()}
     rec["plan_us"] = {n: H.measure(p, budget_s=args.budget, min_samples=5).us for n, p in plans.items()}
     return rec
@@ -578,7 +560,7 @@ def bench_append(args) -> list[dict]:
                 fns["kf"] = kf_append
             except Exception as exc:
                 rec["check"] = f"FAIL ({type(exc).__name__}: {exc})"
-        t, rec["background_load"] = timed(fns, args)
+        t, rec["background_load"] = H.timed(fns, args, WARMUP_S)
         rec["us"] = {n: v.us for n, v in t.items()}
         out.append(rec)
     return out

@@ -378,27 +378,6 @@ def make_fns(case: Case, x: torch.Tensor, args, compile_stats: list) -> dict:
     return fns
 
 
-def timed(fns: dict, args) -> tuple[dict, float]:
-    """H.compare under a LoadMeter; measured again (after waiting for quiet) while other processes
-    took more than --max-bg of the CPUs, unless one attempt took more than 30 s."""
-    for attempt in range(args.retries + 1):
-        if attempt:
-            H.wait_for_quiet(args.retry_wait)
-        t0 = time.perf_counter()
-        with H.LoadMeter() as m:
-            t = H.compare(fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples,
-                          warmup=1, warmup_s=0.05)
-        took = time.perf_counter() - t0
-        if m.other <= args.max_bg:
-            break
-        again = attempt < args.retries and took < 30
-        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
-              f"{'measuring again' if again else 'keeping it, flagged'})", file=sys.stderr, flush=True)
-        if not again:
-            break
-    return t, m.other
-
-
 def input_stats(probs: torch.Tensor) -> dict:
     ps = probs.double().sort(-1, descending=True).values
     cs = ps.cumsum(-1)
@@ -493,7 +472,7 @@ def main() -> int:
                 print(f"  CHECK {case.name} B={B}: {check}", file=sys.stderr, flush=True)
             try:
                 fns = make_fns(case, x, args, compile_stats)
-                t, bg = timed(fns, args)
+                t, bg = H.timed(fns, args)
             except Exception as exc:
                 print(f"  {case.name} B={B}: not timed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 results.append({"op": case.name, "label": case.label, "B": B, "check": check, "error": str(exc)})

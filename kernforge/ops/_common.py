@@ -47,7 +47,7 @@ def variant_for_input(kernels: OpKernels, t: object, name: str) -> Variant:
         raise TypeError(f"{name}: {exc}") from None
 
 
-def same_dtype(t: object, name: str, like: torch.Tensor) -> None:
+def same_dtype(t: object, name: str, like: torch.Tensor, like_name: str = "input") -> None:
     """Check a CPU tensor with ``like``'s dtype."""
     try:
         if t.dtype is like.dtype and t.is_cpu:
@@ -55,7 +55,7 @@ def same_dtype(t: object, name: str, like: torch.Tensor) -> None:
     except AttributeError:
         pass
     _explain_float_tensor(t, name)
-    raise TypeError(f"{name} has dtype {t.dtype} but input has {like.dtype}; they must match")
+    raise TypeError(f"{name} has dtype {t.dtype} but {like_name} has {like.dtype}; they must match")
 
 
 def _explain_float_tensor(t: object, name: str) -> None:

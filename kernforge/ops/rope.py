@@ -28,7 +28,7 @@ import operator
 import torch
 
 from kernforge.jit.module import DType, Entry, Module
-from kernforge.ops._common import _explain_float_tensor, _overlaps, num_threads, variant_for_input
+from kernforge.ops._common import _overlaps, num_threads, same_dtype, variant_for_input
 from kernforge.ops._registry import kernel_op
 
 _I = "int64_t"
@@ -178,7 +178,7 @@ def apply_llama31_rope(
 def _with_cos_sin_cache(kernels, positions, query, key, head_size, cos_sin_cache, is_neox, in_place):
     cache, rotary_dim, cache_rows, cache_stride = _checked_cache(cos_sin_cache)  # FlashInfer checks it first
     variant = variant_for_input(kernels, query, "query")
-    _same_dtype(key, "key", query, "query")
+    same_dtype(key, "key", query, "query")
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         raise ValueError(f"head_size must be a positive int, got {head_size!r}")
     if rotary_dim > head_size:
@@ -259,7 +259,7 @@ def _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_fact
 def _checked_qk(kernels, q, k, rotary_dim):
     """Variant, geometries and rotary_dim of the pos_ids and ragged forms' q and k."""
     variant = variant_for_input(kernels, q, "q")
-    _same_dtype(k, "k", q, "q")
+    same_dtype(k, "k", q, "q")
     qg, kg = _heads(q, "q"), _heads(k, "k")
     _same_tokens(qg, kg, "q", "k")
     return variant, qg, kg, _checked_rotary_dim(rotary_dim, qg[2])
@@ -276,16 +276,6 @@ def _checked_rotary_dim(rotary_dim, head_dim: int) -> int:
     if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim must be even and in [2, head_dim = {head_dim}], got {rotary_dim}")
     return rotary_dim
-
-
-def _same_dtype(t, name: str, like: torch.Tensor, like_name: str) -> None:
-    try:
-        if t.dtype is like.dtype and t.is_cpu:
-            return
-    except AttributeError:
-        pass
-    _explain_float_tensor(t, name)
-    raise TypeError(f"{name} has dtype {t.dtype} but {like_name} has {like.dtype}; they must match")
 
 
 def _same_tokens(qg, kg, q_name: str, k_name: str) -> None:
