@@ -114,7 +114,9 @@ class DecodeKernel {
   float* block_scores(float* scratch) const {
     return scratch + plan_.heads_per_unit() * decode_head_floats(group_, kHeadDim, kHeadTile);
   }
-  float* partial_out(int64_t slot) const { return reinterpret_cast<float*>(p_.partials) + slot * slot_rows_ * kHeadDim; }
+  float* partial_out(int64_t slot) const {
+    return reinterpret_cast<float*>(p_.partials) + slot * slot_rows_ * kHeadDim;
+  }
   float* partial_lse(int64_t slot) const {
     return reinterpret_cast<float*>(p_.partials) + plan_.num_slots() * slot_rows_ * kHeadDim + slot * slot_rows_;
   }
@@ -193,18 +195,19 @@ class DecodeKernel {
     }
   }
 
-  // Fetches the next block's K and V rows while this block computes, a few lines per score tile,
-  // in address order: token by token (all heads of a token are one row in NHD) or head by head
-  // (HND). Spread out, the fetches overlap the arithmetic; in address order, they let the hardware
-  // prefetcher run ahead within each page (software prefetches alone are limited by the core's few
-  // outstanding L1 misses). The page table hides the next page from the hardware prefetcher.
+  // Fetches the next block's K and V rows while this block computes, a few lines at every score
+  // tile and token pair of the first p.V pass, in address order: token by token (all heads of a
+  // token are one row in NHD) or head by head (HND). The page table hides the next rows from the
+  // hardware prefetcher; without these fetches the kernel reads its KV at half the rate. Spread
+  // out, they overlap the arithmetic: issued as one burst per block, or fetching every other line
+  // and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md).
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
         : rows_(rows), k_head_(io.k_stride_head), v_head_(io.v_stride_head),
           token_major_(io.k_stride_head < io.k_stride_token),
           outer_end_(count == 0 ? 0 : token_major_ ? count : heads), inner_end_(token_major_ ? heads : count),
-          lines_per_step_(std::max<int64_t>(1, (count * heads * kRowLines + steps - 1) / std::max<int64_t>(steps, 1))) {}
+          lines_per_step_(1 + count * heads * kRowLines / std::max<int64_t>(1, steps)) {}
 
     // The next lines_per_step lines of K and of V, walked with counters (a division per line would
     // cost as much as the arithmetic around it).
@@ -313,6 +316,11 @@ class DecodeKernel {
 
   // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
   // head_dim at a time so that small head tiles still have four independent FMA chains.
+  // Head g's block of probabilities, packed as bf16 pairs in place by softmax_update.
+  static const uint32_t* probability_pairs(const float* scores, int64_t g) {
+    return reinterpret_cast<const uint32_t*>(scores + g * kDecodeBlock);
+  }
+
   // The first pass over the tokens also paces the prefetcher: one step per token (pair).
   void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
                          const float* scores, BlockPrefetcher& prefetch) const {
@@ -348,7 +356,7 @@ class DecodeKernel {
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       const uint32_t* pairs[kHeadTile];
       float* acc[kHeadTile];
-      for (int gg = 0; gg < kHeadTile; ++gg) pairs[gg] = reinterpret_cast<const uint32_t*>(scores + (g0 + gg) * kDecodeBlock);
+      for (int gg = 0; gg < kHeadTile; ++gg) pairs[gg] = probability_pairs(scores, g0 + gg);
       int64_t d = 0;
       for (; d + kChunks * bf16_dot::kChunk <= kHeadDim; d += kChunks * bf16_dot::kChunk) {
         for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
@@ -382,7 +390,7 @@ class DecodeKernel {
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeads) {
       const uint32_t* pairs[kHeads];
       float* acc[kHeads];
-      for (int gg = 0; gg < kHeads; ++gg) pairs[gg] = reinterpret_cast<const uint32_t*>(scores + (g0 + gg) * kDecodeBlock);
+      for (int gg = 0; gg < kHeads; ++gg) pairs[gg] = probability_pairs(scores, g0 + gg);
       int64_t d = 0;
       for (; d + kChunks * fp8_dot::kChunk <= kHeadDim; d += kChunks * fp8_dot::kChunk) {
         for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
