@@ -88,6 +88,9 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
     }
 
 
+_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
+
 # Per-layer ops of the attention block besides decode: RoPE on q/k, then writing k/v to the cache.
 _ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
 
@@ -107,7 +110,7 @@ def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
     from kernforge.ops.decode import decode_variant_params  # the one rule plan() uses
 
     q = TORCH_DTYPES[dtype_name(dtype)]
-    kv = getattr(torch, kv_dtype) if kv_dtype.startswith("float8") else TORCH_DTYPES[dtype_name(kv_dtype)]
+    kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
     group = attention["num_attention_heads"] // attention["num_key_value_heads"]
     return decode_variant_params(q, kv, q, attention["head_dim"], group)
 

@@ -609,6 +609,10 @@ PLAN_ERRORS = {
     "int_kv_dtype": (dict(kv_data_type=torch.int8), TypeError, r"kv_data_type"),
     "fp8_out_dtype": (dict(o_data_type=torch.float8_e4m3fn), TypeError, r"o_data_type"),
     "negative_soft_cap": (dict(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap"),
+    "infinite_soft_cap": (dict(logits_soft_cap=float("inf")), ValueError, r"logits_soft_cap"),
+    "nan_soft_cap": (dict(logits_soft_cap=float("nan")), ValueError, r"logits_soft_cap"),
+    "window_none": (dict(window_left=None), TypeError, r"window_left"),
+    "window_float": (dict(window_left=2.5), TypeError, r"window_left"),
     "q_len_per_req": (dict(q_len_per_req=2), NotImplementedError, r"q_len_per_req"),
 }
 
@@ -682,6 +686,7 @@ RUN_ERRORS = {
                   r"Invalid dtype of lse"),
     "window_left_differs": (lambda q, c: dict(window_left=10), ValueError, r"window_left"),
     "sinks": (lambda q, c: dict(sinks=torch.zeros(8)), NotImplementedError, r"sinks"),
+    "kv_cache_sf": (lambda q, c: dict(kv_cache_sf=torch.ones(1)), NotImplementedError, r"kv_cache_sf"),
 }
 
 
@@ -704,9 +709,24 @@ def test_run_accepts_the_planned_window(planned):
     torch.testing.assert_close(wrapper.run(q, cache, window_left=-1), wrapper.run(q, cache))
 
 
+def test_forward_is_run_with_the_planned_options(planned):
+    """FlashInfer's deprecated forward(): sm_scale and the scales per call, the window in the plan."""
+    wrapper, q, cache = planned
+    expected = wrapper.run(q, cache, k_scale=0.5)
+    torch.testing.assert_close(wrapper.forward(q, cache, k_scale=0.5), expected)
+    out, lse = wrapper.forward_return_lse(q, cache, sm_scale=0.5 / 128 ** 0.5)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="window_left"):
+        wrapper.forward(q, cache, window_left=3)
+
+
 def test_single_decode_errors():
     q = torch.zeros(8, 128, dtype=torch.bfloat16)
     k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="v has dtype"):
+        kernforge.single_decode_with_kv_cache(q, k, k.half())
+    with pytest.raises(ValueError, match="k must be contiguous in head_dim"):
+        kernforge.single_decode_with_kv_cache(q, torch.zeros(10, 2, 256, dtype=k.dtype)[..., ::2], k)
     with pytest.raises(NotImplementedError, match="ROPE_LLAMA"):
         kernforge.single_decode_with_kv_cache(q, k, k, pos_encoding_mode="ROPE_LLAMA")
     with pytest.raises(KeyError, match="Invalid kv_layout"):

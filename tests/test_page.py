@@ -293,6 +293,9 @@ def test_append_argument_errors():
         (dict(kv_indices=batch.kv_indices.view(1, -1)), ValueError, "kv_indices must be 1-D"),
         (dict(kv_last_page_len=[1, 2]), TypeError, "kv_last_page_len must be a torch.Tensor"),
         (dict(positions=batch.positions.to("meta")), ValueError, "positions is on device meta"),
+        # int64 indices are range-checked before the int32 conversion (FlashInfer's .int() wraps them)
+        (dict(positions=batch.positions.long() + 2**32), ValueError, "positions holds values beyond int32"),
+        (dict(kv_indices=batch.kv_indices.long() - 2**32), ValueError, "kv_indices holds values beyond int32"),
     ]
     before = cache.clone()
     for change, error, pattern in cases:

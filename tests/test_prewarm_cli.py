@@ -205,6 +205,9 @@ def test_manifest_builds_decode_for_each_kv_cache_dtype_and_mqa():
     assert decodes == [decode_entry("bf16", 128, group=0), decode_entry("fp8_e4m3", 128, group=0)]  # group 32: runtime
     specs = prewarm.specs_from_manifest({"kernels": decodes}, tier="generic")
     assert [dict(s.params)["kv_dtype"] for s in specs] == ["bf16", "fp8_e4m3"]
+    assert decodes == [k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"] if "module" in k]
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+        prewarm.manifest_from_model_config({**LLAMA, "head_dim": 72})
 
 
 def test_manifest_from_gemma2_config_file(tmp_path):

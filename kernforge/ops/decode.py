@@ -115,6 +115,8 @@ def _dtype_param(dtype: torch.dtype, name: str, allowed) -> str:
 def decode_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int,
                           group: int) -> dict:
     """The DECODE variant serving these dtypes, head_dim and GQA group (plan() and pre-warm)."""
+    if head_dim % 16 or not 16 <= head_dim <= 512:
+        raise ValueError(f"head_dim must be a multiple of 16 up to 512, got {head_dim}")
     return {
         "q_dtype": _dtype_param(q_dtype, "q_data_type", DECODE.params["q_dtype"].choices),
         "kv_dtype": _dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
@@ -136,6 +138,13 @@ def _index_copy(t, name: str) -> torch.Tensor:
     if t.dtype == torch.int64 and t.numel() and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
         raise ValueError(f"{name} holds values beyond int32")
     return t.to(torch.int32, copy=True).contiguous()
+
+
+def _window(window_left) -> int:
+    """window_left as an int; any negative value means no window (FlashInfer's -1)."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int):
+        raise TypeError(f"window_left must be an int (-1: no window), got {window_left!r}")
+    return max(window_left, -1)
 
 
 def _check_pos_encoding_mode(mode) -> None:
@@ -181,7 +190,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ``float_workspace_buffer`` is a CPU tensor (any dtype) that holds the split
     requests' partial states and each thread's scratch; ``plan()`` says how many
     bytes it needs when it is too small. ``use_tensor_cores`` chooses among GPU
-    kernels in FlashInfer and changes nothing here.
+    kernels in FlashInfer and changes nothing here. Like FlashInfer's, a wrapper
+    serves one caller at a time: its workspace holds the running call's scratch.
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -233,8 +243,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         out_dtype = _canonical_dtype(o_data_type if o_data_type is not None else q_dtype, "o_data_type")
         _check_heads(num_qo_heads, num_kv_heads, head_dim, page_size)
         soft_cap = float(logits_soft_cap or 0.0)
-        if soft_cap < 0:
-            raise ValueError(f"logits_soft_cap must be >= 0 (0 or None disables it), got {logits_soft_cap}")
+        if not math.isfinite(soft_cap) or soft_cap < 0:
+            raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None disables it), got {logits_soft_cap}")
+        window_left = _window(window_left)
 
         indptr, indices, last_page_len = (_index_copy(indptr, "indptr"), _index_copy(indices, "indices"),
                                           _index_copy(last_page_len, "last_page_len"))
@@ -248,7 +259,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         units = batch * num_kv_heads  # the plan buffer's layout; a unit may hold several KV heads
         plan_buffer = torch.empty(kernel.plan_capacity(units, lists), dtype=torch.int32)
         error = kernel.plan(indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(), batch, indices.numel(),
-                            page_size, num_kv_heads, -1 if window_left < 0 else int(window_left),
+                            page_size, num_kv_heads, window_left,
                             lists, _NO_SPLIT if disable_split_kv else _MIN_SPLIT, plan_buffer.data_ptr(),
                             plan_buffer.numel())
         if error:
@@ -272,7 +283,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             keep=(plan_buffer, indptr, indices, last_page_len, workspace),
             batch=batch, q_shape=torch.Size((batch, num_qo_heads, head_dim)), num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, max_page=max_page, q_dtype=q_dtype, kv_dtype=kv_dtype,
-            out_dtype=out_dtype, window_left=int(window_left), soft_cap=soft_cap,
+            out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
             sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
         )
 
@@ -292,7 +303,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl=None, window_left: int | None = None, sinks=None, q_len_per_req=None):
+            enable_pdl=None, window_left: int | None = None, sinks=None, q_len_per_req=None,
+            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` over the planned pages of
         ``paged_kv_cache``: ``out``, or ``(out, lse)`` with ``return_lse``."""
         plan = self._plan
@@ -302,7 +314,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise TypeError(f"run() takes q and paged_kv_cache positionally, got {len(args)} more positional arguments")
         if sinks is not None:
             raise NotImplementedError("sinks (attention sinks) are not implemented by kernforge's decode")
-        if window_left is not None and window_left != plan.window_left:
+        if skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
+            raise NotImplementedError("skip_softmax_threshold_scale_factor and kv_cache_sf (block-scaled KV) are "
+                                      "not implemented by kernforge's decode")
+        if window_left is not None and _window(window_left) != plan.window_left:
             raise ValueError(f"window_left={window_left} differs from the planned {plan.window_left}; plan() again")
         if q_len_per_req not in (None, 1):
             raise NotImplementedError("q_len_per_req > 1 (several queries per request) is not implemented")
@@ -344,6 +359,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None, k_scale=None,
+                v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
+                sm_scale: float | None = None, rope_scale=None, rope_theta=None, return_lse: bool = False):
+        """FlashInfer's deprecated spelling: these arguments replace the planned ones, then run()."""
+        _check_pos_encoding_mode(pos_encoding_mode)
+        plan = self._plan
+        if plan is None:
+            raise PlanStateError("forward() called before plan(): plan the batch first")
+        if _window(window_left) != plan.window_left or float(logits_soft_cap or 0.0) != plan.soft_cap:
+            raise ValueError("forward(): window_left and logits_soft_cap are part of the plan on the CPU; "
+                             "pass them to plan()")
+        plan.sm_scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
     def end_forward(self) -> None:
         """FlashInfer's no-op."""
 
@@ -373,8 +404,6 @@ def _check_heads(num_qo_heads, num_kv_heads, head_dim, page_size) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads({num_qo_heads}) must be divisible by num_kv_heads({num_kv_heads})")
-    if head_dim % 16 or head_dim > 512:
-        raise ValueError(f"head_dim must be a multiple of 16 up to 512, got {head_dim}")
 
 
 def _reject_unsupported(**values) -> None:
@@ -431,6 +460,11 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.dtype != k.dtype:
+        raise TypeError(f"v has dtype {v.dtype} but k has {k.dtype}; they must match")
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     num_qo_heads, head_dim = q.shape
     if k.shape[2] != head_dim:

@@ -348,6 +348,8 @@ def _index_vector(t, name: str, length: int | None, length_from: str | None) -> 
     if t.dim() != 1 or (length is not None and t.numel() != length):
         expected = f"[{length}] (the length of {length_from})" if length is not None else "1-D"
         raise ValueError(f"{name} must be {expected}, got shape {tuple(t.shape)}")
+    if t.numel() and t.dtype is torch.int64 and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
+        raise ValueError(f"{name} holds values beyond int32")  # FlashInfer's .int() would wrap them
     return t.to(_INT32).contiguous()  # as FlashInfer's .int()
 
 

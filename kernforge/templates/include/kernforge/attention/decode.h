@@ -314,102 +314,90 @@ class DecodeKernel {
     }
   }
 
-  // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
-  // head_dim at a time so that small head tiles still have four independent FMA chains.
   // Head g's block of probabilities, packed as bf16 pairs in place by softmax_update.
   static const uint32_t* probability_pairs(const float* scores, int64_t g) {
     return reinterpret_cast<const uint32_t*>(scores + g * kDecodeBlock);
   }
 
-  // The first pass over the tokens also paces the prefetcher: one step per token (pair).
+  // Calls pass(between) with the prefetcher's step for the first pass over a block's tokens (one
+  // step per token or token pair), with nothing for the others.
+  template <class Pass>
+  static void paced(bool first, BlockPrefetcher& prefetch, const Pass& pass) {
+    if (first) {
+      pass([&] { prefetch.step(); });
+    } else {
+      pass([] {});
+    }
+  }
+
+  // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
+  // head_dim at a time so that small head tiles still have four independent FMA chains.
   void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
                          const float* scores, BlockPrefetcher& prefetch) const {
 #if KF_HAS_BF16_DOT
-    if constexpr (kBf16Dot) return accumulate_values_bf16(rows, head_offset, count, st, scores, prefetch);
+    if constexpr (kBf16Dot) {  // 32-element chunks, two at a time for one head: >= 4 chains
+      return accumulate_pairs<Bf16Pairs, kHeadTile, kHeadTile == 1 ? 2 : 1>(rows, head_offset, count, st, scores,
+                                                                          prefetch);
+    }
 #endif
 #if KF_HAS_FP8_DOT
-    if constexpr (kFp8Dot) return accumulate_values_fp8(rows, head_offset, count, st, scores, prefetch);
+    if constexpr (kFp8Dot) {  // 64-element chunks of 4 vectors: at most 4 heads (16 accumulators) at a time
+      constexpr int kHeads = kHeadTile < 4 ? kHeadTile : 4;
+      constexpr int kChunks = std::min(4 / kHeads, kHeadDim / fp8_dot::kChunk);
+      return accumulate_pairs<Fp8Pairs, kHeads, kChunks>(rows, head_offset, count, st, scores, prefetch);
+    }
 #endif
     constexpr int kChunks = kHeadTile >= 4 ? 1 : 4 / kHeadTile;
-    const auto step = [&] { prefetch.step(); };
-    const auto none = [] {};
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       int64_t d = 0;
       for (; d + kChunks * kW <= kHeadDim; d += kChunks * kW) {
-        if (g0 == 0 && d == 0) {
-          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, step);
-        } else {
-          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, none);
-        }
+        paced(g0 == 0 && d == 0, prefetch, [&](const auto& between) {
+          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, between);
+        });
       }
-      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, none);
+      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, [] {});
     }
   }
 
 #if KF_HAS_BF16_DOT
-  void accumulate_values_bf16(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                              const float* scores, BlockPrefetcher& prefetch) const {
-    const auto step = [&] { prefetch.step(); };
-    const auto none = [] {};
-    constexpr int kChunks = kHeadTile == 1 ? 2 : 1;  // 32-element chunks per step: >= 4 FMA chains
-    alignas(64) static const bf16 kZeros[kChunks * bf16_dot::kChunk] = {};
-    for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
-      const uint32_t* pairs[kHeadTile];
-      float* acc[kHeadTile];
-      for (int gg = 0; gg < kHeadTile; ++gg) pairs[gg] = probability_pairs(scores, g0 + gg);
-      int64_t d = 0;
-      for (; d + kChunks * bf16_dot::kChunk <= kHeadDim; d += kChunks * bf16_dot::kChunk) {
-        for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        if (g0 == 0 && d == 0) {
-          bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs,
-                                                          st.alpha + g0, acc, step);
-        } else {
-          bf16_dot::accumulate_values<kHeadTile, kChunks>(rows.v, head_offset + d, kZeros, count, pairs,
-                                                          st.alpha + g0, acc, none);
-        }
-      }
-      for (; d < kHeadDim; d += bf16_dot::kChunk) {
-        for (int gg = 0; gg < kHeadTile; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        bf16_dot::accumulate_values<kHeadTile, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc,
-                                                  none);
-      }
-    }
-  }
+  struct Bf16Pairs {  // p.V on pairs of bf16 V rows (bf16_dot.h)
+    static constexpr int kChunk = bf16_dot::kChunk;
+    template <int kHeads, int kChunks, class... Args>
+    static void accumulate(Args&&... args) { bf16_dot::accumulate_values<kHeads, kChunks>(args...); }
+  };
+#endif
+#if KF_HAS_FP8_DOT
+  struct Fp8Pairs {  // p.V on pairs of fp8 V rows decoded to bf16 (fp8_dot.h)
+    static constexpr int kChunk = fp8_dot::kChunk;
+    template <int kHeads, int kChunks, class... Args>
+    static void accumulate(Args&&... args) { fp8_dot::accumulate_values<kHeads, kChunks>(args...); }
+  };
 #endif
 
-#if KF_HAS_FP8_DOT
-  // As accumulate_values_bf16, in 64-element chunks of 4 accumulator vectors: at most 4 heads at a
-  // time (16 accumulators), a group of 8 in two passes.
-  void accumulate_values_fp8(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                             const float* scores, BlockPrefetcher& prefetch) const {
-    const auto step = [&] { prefetch.step(); };
-    const auto none = [] {};
-    constexpr int kHeads = kHeadTile < 4 ? kHeadTile : 4;
-    constexpr int kChunks = std::min(4 / kHeads, kHeadDim / fp8_dot::kChunk);  // 16 accumulators
-    alignas(64) static const KVT kZeros[kChunks * fp8_dot::kChunk] = {};
+  // p.V on pairs of tokens with bf16 dot products: kHeads heads and kChunks chunks of head_dim a
+  // call, the accumulators kept in the dot path's scrambled order (unscrambled in finish).
+  template <class Pairs, int kHeads, int kChunks>
+  void accumulate_pairs(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
+                        const float* scores, BlockPrefetcher& prefetch) const {
+    alignas(64) static const KVT kZeros[kChunks * Pairs::kChunk] = {};  // the partner of an odd last token
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeads) {
       const uint32_t* pairs[kHeads];
       float* acc[kHeads];
       for (int gg = 0; gg < kHeads; ++gg) pairs[gg] = probability_pairs(scores, g0 + gg);
+      const auto call = [&](auto chunks, int64_t d, const auto& between) {
+        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        Pairs::template accumulate<kHeads, decltype(chunks)::value>(rows.v, head_offset + d, kZeros, count, pairs,
+                                                                    st.alpha + g0, acc, between);
+      };
       int64_t d = 0;
-      for (; d + kChunks * fp8_dot::kChunk <= kHeadDim; d += kChunks * fp8_dot::kChunk) {
-        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        if (g0 == 0 && d == 0) {
-          fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0,
-                                                      acc, step);
-        } else {
-          fp8_dot::accumulate_values<kHeads, kChunks>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0,
-                                                      acc, none);
-        }
+      for (; d + kChunks * Pairs::kChunk <= kHeadDim; d += kChunks * Pairs::kChunk) {
+        paced(g0 == 0 && d == 0, prefetch, [&](const auto& between) {
+          call(std::integral_constant<int, kChunks>(), d, between);
+        });
       }
-      for (; d < kHeadDim; d += fp8_dot::kChunk) {
-        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
-        fp8_dot::accumulate_values<kHeads, 1>(rows.v, head_offset + d, kZeros, count, pairs, st.alpha + g0, acc,
-                                              none);
-      }
+      for (; d < kHeadDim; d += Pairs::kChunk) call(std::integral_constant<int, 1>(), d, [] {});
     }
   }
-#endif
 
   template <int kChunks, class Between>
   static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,

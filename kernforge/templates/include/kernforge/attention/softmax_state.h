@@ -26,11 +26,7 @@
 namespace kf {
 
 constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural log-sum-exp -> s
-constexpr float kLn2 = 0.693147180559945309f;   // ln(2):   s -> natural log-sum-exp
 constexpr float kEmptyLse = -std::numeric_limits<float>::infinity();  // s of an empty key set
-
-// s from a natural-log log-sum-exp (what torch.logsumexp gives).
-inline float lse_from_natural(float natural_lse) { return natural_lse * kLog2e; }
 
 // s of a segment from the running state of an online softmax over natural logits: max_logit is
 // the largest logit, sum_exp = sum_i exp(logit_i - max_logit). No keys (sum_exp == 0) is empty.
