@@ -146,6 +146,30 @@ def rows_view(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
 _threads_override: int | None = None
 
 
+_INT32 = torch.int32
+_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def index_vector(t, name: str, length: int | None = None, length_from: str | None = None) -> torch.Tensor:
+    """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
+    try:  # warm path: attribute reads
+        if t.dtype is _INT32 and t.is_cpu and t.dim() == 1 and (length is None or t.numel() == length) \
+                and t.is_contiguous():
+            return t
+    except AttributeError:
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected an integer tensor (int32)")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    if t.dim() != 1 or (length is not None and t.numel() != length):
+        expected = f"[{length}] (the length of {length_from})" if length is not None else "1-D"
+        raise ValueError(f"{name} must be {expected}, got shape {tuple(t.shape)}")
+    if t.numel() and t.dtype is torch.int64 and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
+        raise ValueError(f"{name} holds values beyond int32")  # FlashInfer's .int() would wrap them
+    return t.to(_INT32).contiguous()  # as FlashInfer's .int()
+
+
 def _read_thread_env() -> int | None:
     value = os.environ.get("KERNFORGE_NUM_THREADS", "").strip()
     if not value:

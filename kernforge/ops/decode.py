@@ -27,7 +27,7 @@ from numbers import Real
 import torch
 
 from kernforge.jit.module import DType, Entry, Int, Module, Struct
-from kernforge.ops._common import num_threads, writable_rows
+from kernforge.ops._common import index_vector, num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export
 from kernforge.ops.page import PagedKVCache, check_kv_layout, unpack_paged_kv_cache
 
@@ -127,17 +127,7 @@ def decode_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
 
 def _index_copy(t, name: str) -> torch.Tensor:
     """A private int32 copy of a 1-D CPU index tensor: run() must not see later edits to it."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype == torch.int64 and t.numel() and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
-        raise ValueError(f"{name} holds values beyond int32")
-    return t.to(torch.int32, copy=True).contiguous()
+    return index_vector(t, name).clone()
 
 
 def _window(window_left) -> int:
@@ -208,6 +198,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
         self._use_tensor_cores = bool(use_tensor_cores)
+        self._grows_workspace = False  # single_decode_with_kv_cache's own wrapper sizes its buffer itself
         self._plan = None
 
     @property
@@ -269,6 +260,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         partial_floats = num_slots * unit_heads * group * (head_dim + 1)
         workspace = self._float_workspace_buffer
         needed = 4 * (partial_floats + lists * kernel.scratch_floats(unit_heads, group))
+        if workspace.numel() * workspace.element_size() < needed and self._grows_workspace:
+            workspace = self._float_workspace_buffer = torch.empty(needed, dtype=torch.uint8)
         if workspace.numel() * workspace.element_size() < needed:
             raise ValueError(f"float_workspace_buffer is too small for this plan: it has "
                              f"{workspace.numel() * workspace.element_size()} bytes, the plan needs {needed}")
@@ -475,31 +468,23 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if kv_len == 0:  # an empty page would be an empty cache: give the request no page instead
         cache = tuple(torch.zeros((1, 1, num_kv_heads, head_dim) if kv_layout == "NHD" else
                                   (1, num_kv_heads, 1, head_dim), dtype=k.dtype) for _ in range(2))
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(num_qo_heads, num_kv_heads, head_dim), kv_layout)
+    if not hasattr(_SINGLE_WORKSPACE, "buffer"):
+        _SINGLE_WORKSPACE.buffer = torch.empty(1 << 20, dtype=torch.uint8)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(_SINGLE_WORKSPACE.buffer, kv_layout)
+    wrapper._grows_workspace = True
     wrapper.plan(torch.tensor([0, 1 if kv_len else 0], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                  torch.tensor([kv_len if kv_len else 1], dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
                  page_size, window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q.dtype,
                  kv_data_type=k.dtype, sm_scale=sm_scale)
+    _SINGLE_WORKSPACE.buffer = wrapper._float_workspace_buffer
     result = wrapper.run(q.unsqueeze(0), cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                          return_lse=return_lse)
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
+# single_decode_with_kv_cache's workspace, one per calling thread (it holds the kernel's scratch),
+# grown by plan() to what each call needs.
 _SINGLE_WORKSPACE = threading.local()
-
-
-def _single_workspace(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """single_decode's workspace, one per calling thread (it holds the kernel's scratch), grown to
-    an upper bound of what a plan for these heads needs: per thread, the KV heads' padded groups
-    of q and accumulators, and up to two partial slots of every query head."""
-    group = num_qo_heads // num_kv_heads
-    padded = -(-group // MAX_GROUP) * MAX_GROUP  # head tiles are at most MAX_GROUP heads
-    per_thread = num_kv_heads * padded * (2 * head_dim + 3) + padded * 32 + 2 * num_qo_heads * (head_dim + 1)
-    needed = 4 * num_threads() * per_thread
-    buffer = getattr(_SINGLE_WORKSPACE, "buffer", None)
-    if buffer is None or buffer.numel() < needed:
-        buffer = _SINGLE_WORKSPACE.buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8)
-    return buffer
 
 
 export("BatchDecodeWithPagedKVCacheWrapper", BatchDecodeWithPagedKVCacheWrapper)

@@ -27,7 +27,7 @@ from functools import cached_property
 import torch
 
 from kernforge.jit.module import DType, Entry, Module
-from kernforge.ops._common import num_threads
+from kernforge.ops._common import index_vector, num_threads
 from kernforge.ops._registry import FP8_DTYPE_NAMES, export, kernel_op
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -278,10 +278,10 @@ def append_paged_kv_cache(
     if value_tokens != num_tokens:
         raise ValueError(f"append_value has {value_tokens} tokens but append_key has {num_tokens}; they must match")
     batch_size = _batch_size(kv_last_page_len)
-    batch_indices = _index_vector(batch_indices, "batch_indices", num_tokens, "append_key's tokens")
-    positions = _index_vector(positions, "positions", num_tokens, "append_key's tokens")
-    kv_indptr = _index_vector(kv_indptr, "kv_indptr", batch_size + 1, "kv_last_page_len + 1")
-    kv_indices = _index_vector(kv_indices, "kv_indices", None, None)
+    batch_indices = index_vector(batch_indices, "batch_indices", num_tokens, "append_key's tokens")
+    positions = index_vector(positions, "positions", num_tokens, "append_key's tokens")
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", batch_size + 1, "kv_last_page_len + 1")
+    kv_indices = index_vector(kv_indices, "kv_indices", None, None)
     if num_tokens == 0:
         return
     status = variant.kernel().append(
@@ -327,30 +327,6 @@ def _token_rows(t, name: str, cache: PagedKVCache):
                          f"{cache.head_dim}] to match paged_kv_cache, got shape {tuple(t.shape)}")
     t = t.contiguous()  # only read: a strided head_dim is copied
     return t, t.stride(0), t.stride(1), t.shape[0]
-
-
-_INT32 = torch.int32
-_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-
-
-def _index_vector(t, name: str, length: int | None, length_from: str | None) -> torch.Tensor:
-    """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
-    try:  # warm path: attribute reads
-        if t.dtype is _INT32 and t.is_cpu and t.dim() == 1 and (length is None or t.numel() == length) \
-                and t.is_contiguous():
-            return t
-    except AttributeError:
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
-    if t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected an integer tensor (int32)")
-    if not t.is_cpu:
-        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
-    if t.dim() != 1 or (length is not None and t.numel() != length):
-        expected = f"[{length}] (the length of {length_from})" if length is not None else "1-D"
-        raise ValueError(f"{name} must be {expected}, got shape {tuple(t.shape)}")
-    if t.numel() and t.dtype is torch.int64 and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
-        raise ValueError(f"{name} holds values beyond int32")  # FlashInfer's .int() would wrap them
-    return t.to(_INT32).contiguous()  # as FlashInfer's .int()
 
 
 def _batch_size(kv_last_page_len) -> int:

@@ -23,6 +23,7 @@
 
 #include "kernforge/attention/bf16_dot.h"
 #include "kernforge/attention/fp8_dot.h"
+#include "kernforge/attention/paged_kv.h"
 #include "kernforge/attention/softmax_state.h"
 #include "kernforge/attention/work_plan.h"
 #include "kernforge/parallel.h"
@@ -184,13 +185,13 @@ class DecodeKernel {
     const int64_t count = std::min<int64_t>(kDecodeBlock, w.end - t);
     const int32_t* pages = reinterpret_cast<const int32_t*>(p_.indices) +
                            reinterpret_cast<const int32_t*>(p_.indptr)[w.request];
-    const KVT* k = reinterpret_cast<const KVT*>(io.k) + w.kv_head * io.k_stride_head;
-    const KVT* v = reinterpret_cast<const KVT*>(io.v) + w.kv_head * io.v_stride_head;
-    int64_t page_iter = t / p_.page_size, offset = t % p_.page_size;
+    const auto k = page_plane_at<const KVT>(io.k, io.k_stride_page, io.k_stride_token, io.k_stride_head);
+    const auto v = page_plane_at<const KVT>(io.v, io.v_stride_page, io.v_stride_token, io.v_stride_head);
+    int64_t page_iter = t / p_.page_size, offset = t % p_.page_size;  // stepped, not divided, per token
     for (int64_t j = 0; j < count; ++j) {
       const int64_t page = pages[page_iter];
-      rows.k[j] = k + page * io.k_stride_page + offset * io.k_stride_token;
-      rows.v[j] = v + page * io.v_stride_page + offset * io.v_stride_token;
+      rows.k[j] = k.row(page, offset, w.kv_head);
+      rows.v[j] = v.row(page, offset, w.kv_head);
       if (++offset == p_.page_size) offset = 0, ++page_iter;
     }
   }
