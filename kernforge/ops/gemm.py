@@ -1,0 +1,131 @@
+"""Prepacked bf16 linear layers (sgl-kernel's CPU op names): pack a weight once with
+``convert_weight_packed``, then ``weight_packed_linear(x, packed)`` computes ``x @ weight.T``.
+
+The packed layout (``PackedWeight.layout_version`` 1) is the one every tier's micro-kernel reads
+(``kernforge/gemm/micro_kernel.h``): the weight's N rows in panels of ``panel_width`` columns of
+the product, each panel K pair by K pair, each pair one 32-bit word per column (VNNI-2: the even
+K element in the low half). N is padded with zero rows to whole panels, an odd K with a zero
+column; a panel is contiguous, so a thread's slice of N is one contiguous slice of the weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernforge.jit.module import DType, Entry, Module
+from kernforge.ops._common import checked_out, num_threads, readable_rows, same_dtype, variant_for_input
+from kernforge.ops._registry import export, kernel_op
+
+LAYOUT_VERSION = 1
+PANEL_WIDTH = 32  # columns of the product per packed panel: a multiple of every tier's NR
+
+GEMM = Module(
+    "gemm", "gemm.cpp.jinja",
+    params={"dtype": DType()},
+    entries=[Entry("linear", "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
+                             "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
+                             "int64_t num_threads", returns="int64_t")],
+)
+_STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
+
+
+@dataclass
+class PackedWeight:
+    """A weight ``[n, k]`` packed for ``weight_packed_linear``; survives ``torch.save``/``torch.load``."""
+
+    packed: torch.Tensor  # [n_panels, ceil(k / 2), panel_width, 2] bf16
+    n: int
+    k: int
+    dtype: torch.dtype = torch.bfloat16
+    panel_width: int = PANEL_WIDTH
+    layout_version: int = LAYOUT_VERSION
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+
+torch.serialization.add_safe_globals([PackedWeight])  # loads with torch.load's default weights_only=True
+
+
+def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:
+    """Pack a bf16 ``weight [N, K]`` (``nn.Linear.weight``) for :func:`weight_packed_linear`."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype is not torch.bfloat16:
+        raise TypeError(f"weight has dtype {weight.dtype}; convert_weight_packed takes torch.bfloat16")
+    if not weight.is_cpu:
+        raise ValueError(f"weight is on device {weight.device}; kernforge kernels run on the CPU")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    panels, pairs = -(-n // PANEL_WIDTH), -(-k // 2)
+    padded = weight.new_zeros(panels * PANEL_WIDTH, pairs * 2)
+    padded[:n, :k] = weight
+    packed = padded.view(panels, PANEL_WIDTH, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedWeight(packed, int(n), int(k))
+
+
+export("convert_weight_packed", convert_weight_packed)
+
+
+@kernel_op(GEMM)
+def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight.T (+ bias)`` -> ``[..., N]`` in ``x``'s dtype (fp32 accumulation);
+    ``packed`` from :func:`convert_weight_packed`, ``bias [N]`` in ``x``'s dtype."""
+    variant = variant_for_input(weight_packed_linear.kernels, x, "x")
+    n, k = _checked_packed(packed)
+    shape = x.shape
+    if x.dim() == 0 or shape[-1] != k:
+        raise ValueError(f"x must be [..., {k}] to match packed's K, got shape {tuple(shape)}")
+    m = math.prod(shape[:-1])
+    x2 = x.reshape(m, k)
+    x2, x_strides = readable_rows(x2, x2.shape, x2.stride())
+    if bias is not None:
+        same_dtype(bias, "bias", x, "x")
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},) to match packed's N, got {tuple(bias.shape)}")
+        bias = bias.contiguous()
+    out_shape = (*shape[:-1], n)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype)
+        out2 = out.view(m, n)
+    else:
+        checked_out(out, out_shape, x)
+        out2 = _rows_of_out(out, m, n)
+    if m == 0 or n == 0:
+        return out
+    status = variant.kernel().linear(
+        out2.data_ptr(), out2.stride(0), x2.data_ptr(), x_strides[0], packed.packed.data_ptr(),
+        packed.panel_width, 0 if bias is None else bias.data_ptr(), m, n, k, num_threads())
+    if status:
+        raise ValueError(_STATUS.get(status, f"weight_packed_linear failed with status {status}"))
+    return out
+
+
+def _checked_packed(packed: object) -> tuple[int, int]:
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"packed must be a PackedWeight from convert_weight_packed, got {type(packed).__name__}")
+    if packed.layout_version != LAYOUT_VERSION:
+        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
+                         f"{LAYOUT_VERSION}: pack the weight again with convert_weight_packed")
+    n, k, t = packed.n, packed.k, packed.packed
+    expected = (-(-n // packed.panel_width), -(-k // 2), packed.panel_width, 2)
+    if not isinstance(t, torch.Tensor) or t.dtype is not torch.bfloat16 or not t.is_cpu \
+            or t.shape != expected or not t.is_contiguous():
+        raise ValueError(f"packed.packed must be a contiguous CPU bfloat16 tensor of shape {expected} "
+                         f"for a [{n}, {k}] weight")
+    return n, k
+
+
+def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``out [..., N]`` as ``[M, N]`` rows over the same memory (the kernel writes through it)."""
+    try:
+        return out.view(m, n)
+    except RuntimeError:
+        raise ValueError(f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
+                         "dimensions cannot be merged into one row index without a copy") from None

@@ -1,0 +1,72 @@
+// out[m x n] = x[m x k] . W^T (+ bias) with W prepacked in panels of VNNI-2 pairs
+// (kernforge/gemm/micro_kernel.h): the packed weight is [n_panels][ceil(k/2)][panel_width] 32-bit
+// words, n padded with zero columns to whole panels, k with a zero row to whole pairs.
+//
+// Work is cut into tasks of (NR columns) x (kRowBlock rows), ordered column block first, and each
+// thread takes one contiguous run of tasks: a thread's columns, and so its part of the packed
+// weight, are one contiguous slice; rows are split too only where columns run short (large M on
+// few panels). A task accumulates its kRowBlock x NR tile in an fp32 scratch tile over K blocks of
+// kDepthBlock, so the B block a micro-kernel call streams (kDepthBlock x NR bf16, 16 KB) stays in
+// L1 while the row block's MR-row tiles pass over it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernforge/gemm/micro_kernel.h"
+#include "kernforge/parallel.h"
+#include "kernforge/vec.h"
+
+namespace kf::gemm {
+
+constexpr int64_t kRowBlock = 64;     // a multiple of every MR
+constexpr int64_t kDepthBlock = 256;  // even: only the last K block may end in half a pair
+// Multiply-adds per thread before a second thread pays off (a fork/join costs ~1 us).
+constexpr int64_t kMinMacsPerThread = 1 << 17;
+
+enum LinearStatus : int64_t { kOk = 0, kBadPanelWidth = 1 };
+
+// Adds bias (if any) to the rows x NR fp32 tile and writes its first `columns` columns.
+template <int NR, class T>
+inline void store_tile(T* out, int64_t ldo, const float* tile, const T* bias, int64_t rows, int64_t columns) {
+  constexpr int kWidth = VecF::kWidth;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < columns; j += kWidth) {
+      VecF v = VecF::load(tile + r * NR + j);
+      if (bias != nullptr) v += VecF::load(bias + j, columns - j);
+      v.store(out + r * ldo + j, columns - j);
+    }
+  }
+}
+
+template <int MR, int NR, class T>
+int64_t packed_linear(T* out, int64_t ldo, const T* x, int64_t ldx, const uint32_t* packed, int64_t panel_width,
+                      const T* bias, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
+  static_assert(kRowBlock % MR == 0, "row blocks hold whole MR tiles");
+  if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
+  if (m <= 0 || n <= 0) return kOk;
+  const int64_t pairs = (k + 1) / 2;
+  const int64_t column_blocks = (n + NR - 1) / NR, row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t tasks = column_blocks * row_blocks;
+  const int64_t threads = useful_threads(num_threads, tasks, m * n * std::max<int64_t>(k, 1), kMinMacsPerThread);
+  parallel_for(tasks, threads, [&](int64_t task) {
+    const int64_t n0 = task / row_blocks * NR, m0 = task % row_blocks * kRowBlock;
+    const int64_t rows = std::min(kRowBlock, m - m0);
+    // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each pair.
+    const uint32_t* b = packed + (n0 / panel_width) * pairs * panel_width + n0 % panel_width;
+    alignas(64) float tile[kRowBlock * NR];
+    std::fill_n(tile, rows * NR, 0.0f);  // only the rows used: a one-row task would clear 8 KB for 128 bytes
+    for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
+      const int64_t depth = std::min(kDepthBlock, k - k0);
+      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), x + (m0 + r0) * ldx + k0, ldx,
+                                  b + k0 / 2 * panel_width, panel_width, depth, tile + r0 * NR, NR);
+      }
+    }
+    store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows,
+                   std::min<int64_t>(NR, n - n0));
+  });
+  return kOk;
+}
+
+}  // namespace kf::gemm
