@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.gemm import LAYOUT_VERSION, PackedWeight, convert_weight_packed, weight_packed_linear
+from kernforge.ops.gemm import (GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, convert_weight_packed,
+                                linear_with_tile, tile_shape, weight_packed_linear)
 from op_helpers import seeded
 
 ROWS = [1, 2, 7, 16, 33, 256]
@@ -94,6 +95,54 @@ def test_empty_m_and_k():
     packed = convert_weight_packed(w)
     assert torch.equal(weight_packed_linear(torch.empty(4, 0, dtype=torch.bfloat16), packed, b), b.expand(4, 9))
     assert weight_packed_linear(torch.empty(0, 0, dtype=torch.bfloat16), packed).shape == (0, 9)
+
+
+# --------------------------------------------------------------------------- tile candidates
+
+TILE_SHAPES = [(1, 17, 15), (33, 47, 129)]  # between them every candidate of every tier applies
+
+
+def _tiles_for(dtype, m, n, k, tier):
+    return [c.params["tile"] for c in TILE_CANDIDATES.applicable(tile_shape(dtype, m, n, k), tier)]
+
+
+@pytest.mark.parametrize("m,n,k", TILE_SHAPES, ids=[f"m{m}_n{n}_k{k}" for m, n, k in TILE_SHAPES])
+def test_every_tile_candidate_matches_fp32_matmul(tier, m, n, k):
+    x, w, b = _operands(m, n, k, bias=True, key=("tiles",))
+    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    for tile in _tiles_for(torch.bfloat16, m, n, k, GEMM.built_tier(tier)):
+        rtol, atol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(linear_with_tile(x, packed, tile, b).float(), expected, rtol=rtol,
+                                   atol=atol * k ** 0.5, msg=lambda text: f"tile {tile}: {text}")
+
+
+def test_every_fp32_tile_candidate_matches():
+    m, n, k = 33, 47, 129
+    x, w, b = _operands(m, n, k, torch.float32, bias=True, key=("tiles",))
+    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    for tile in _tiles_for(torch.float32, m, n, k, GEMM.built_tier(kernforge.jit.isa.selected_tier())):
+        _assert_matches(linear_with_tile(x, packed, tile, b), expected, torch.float32, k)
+
+
+def test_tile_candidates_cover_every_tile_and_default_to_the_default_tile():
+    for tier in ("avx512", "avx2", "generic"):
+        tested = {t for m, n, k in TILE_SHAPES for t in _tiles_for(torch.bfloat16, m, n, k, tier)}
+        listed = {c.params["tile"] for c in [*TILE_CANDIDATES.candidates, TILE_CANDIDATES.reference]
+                  if tier in c.tiers and c.when({"dtype": "bf16", "m": 1024, "n": 1, "k": 1})}
+        assert tested == listed, tier
+    # kf::gemm::DefaultTile: 8 x 32 for vdpbf16ps, 4 x 32 for the AVX-512 FMA path, 4 x 16 below
+    for dtype, tier, tile in [(torch.bfloat16, "avx512", (8, 32)), (torch.float32, "avx512", (4, 32)),
+                              (torch.float16, "avx512", (4, 32)), (torch.bfloat16, "avx2", (4, 16)),
+                              (torch.float32, "generic", (4, 16))]:
+        for m in (1, 7, 300):
+            assert TILE_CANDIDATES.default(tile_shape(dtype, m, 64, 64), tier).params["tile"] == tile
+    assert _tiles_for(torch.bfloat16, 1, 64, 64, "avx512") == [(8, 32), (1, 16)]  # M = 1: no row-only variants
+
+
+def test_tile_must_be_a_candidate_tile():
+    x, w, _ = _operands(2, 8, 16)
+    with pytest.raises(ValueError, match="parameter tile must be one of"):
+        linear_with_tile(x, convert_weight_packed(w), (3, 32))
 
 
 # --------------------------------------------------------------------------- the packed weight

@@ -6,6 +6,11 @@ The packed layout (``PackedWeight.layout_version`` 1) is the one every tier's mi
 the product, each panel K pair by K pair, each pair one 32-bit word per column (VNNI-2: the even
 K element in the low half). N is padded with zero rows to whole panels, an odd K with a zero
 column; a panel is contiguous, so a thread's slice of N is one contiguous slice of the weight.
+
+The micro-kernel's register tile (MR, NR) is a module parameter. ``TILE_CANDIDATES`` lists the
+tiles each tier may run; dispatch takes the winner that ``tune_gemm`` recorded for the problem's
+(dtype, M bucket, N, K) on this tier and CPU model, else the tier's default (the rank-0 candidate,
+which is ``kf::gemm::DefaultTile``).
 """
 
 from __future__ import annotations
@@ -15,21 +20,84 @@ from dataclasses import dataclass
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module
+from kernforge.jit import isa
+from kernforge.jit.core import Variant
+from kernforge.jit.module import DType, Entry, IntTuple, Module
+from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, readable_rows, same_dtype, variant_for_input
-from kernforge.ops._registry import export, kernel_op
+from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # columns of the product per packed panel: a multiple of every tier's NR
 
+# Every (MR, NR) some tier may run; NR divides PANEL_WIDTH, MR is at most 64 (linear.h's row block).
+TILES = ((8, 32), (4, 32), (6, 32), (16, 16), (4, 16), (6, 16), (2, 32), (1, 16))
+
 GEMM = Module(
     "gemm", "gemm.cpp.jinja",
-    params={"dtype": DType()},
+    params={"dtype": DType(), "tile": IntTuple(2, choices=TILES)},
     entries=[Entry("linear", "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
                              "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
                              "int64_t num_threads", returns="int64_t")],
 )
 _STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
+
+
+def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "fp16", "fp32"),
+          default_for=()) -> Candidate:
+    """A tile for ``dtypes`` of x on ``tiers``. Besides the dtypes it is the default for, it applies
+    only from M = MR on: below that it runs the same (M, NR) micro-kernel as the default does."""
+
+    def applies(shape) -> bool:
+        return shape["dtype"] in dtypes and (shape["dtype"] in default_for or shape["m"] >= mr)
+
+    return Candidate({"tile": (mr, nr)}, tiers, rank, when=applies)
+
+
+def m_bucket(m: int) -> int:
+    """Rows are tuned in power-of-two buckets (1, 2, 4, ... 1024 and more)."""
+    return 1 << min(max(m - 1, 0).bit_length(), 10)
+
+
+def tile_shape(dtype: torch.dtype, m: int, n: int, k: int) -> dict:
+    """The problem as the candidates see it: x's dtype name, M's bucket, N and K."""
+    return {"dtype": DTYPE_NAMES[dtype], "m": m_bucket(m), "n": n, "k": k}
+
+
+_WIDE, _NARROW = ("avx512",), ("avx2", "generic")
+# Register budgets: vdpbf16ps (32 zmm) holds 8 x 32 (16 accumulators) or 16 x 16; the FMA path on
+# AVX-512 also broadcasts A, 4 x 32 by default; 16 ymm on AVX2 hold 4 x 16 (6 x 16 at the limit).
+TILE_CANDIDATES = Candidates(
+    "weight_packed_linear", GEMM,
+    candidates=[
+        _tile(8, 32, _WIDE, 0, dtypes=("bf16",), default_for=("bf16",)),
+        _tile(4, 32, _WIDE, 1, default_for=("fp16", "fp32")),
+        _tile(6, 32, _WIDE, 2),
+        _tile(16, 16, _WIDE, 3, dtypes=("bf16",)),
+        _tile(4, 16, _NARROW, 0, default_for=("bf16", "fp16", "fp32")),
+        _tile(6, 16, _NARROW, 1),
+        _tile(2, 32, _NARROW, 2),
+    ],
+    reference=Candidate({"tile": (1, 16)}, ("avx512", "avx2", "generic")),  # one row: valid everywhere
+    bucket=lambda s: f"{s['dtype']}_m{s['m']}_n{s['n']}_k{s['k']}",
+)
+
+# (x dtype, M bucket, N, K, selected tier) -> the variant dispatch runs; reset_tile_choices() empties it.
+_CHOSEN: dict[tuple, Variant] = {}
+
+
+def reset_tile_choices() -> None:
+    """Forget the tiles dispatch chose, so the next calls read the tuning records again."""
+    _CHOSEN.clear()
+
+
+def _chosen_variant(dtype: torch.dtype, m: int, n: int, k: int) -> Variant:
+    key = (dtype, m_bucket(m), n, k, isa.selected_tier())
+    found = _CHOSEN.get(key)
+    if found is None:
+        tile = TILE_CANDIDATES.choose(tile_shape(dtype, m, n, k), tier=key[-1]).params["tile"]
+        found = _CHOSEN[key] = GEMM.select(DTYPE_NAMES[dtype], tile)
+    return found
 
 
 @dataclass
@@ -72,12 +140,24 @@ def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:
 export("convert_weight_packed", convert_weight_packed)
 
 
-@kernel_op(GEMM)
+# Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned tiles compile on first use.
+@kernel_op(GEMM, tile=(8, 32))
 def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias)`` -> ``[..., N]`` in ``x``'s dtype (fp32 accumulation);
-    ``packed`` from :func:`convert_weight_packed`, ``bias [N]`` in ``x``'s dtype."""
-    variant = variant_for_input(weight_packed_linear.kernels, x, "x")
+    ``packed`` from :func:`convert_weight_packed`, ``bias [N]`` in ``x``'s dtype. The tile is the
+    one tuned for this shape bucket on this machine, else the tier's default."""
+    return _linear(x, packed, bias, out, None)
+
+
+def linear_with_tile(x: torch.Tensor, packed: PackedWeight, tile: tuple[int, int], bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`weight_packed_linear` with the register tile forced (what the tuner times)."""
+    return _linear(x, packed, bias, out, tile)
+
+
+def _linear(x, packed, bias, out, tile):
+    variant_for_input(weight_packed_linear.kernels, x, "x")  # the dtype and device checks
     n, k = _checked_packed(packed)
     shape = x.shape
     if x.dim() == 0 or shape[-1] != k:
@@ -99,6 +179,7 @@ def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tens
         out2 = _rows_of_out(out, m, n)
     if m == 0 or n == 0:
         return out
+    variant = _chosen_variant(x.dtype, m, n, k) if tile is None else GEMM.select(DTYPE_NAMES[x.dtype], tile)
     status = variant.kernel().linear(
         out2.data_ptr(), out2.stride(0), x2.data_ptr(), x_strides[0], packed.packed.data_ptr(),
         packed.panel_width, 0 if bias is None else bias.data_ptr(), m, n, k, num_threads())

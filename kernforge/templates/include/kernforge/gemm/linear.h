@@ -2,10 +2,10 @@
 // (kernforge/gemm/micro_kernel.h): the packed weight is [n_panels][ceil(k/2)][panel_width] 32-bit
 // words, n padded with zero columns to whole panels, k with a zero row to whole pairs.
 //
-// Work is cut into tasks of (NR columns) x (kRowBlock rows), ordered column block first, and each
+// Work is cut into tasks of (NR columns) x (RowBlock<MR> rows), ordered column block first, and each
 // thread takes one contiguous run of tasks: a thread's columns, and so its part of the packed
 // weight, are one contiguous slice; rows are split too only where columns run short (large M on
-// few panels). A task accumulates its kRowBlock x NR tile in an fp32 scratch tile over K blocks of
+// few panels). A task accumulates its row block x NR tile in an fp32 scratch tile over K blocks of
 // kDepthBlock, so the B block a micro-kernel call streams (kDepthBlock x NR bf16, 16 KB) stays in
 // L1 while the row block's MR-row tiles pass over it.
 #pragma once
@@ -19,7 +19,9 @@
 
 namespace kf::gemm {
 
-constexpr int64_t kRowBlock = 64;     // a multiple of every MR
+// Rows per task: the most whole MR tiles in 64 rows (60 for MR = 6).
+template <int MR>
+constexpr int64_t RowBlock = 64 / MR * MR;
 constexpr int64_t kDepthBlock = 256;  // even: only the last K block may end in half a pair
 // Multiply-adds per thread before a second thread pays off (a fork/join costs ~1 us).
 constexpr int64_t kMinMacsPerThread = 1 << 17;
@@ -42,7 +44,8 @@ inline void store_tile(T* out, int64_t ldo, const float* tile, const T* bias, in
 template <int MR, int NR, class T>
 int64_t packed_linear(T* out, int64_t ldo, const T* x, int64_t ldx, const uint32_t* packed, int64_t panel_width,
                       const T* bias, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
-  static_assert(kRowBlock % MR == 0, "row blocks hold whole MR tiles");
+  static_assert(MR >= 1 && MR <= 64 && NR >= 1, "a tile is 1..64 rows");
+  constexpr int64_t kRowBlock = RowBlock<MR>;
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
   const int64_t pairs = (k + 1) / 2;
