@@ -1,4 +1,4 @@
-"""``python -m kernforge {info,list,clear,modules,prewarm}``."""
+"""``python -m kernforge {info,list,clear,modules,prewarm,tune}``."""
 
 from __future__ import annotations
 
@@ -82,6 +82,28 @@ def _prewarm(args) -> int:
     return 0
 
 
+def _shape_nk(text: str) -> tuple[int, int]:
+    n, sep, k = text.lower().partition("x")
+    try:
+        return int(n), int(k)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nk takes NxK (the weight's shape, e.g. 4096x4096), got {text!r}") from None
+
+
+def _tune(args) -> int:
+    from kernforge.ops import gemm
+    from kernforge.ops._common import TORCH_DTYPES, dtype_name, set_num_threads
+
+    if args.threads:
+        set_num_threads(args.threads)
+    for r in gemm.tune_gemm(args.m, args.nk, TORCH_DTYPES[dtype_name(args.dtype)]):
+        timings = "  ".join(f"{'x'.join(map(str, t))} {s * 1e6:.1f}us" for t, s in r["seconds"].items())
+        print(f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
+              f"{'x'.join(map(str, r['tile']))} (default {'x'.join(map(str, r['default']))})  [{timings}]")
+    print(f"recorded in {disk.cache_root() / 'tuning'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernforge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
     p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")
     p.set_defaults(run=_prewarm)
+    p = sub.add_parser("tune", help="time the tile candidates of an op on this machine and record the winners")
+    p.add_argument("op", choices=["gemm"], help="gemm: weight_packed_linear's register tile")
+    p.add_argument("--m", type=int, nargs="+", required=True, help="rows of x to tune for (each picks an M bucket)")
+    p.add_argument("--nk", type=_shape_nk, nargs="+", required=True, help="weight shapes NxK (repeatable list)")
+    p.add_argument("--dtype", default="bf16", help="dtype of x (default bf16)")
+    p.add_argument("--threads", type=int, help="threads to tune with (default: kernforge's setting)")
+    p.set_defaults(run=_tune)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

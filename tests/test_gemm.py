@@ -6,11 +6,18 @@ the difference is the rounding of the output (rtol) plus summation order, which 
 """
 
 import io
+import json
+import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import kernforge
+from conftest import clean_env
+from kernforge.jit import tuning
+from kernforge.ops import gemm
 from kernforge.ops.gemm import (GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, convert_weight_packed,
                                 linear_with_tile, tile_shape, weight_packed_linear)
 from op_helpers import seeded
@@ -145,6 +152,86 @@ def test_tile_must_be_a_candidate_tile():
         linear_with_tile(x, convert_weight_packed(w), (3, 32))
 
 
+# --------------------------------------------------------------------------- tuning
+
+
+@pytest.fixture
+def tuning_cache(cache):
+    """A fresh cache (so a fresh tuning store) and no remembered dispatch choices."""
+    gemm.reset_tile_choices()
+    yield cache
+    gemm.reset_tile_choices()
+
+
+def _dispatched_tile(m, n, k, dtype=torch.bfloat16):
+    return gemm._chosen_variant(dtype, m, n, k).params["tile"]
+
+
+def test_tuned_tile_is_dispatched_for_its_bucket_only(tuning_cache):
+    n, k = 40, 64
+    tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
+    default, forced = _tiles_for(torch.bfloat16, 16, n, k, tier)[:2]
+    timed = []
+
+    def fake_timer(tile, run):  # runs the candidate once, then says `forced` is the fastest
+        run()
+        timed.append(tile)
+        return 0.5 if tile == forced else 1.0
+
+    result, = kernforge.tune_gemm([16], [(n, k)], measure=fake_timer)
+    assert result["tile"] == forced and result["default"] == default and result["m_bucket"] == 16
+    assert timed == _tiles_for(torch.bfloat16, 16, n, k, tier)  # every applicable candidate, once
+    for m in (9, 16):  # one bucket: 9..16 rows
+        x, w, b = _operands(m, n, k, bias=True, key=("tuned",))
+        _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), _reference(x, w, b), torch.bfloat16, k)
+        assert _dispatched_tile(m, n, k) == forced
+    assert _dispatched_tile(8, n, k) == default  # another bucket: nothing recorded
+    assert _dispatched_tile(16, n, k + 2) == default  # another K
+
+
+def test_recorded_tile_is_used_and_a_corrupt_record_is_ignored(tuning_cache, caplog):
+    m, n, k = 33, 47, 129
+    tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
+    tiles = _tiles_for(torch.bfloat16, m, n, k, tier)
+    bucket = TILE_CANDIDATES.bucket(tile_shape(torch.bfloat16, m, n, k))
+    tuning.TuningStore().record("weight_packed_linear", bucket, tier, {"tile": list(tiles[-1])}, {})
+    x, w, b = _operands(m, n, k, bias=True, key=("recorded",))
+    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    _assert_matches(weight_packed_linear(x, packed, b), expected, torch.bfloat16, k)
+    assert _dispatched_tile(m, n, k) == tiles[-1]
+
+    (tuning_cache / "tuning" / "weight_packed_linear.json").write_text("{not json")
+    gemm.reset_tile_choices()
+    logger = logging.getLogger("kernforge")
+    logger.addHandler(caplog.handler)  # kernforge's logger does not propagate to the root
+    try:
+        _assert_matches(weight_packed_linear(x, packed, b), expected, torch.bfloat16, k)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "corrupt tuning file" in caplog.text
+    assert _dispatched_tile(m, n, k) == tiles[0]
+
+
+def test_tune_cli_records_winners(tuning_cache):
+    out = subprocess.run([sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "3", "--nk", "17x15",
+                          "--threads", "1"], env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "bf16 m=1 (bucket 1) n=17 k=15" in out.stdout and "bf16 m=3 (bucket 4) n=17 k=15" in out.stdout
+    records = json.loads((tuning_cache / "tuning" / "weight_packed_linear.json").read_text())
+    assert sorted(r["bucket"] for r in records.values()) == ["bf16_m1_n17_k15", "bf16_m4_n17_k15"]
+    bad = subprocess.run([sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "--nk", "17by15"],
+                         env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--nk takes NxK" in bad.stderr
+
+
+def test_tune_gemm_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="positive M, N and K"):
+        kernforge.tune_gemm([0], [(8, 8)])
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        kernforge.tune_gemm([1], [(8, 8)], dtype=torch.int8)
+
+
 # --------------------------------------------------------------------------- the packed weight
 
 
@@ -208,3 +295,4 @@ def test_errors_name_the_argument():
 def test_ops_are_exported():
     assert kernforge.weight_packed_linear is weight_packed_linear
     assert kernforge.convert_weight_packed is convert_weight_packed
+    assert kernforge.tune_gemm is gemm.tune_gemm

@@ -16,7 +16,10 @@ which is ``kf::gemm::DefaultTile``).
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -210,3 +213,56 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
     except RuntimeError:
         raise ValueError(f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
                          "dimensions cannot be merged into one row index without a copy") from None
+
+
+def _time_call(run: Callable[[], object], min_seconds: float = 0.2, max_calls: int = 50) -> float:
+    """Median seconds of one ``run()`` after a warm-up call (which also compiles): at least 3 calls,
+    more until ``min_seconds`` have passed."""
+    run()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < 3 or (len(samples) < max_calls and time.perf_counter() - started < min_seconds):
+        t0 = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16,
+              measure: Callable[[tuple[int, int], Callable[[], object]], float] | None = None) -> list[dict]:
+    """Time every applicable tile of ``weight_packed_linear`` for each M of ``m_list`` and each
+    ``(N, K)`` of ``nk_list`` (x in ``dtype``, at the current :func:`kernforge.ops.num_threads`),
+    and record the fastest per (dtype, M bucket, N, K) for this tier and CPU model in the cache's
+    tuning store, where dispatch finds it. ``measure(tile, run)`` returns seconds (default: the
+    median wall time of ``run()``). Returns one dict per shape: the winner and every timing."""
+    if dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, DTYPE_NAMES))}, got {dtype}")
+    m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
+    if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
+        raise ValueError(f"tune_gemm needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
+    measure = measure or (lambda tile, run: _time_call(run))
+    tier, results = isa.selected_tier(), []
+    generator = torch.Generator().manual_seed(0)
+    for n, k in nk_list:
+        packed = convert_weight_packed(torch.randn(n, k, generator=generator).bfloat16())
+        for m in m_list:
+            x = torch.randn(m, k, generator=generator).to(dtype)
+            out = torch.empty(m, n, dtype=dtype)
+            timings = {}
+
+            def seconds(candidate: Candidate) -> float:
+                tile = candidate.params["tile"]
+                timings[tile] = measure(tile, lambda: linear_with_tile(x, packed, tile, out=out))
+                return timings[tile]
+
+            shape = tile_shape(dtype, m, n, k)
+            winner = TILE_CANDIDATES.tune(shape, seconds, tier=tier)
+            results.append({"m": m, "n": n, "k": k, "dtype": shape["dtype"], "m_bucket": shape["m"],
+                            "tier": GEMM.built_tier(tier), "tile": winner.params["tile"],
+                            "default": TILE_CANDIDATES.default(shape, GEMM.built_tier(tier)).params["tile"],
+                            "seconds": timings})
+    reset_tile_choices()
+    return results
+
+
+export("tune_gemm", tune_gemm)

@@ -156,6 +156,7 @@ inline void micro_kernel_rows(int64_t rows, const T* a, int64_t lda, const uint3
 // Default tiles, sized to the register file: accumulators + B vectors + A broadcasts fit in it.
 // vdpbf16ps (32 zmm): 8 x 32 -> 16 accumulators, 2 B, 1 A. FMA on AVX-512: 4 x 32 -> 8 accumulators
 // and 8 A broadcasts (or memory operands). AVX2 and generic (16 ymm / 8-float arrays): 4 x 16.
+// kernforge.ops.gemm.TILE_CANDIDATES ranks these first (the untuned choice) and tunes over a few others.
 template <class T>
 struct DefaultTile {
   static constexpr int kMR = kUsesDpbf16<T> ? 8 : 4;
