@@ -1,0 +1,158 @@
+"""Prepacked bf16 linear (weight_packed_linear) vs torch F.linear vs torch.compile, 2 threads.
+
+Shapes are Llama-3-8B and Llama-3.2-1B projections, K x N (the weight is [N, K]): 4096x4096,
+4096x28672 (gate+up as one), 14336x4096, 2048x2048, 2048x16384; M = 1, 16, 128, 1024 rows of x.
+kernforge packs each weight once (outside the timing) and writes into a preallocated out=;
+torch F.linear and the compiled linear allocate their output, as callers use them.
+
+Columns
+    kf / F.linear / compile   median us per call (H.timed: round-robin samples; a case is measured
+                              again while other processes used > --max-bg of the CPUs).
+    vs F.linear               F.linear time / kernforge time (> 1: kernforge faster).
+    weight GB/s, % DRAM r     weight bytes (N * K * 2) / kernforge time: at small M a linear is a
+                              weight read, compared with the DRAM read bandwidth measured in this
+                              run (the STREAM-like probe's read-only sum, else roof.json's DRAM_r).
+                              Each call reads another copy of the weight (copies rotate over
+                              >= 256 MiB, 8x the L3), so no weight is served from the cache.
+    GFLOP/s, % bf16 peak      2 * M * N * K / kernforge time, against roof.json's bf16 dot-product
+                              peak for the thread count (the figure for large M).
+    tuned vs default          where `python -m kernforge tune gemm` recorded a tile for the case's
+                              bucket that differs from the default: default time / tuned time.
+
+torch.compile compiles ``F.linear(x, w)`` with mode="max-autotune-no-cudagraphs" (Inductor's C++
+GEMM template among its choices) where that works, else the default mode; the header says which.
+The weight is an argument of the compiled function (rotating copies, as for the others), so
+Inductor cannot constant-fold a prepacked weight as it would with freezing on a module.
+
+    .venv/bin/python benchmarks/bench_gemm.py [--quick] [--no-compile] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+import kernforge  # noqa: E402
+from kernforge.jit import tuning  # noqa: E402
+from kernforge.ops import gemm  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 28672), (14336, 4096), (2048, 2048), (2048, 16384)]  # K x N
+ROWS = [1, 16, 128, 1024]
+QUICK_SHAPES, QUICK_ROWS = [(2048, 2048), (4096, 4096)], [1, 16, 128, 1024]
+ROTATE_BYTES = 256 * H.MiB  # 8x the L3: no weight copy survives in the cache until its next turn
+MAX_WEIGHT_BYTES = 2 << 30  # skip bigger weights (this VM has little memory to spare)
+
+HEADERS = ["K x N", "M", "kf us", "F.linear us", "compile us", "vs F.linear", "vs compile", "weight GB/s",
+           "% DRAM r", "GFLOP/s", "% bf16 peak", "tuned vs default", "bg"]
+
+
+def _compiled_linear(args) -> tuple[object | None, str]:
+    if args.no_compile:
+        return None, "skipped (--no-compile)"
+    fn = lambda x, w: F.linear(x, w)  # noqa: E731
+    # One graph per (shape, M), static shapes: keep them all rather than fall back to eager at the limit.
+    limits = torch._dynamo.config
+    limits.recompile_limit = limits.accumulated_recompile_limit = 256  # (older torch: cache_size_limit)
+    x, w = torch.randn(16, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    for mode in ("max-autotune-no-cudagraphs", "default"):
+        try:
+            compiled = torch.compile(fn, mode=mode, dynamic=False)
+            compiled(x, w)
+            return compiled, mode
+        except Exception as exc:  # noqa: BLE001 (report and fall back)
+            warnings.warn(f"torch.compile mode={mode} failed: {exc}")
+    return None, "unavailable"
+
+
+def _case(k, n, rows, args, compiled, dram_r, peak):
+    weight_bytes = n * k * 2
+    copies = max(1, -(-ROTATE_BYTES // weight_bytes))
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=generator).bfloat16() for _ in range(copies)]
+    packed = [kernforge.convert_weight_packed(w) for w in weights]
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, generator=generator).bfloat16()
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        turn = itertools.cycle(range(copies))
+        fns = {
+            "kf": lambda: kernforge.weight_packed_linear(x, packed[next(turn)], out=out),
+            "F.linear": lambda: F.linear(x, weights[next(turn)]),
+        }
+        if compiled is not None:
+            fns["compile"] = lambda: compiled(x, weights[next(turn)])
+        shape = gemm.tile_shape(torch.bfloat16, m, n, k)
+        tier = gemm.GEMM.built_tier(kernforge.jit.isa.selected_tier())
+        recorded = tuning.TuningStore().lookup(gemm.TILE_CANDIDATES.kernel, gemm.TILE_CANDIDATES.bucket(shape), tier)
+        tuned = gemm.TILE_CANDIDATES.choose(shape, tier=tier).params["tile"]
+        default = gemm.TILE_CANDIDATES.default(shape, tier).params["tile"]
+        if tuned != default:
+            fns["kf default"] = lambda: gemm.linear_with_tile(x, packed[next(turn)], default, out=out)
+        t, bg = H.timed(fns, args)
+        kf = t["kf"].median_ns
+        gbs, gflops = weight_bytes / kf, 2 * m * n * k / kf
+        other = lambda name: H.us(t.get(name)) if name in t else "n/a"  # noqa: E731
+        ratio = lambda name: H.fmt(t[name].median_ns / kf, 2) if name in t else "n/a"  # noqa: E731
+        row = [f"{k}x{n}", m, H.us(t["kf"]), other("F.linear"), other("compile"), ratio("F.linear"), ratio("compile"),
+               H.fmt(gbs), f"{100 * gbs / dram_r:.0f}%", H.fmt(gflops, 0), f"{100 * gflops / peak:.0f}%",
+               (f"{ratio('kf default')} ({'x'.join(map(str, tuned))})" if "kf default" in t
+                else "default won" if recorded else "no record"),
+               f"{100 * bg:.0f}%"]
+        print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
+        results.append({"k": k, "n": n, "m": m, "tile": tuned, "default_tile": default, "bg": bg,
+                        **{name: timing.to_json() for name, timing in t.items()}})
+        yield row, results[-1]
+
+
+def main() -> int:
+    p = H.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--m", nargs="*", type=int, help="only these M")
+    p.add_argument("--shapes", nargs="*", help="only these KxN")
+    p.add_argument("--max-bg", type=float, default=0.10,
+                   help="re-measure a case if other processes used more than this share of the CPUs")
+    p.add_argument("--retries", type=int, default=2, help="re-measurements per noisy case (2)")
+    p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry")
+    args = p.parse_args()
+    args.budget, args.rounds, args.min_samples = (0.1, 2, 3) if args.quick else (0.5, 3, 5)
+    shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shapes] if args.shapes else \
+        (QUICK_SHAPES if args.quick else SHAPES)
+    rows = args.m or (QUICK_ROWS if args.quick else ROWS)
+
+    H.setup_threads(args.threads)
+    roof, roof_path = H.load_roof()
+    H.wait_for_quiet(args.wait_quiet)
+    stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+    threads_roof = roof[str(args.threads)]
+    dram_r = stream["DRAM"]["r"] if stream else threads_roof["DRAM_r"]
+    peak = threads_roof["bf16_gflops"]
+    compiled, compile_mode = _compiled_linear(args)
+    info = H.print_header("bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)", args, {
+        "roof": f"{roof_path.name}: bf16 peak {peak:.0f} GFLOP/s, DRAM read {threads_roof['DRAM_r']:.1f} GB/s",
+        "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
+        "torch.compile": compile_mode,
+    })
+    all_rows, records = [], []
+    for k, n in shapes:
+        if n * k * 2 > MAX_WEIGHT_BYTES:
+            print(f"skipping {k}x{n}: weights over {MAX_WEIGHT_BYTES >> 30} GiB", file=sys.stderr)
+            continue
+        for row, record in _case(k, n, rows, args, compiled, dram_r, peak):
+            all_rows.append(row)
+            records.append(record)
+    print(H.table(HEADERS, all_rows, "lr" + "r" * (len(HEADERS) - 2)))
+    H.write_json(args.json, {"info": info, "roof": roof, "dram_r_now": dram_r, "compile_mode": compile_mode,
+                             "results": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
