@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernforge/gemm/tasks.h"
 #include "kernforge/parallel.h"
 #include "kernforge/vec.h"
 
@@ -214,23 +215,16 @@ int64_t gemm(const uint8_t* a, int64_t lda, const uint32_t* packed, int64_t pane
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
   const int64_t groups = (k + kGroup - 1) / kGroup;
-  const int64_t column_blocks = (n + NR - 1) / NR, row_blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t tasks = column_blocks * row_blocks;
-  const int64_t threads = useful_threads(num_threads, tasks, m * n * std::max<int64_t>(k, 1), kMinMacsPerThread);
-  parallel_for(tasks, threads, [&](int64_t task) {
-    const int64_t n0 = task / row_blocks * NR, m0 = task % row_blocks * kRowBlock;
-    const int64_t rows = std::min(kRowBlock, m - m0);
+  for_each_output_tile<NR>(m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
+                                                                                    int64_t rows) {
     // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each group.
     const uint32_t* b = packed + (n0 / panel_width) * groups * panel_width + n0 % panel_width;
     alignas(64) int32_t tile[kRowBlock * NR];
     std::fill_n(tile, rows * NR, 0);
-    for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
-      const int64_t depth = std::min(kDepthBlock, k - k0);
-      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), a + (m0 + r0) * lda + k0, lda,
-                                  b + k0 / kGroup * panel_width, panel_width, depth, tile + r0 * NR, NR);
-      }
-    }
+    accumulate_tile<MR>(rows, k, kDepthBlock, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
+      micro_kernel_rows<MR, NR>(row_count, a + (m0 + r0) * lda + k0, lda, b + k0 / kGroup * panel_width,
+                                panel_width, depth, tile + r0 * NR, NR);
+    });
     epilogue(m0, n0, rows, std::min<int64_t>(NR, n - n0), static_cast<const int32_t*>(tile));
   });
   return kOk;
