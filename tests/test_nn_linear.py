@@ -1,0 +1,120 @@
+"""``kernforge.nn.Linear`` and ``replace_linears`` against the original ``nn.Linear`` in fp32:
+bf16 and int8 w8a8, bias and no bias, 3-D input, a swapped MLP, state_dict and torch.save round trips."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import kernforge.nn as knn
+from op_helpers import seeded
+
+# bf16 rounds x and W (and the output); int8 quantizes both per row/channel: ~1/254 relative per operand
+TOLERANCE = {None: 1e-2, "int8": 3e-2}
+
+
+def _layer(k, n, bias=True, key=()):
+    torch.manual_seed(hash((k, n, bias, key)) % 2**31)
+    return nn.Linear(k, n, bias=bias)
+
+
+def _x(shape, key=()):
+    return torch.randn(shape, generator=seeded("nn-linear", shape, *key))
+
+
+def _assert_close(actual, expected, quant):
+    rtol = TOLERANCE[quant]
+    torch.testing.assert_close(actual.float(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 17), (33, 17), (2, 5, 17)])
+def test_from_linear_matches_nn_linear(quant, bias, shape):
+    layer = _layer(17, 45, bias)
+    x = _x(shape)
+    module = knn.Linear.from_linear(layer, quant=quant)
+    y = module(x.bfloat16())
+    assert y.shape == (*shape[:-1], 45) and y.dtype is torch.bfloat16
+    with torch.no_grad():
+        _assert_close(y, layer(x.bfloat16().float()), quant)
+
+
+def test_attributes_and_repr():
+    module = knn.Linear.from_linear(_layer(17, 45, bias=False), quant="int8")
+    assert (module.in_features, module.out_features) == (17, 45)
+    assert repr(module) == "Linear(in_features=17, out_features=45, bias=False, dtype=bfloat16, quant=int8)"
+
+
+def test_config_errors():
+    layer = _layer(8, 4)
+    with pytest.raises(NotImplementedError, match="fp8_scaled_mm"):
+        knn.Linear.from_linear(layer, quant="fp8_block")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        knn.Linear.from_linear(layer, quant="int4")
+    with pytest.raises(TypeError, match="dtype must be"):
+        knn.Linear.from_linear(layer, dtype=torch.int8)
+    with pytest.raises(TypeError, match="layer must be a torch.nn.Linear"):
+        knn.Linear.from_linear(nn.Conv1d(1, 1, 1))
+    with pytest.raises(TypeError, match="x has dtype torch.float32 but this Linear was built for torch.bfloat16"):
+        knn.Linear.from_linear(layer)(torch.zeros(2, 8))
+
+
+def test_int8_weight_quantization_is_per_channel_symmetric():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.75]])
+    w_q, scale = knn.quantize_weight_int8(w)
+    torch.testing.assert_close(scale, torch.tensor([1.0 / 127, 1e-10 / 127, 3.0 / 127]))
+    assert w_q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(24, 40)
+        self.act = nn.SiLU()
+        self.down = nn.Sequential(nn.Linear(40, 9, bias=False), nn.Linear(9, 3))
+        self.attn = nn.MultiheadAttention(8, 2)  # its out_proj is an nn.Linear subclass: left alone
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_replace_linears_swaps_in_place(quant):
+    torch.manual_seed(1)
+    model = MLP().bfloat16()
+    x = _x((6, 24), key=("mlp",)).bfloat16()
+    with torch.no_grad():
+        reference = MLP().bfloat16()
+        reference.load_state_dict(model.state_dict())
+        expected = reference.float()(x.float())
+    assert knn.replace_linears(model, quant=quant) == 3
+    assert [type(m) for m in (model.up, model.down[0], model.down[1])] == [knn.Linear] * 3
+    assert type(model.attn.out_proj) is not knn.Linear
+    _assert_close(model(x), expected, quant)
+    assert knn.replace_linears(model, quant=quant) == 0  # nothing left to swap
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_state_dict_and_torch_save_round_trip(quant):
+    module = knn.Linear.from_linear(_layer(33, 70), quant=quant)
+    x = _x((5, 33), key=("save",)).bfloat16()
+    expected = module(x)
+    fresh = knn.Linear(33, 70, bias=True, quant=quant)
+    fresh.load_state_dict(module.state_dict())
+    assert torch.equal(fresh(x), expected)
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = knn.Linear(33, 70, quant=quant)
+    fresh.load_state_dict(torch.load(buffer))  # weights_only: plain tensors
+    assert torch.equal(fresh(x), expected)
+    with pytest.raises(ValueError, match="'out_features': 70"):
+        knn.Linear(33, 170, quant=quant).load_state_dict(module.state_dict())
+    with pytest.raises(ValueError, match="'in_features': 33"):  # same padded buffer shapes, another K
+        knn.Linear(34, 70, quant=quant).load_state_dict(module.state_dict())
+    whole = io.BytesIO()
+    torch.save(module, whole)
+    whole.seek(0)
+    assert torch.equal(torch.load(whole, weights_only=False)(x), expected)
