@@ -15,7 +15,6 @@ which is ``kf::gemm::DefaultTile``).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import DType, Entry, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import checked_out, num_threads, readable_rows, same_dtype, variant_for_input
+from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
+from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, raise_for_status
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
@@ -43,7 +43,6 @@ GEMM = Module(
                              "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
                              "int64_t num_threads", returns="int64_t")],
 )
-_STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
 
 
 def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "fp16", "fp32"),
@@ -124,20 +123,12 @@ torch.serialization.add_safe_globals([PackedWeight])  # loads with torch.load's 
 
 def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:
     """Pack a bf16 ``weight [N, K]`` (``nn.Linear.weight``) for :func:`weight_packed_linear`."""
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype is not torch.bfloat16:
-        raise TypeError(f"weight has dtype {weight.dtype}; convert_weight_packed takes torch.bfloat16")
-    if not weight.is_cpu:
-        raise ValueError(f"weight is on device {weight.device}; kernforge kernels run on the CPU")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = weight.shape
+    n, k = checked_weight(weight, torch.bfloat16, "convert_weight_packed")
     panels, pairs = -(-n // PANEL_WIDTH), -(-k // 2)
     padded = weight.new_zeros(panels * PANEL_WIDTH, pairs * 2)
     padded[:n, :k] = weight
     packed = padded.view(panels, PANEL_WIDTH, pairs, 2).permute(0, 2, 1, 3).contiguous()
-    return PackedWeight(packed, int(n), int(k))
+    return PackedWeight(packed, n, k)
 
 
 export("convert_weight_packed", convert_weight_packed)
@@ -163,11 +154,7 @@ def _linear(x, packed, bias, out, tile):
     variant_for_input(weight_packed_linear.kernels, x, "x")  # the dtype and device checks
     n, k = _checked_packed(packed)
     shape = x.shape
-    if x.dim() == 0 or shape[-1] != k:
-        raise ValueError(f"x must be [..., {k}] to match packed's K, got shape {tuple(shape)}")
-    m = math.prod(shape[:-1])
-    x2 = x.reshape(m, k)
-    x2, x_strides = readable_rows(x2, x2.shape, x2.stride())
+    m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
     if bias is not None:
         same_dtype(bias, "bias", x, "x")
         if bias.shape != (n,):
@@ -184,26 +171,16 @@ def _linear(x, packed, bias, out, tile):
         return out
     variant = _chosen_variant(x.dtype, m, n, k) if tile is None else GEMM.select(DTYPE_NAMES[x.dtype], tile)
     status = variant.kernel().linear(
-        out2.data_ptr(), out2.stride(0), x2.data_ptr(), x_strides[0], packed.packed.data_ptr(),
+        out2.data_ptr(), out2.stride(0), x2.data_ptr(), ldx, packed.packed.data_ptr(),
         packed.panel_width, 0 if bias is None else bias.data_ptr(), m, n, k, num_threads())
-    if status:
-        raise ValueError(_STATUS.get(status, f"weight_packed_linear failed with status {status}"))
+    raise_for_status(status, "weight_packed_linear")
     return out
 
 
 def _checked_packed(packed: object) -> tuple[int, int]:
-    if not isinstance(packed, PackedWeight):
-        raise TypeError(f"packed must be a PackedWeight from convert_weight_packed, got {type(packed).__name__}")
-    if packed.layout_version != LAYOUT_VERSION:
-        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
-                         f"{LAYOUT_VERSION}: pack the weight again with convert_weight_packed")
-    n, k, t = packed.n, packed.k, packed.packed
-    expected = (-(-n // packed.panel_width), -(-k // 2), packed.panel_width, 2)
-    if not isinstance(t, torch.Tensor) or t.dtype is not torch.bfloat16 or not t.is_cpu \
-            or t.shape != expected or not t.is_contiguous():
-        raise ValueError(f"packed.packed must be a contiguous CPU bfloat16 tensor of shape {expected} "
-                         f"for a [{n}, {k}] weight")
-    return n, k
+    return check_packed(packed, PackedWeight, "convert_weight_packed", LAYOUT_VERSION, lambda p: [
+        ("packed", torch.bfloat16, (-(-p.n // p.panel_width), -(-p.k // 2), p.panel_width, 2)),
+    ])
 
 
 def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:

@@ -26,7 +26,15 @@ import torch
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import export, kernel_op
-from kernforge.ops.gemm_int8 import _check_cpu_tensor, _checked_bias, _rows
+from kernforge.ops._gemm import (
+    STATUS,
+    check_cpu_tensor,
+    check_packed,
+    checked_fp32_bias,
+    checked_weight,
+    matrix_rows,
+    raise_for_status,
+)
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 64  # columns per packed panel: a multiple of every tier's NR
@@ -41,8 +49,7 @@ GEMM_FP8 = Module(
                            "int64_t n, int64_t k, int64_t num_threads", returns="int64_t"),
     ],
 )
-_STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width",
-           2: "block_size must hold two positive sizes"}
+_STATUS = {**STATUS, 2: "block_size must hold two positive sizes"}
 
 
 @dataclass
@@ -69,12 +76,7 @@ torch.serialization.add_safe_globals([PackedFp8Weight])  # loads with torch.load
 def convert_weight_packed_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,
                               block_size=(128, 128)) -> PackedFp8Weight:
     """Pack an e4m3fn ``weight [N, K]`` with its fp32 block scales ``[ceil(N / bn), ceil(K / bk)]``."""
-    _check_cpu_tensor(weight, "weight")
-    if weight.dtype is not torch.float8_e4m3fn:
-        raise TypeError(f"weight has dtype {weight.dtype}; convert_weight_packed_fp8 takes torch.float8_e4m3fn")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = (int(s) for s in weight.shape)
+    n, k = checked_weight(weight, torch.float8_e4m3fn, "convert_weight_packed_fp8")
     block = _checked_block_size(block_size)
     weight_scale = _checked_scale(weight_scale, n, k, block)
     if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():  # once per weight, not per call
@@ -96,25 +98,24 @@ def fp8_scaled_mm(x: torch.Tensor, packed: PackedFp8Weight, weight_scale: torch.
     """``x [..., K] @ (W * block scales)^T (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (= ``x``'s dtype:
     bf16, fp16 or fp32). ``packed`` from :func:`convert_weight_packed_fp8`; ``weight_scale`` fp32
     ``[ceil(N / bn), ceil(K / bk)]`` for ``block_size = (bn, bk)``."""
-    _check_cpu_tensor(x, "x")
+    check_cpu_tensor(x, "x")
     if x.dtype not in DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
     if out_dtype is not x.dtype:
         raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; fp8_scaled_mm writes x's dtype")
     kernel = fp8_scaled_mm.kernels.variant(x.dtype).kernel()
     n, k = _checked_packed(packed)
-    m, _, x2, ldx = _rows(x, "x", k, "packed's K")
+    m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
     block = _checked_block_size(block_size)
     weight_scale = _checked_scale(weight_scale, n, k, block)
-    bias = _checked_bias(bias, n)
+    bias = checked_fp32_bias(bias, n)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     if m == 0:
         return out
     status = kernel.scaled_mm(x2.data_ptr(), ldx, packed.packed.data_ptr(), packed.panel_width,
                               weight_scale.data_ptr(), block[0], block[1], 0 if bias is None else bias.data_ptr(),
                               out.data_ptr(), n, m, n, k, num_threads())
-    if status:
-        raise ValueError(_STATUS.get(status, f"fp8 GEMM failed with status {status}"))
+    raise_for_status(status, "fp8 GEMM", _STATUS)
     return out
 
 
@@ -133,7 +134,7 @@ def _checked_block_size(block_size) -> tuple[int, int]:
 
 def _checked_scale(weight_scale: object, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
     """``weight_scale`` as the contiguous fp32 ``[ceil(n / bn), ceil(k / bk)]`` tensor the kernel reads."""
-    _check_cpu_tensor(weight_scale, "weight_scale")
+    check_cpu_tensor(weight_scale, "weight_scale")
     if weight_scale.dtype is not torch.float32:
         raise TypeError(f"weight_scale has dtype {weight_scale.dtype}; expected torch.float32")
     expected = (-(-n // block[0]), -(-k // block[1]))
@@ -144,15 +145,6 @@ def _checked_scale(weight_scale: object, n: int, k: int, block: tuple[int, int])
 
 
 def _checked_packed(packed: object) -> tuple[int, int]:
-    if not isinstance(packed, PackedFp8Weight):
-        raise TypeError(f"packed must be a PackedFp8Weight from convert_weight_packed_fp8, got {type(packed).__name__}")
-    if packed.layout_version != LAYOUT_VERSION:
-        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
-                         f"{LAYOUT_VERSION}: pack the weight again with convert_weight_packed_fp8")
-    n, k, t = packed.n, packed.k, packed.packed
-    expected = (-(-n // packed.panel_width), k, packed.panel_width)
-    if not isinstance(t, torch.Tensor) or t.dtype is not torch.float8_e4m3fn or not t.is_cpu \
-            or t.shape != expected or not t.is_contiguous():
-        raise ValueError(f"packed.packed must be a contiguous CPU torch.float8_e4m3fn tensor of shape {expected} "
-                         f"for a [{n}, {k}] weight")
-    return n, k
+    return check_packed(packed, PackedFp8Weight, "convert_weight_packed_fp8", LAYOUT_VERSION, lambda p: [
+        ("packed", torch.float8_e4m3fn, (-(-p.n // p.panel_width), p.k, p.panel_width)),
+    ])

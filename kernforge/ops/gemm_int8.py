@@ -19,13 +19,20 @@ W[n, k]`` undoes the activations' zero point.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from kernforge.jit.module import DType, Entry, Module
-from kernforge.ops._common import num_threads, readable_rows
+from kernforge.ops._common import num_threads
+from kernforge.ops._gemm import (
+    check_cpu_tensor,
+    check_packed,
+    checked_fp32_bias,
+    checked_weight,
+    matrix_rows,
+    raise_for_status,
+)
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
@@ -49,7 +56,6 @@ GEMM_INT8 = Module(
               returns="int64_t"),
     ],
 )
-_STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
 
 
 @dataclass
@@ -75,13 +81,8 @@ torch.serialization.add_safe_globals([PackedInt8Weight])  # loads with torch.loa
 
 def convert_weight_packed_int8(weight: torch.Tensor, weight_scale: torch.Tensor) -> PackedInt8Weight:
     """Pack an int8 ``weight [N, K]`` and its per-channel ``weight_scale [N]`` or ``[N, 1]``."""
-    _check_cpu_tensor(weight, "weight")
-    if weight.dtype is not torch.int8:
-        raise TypeError(f"weight has dtype {weight.dtype}; convert_weight_packed_int8 takes torch.int8")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    _check_cpu_tensor(weight_scale, "weight_scale")
+    n, k = checked_weight(weight, torch.int8, "convert_weight_packed_int8")
+    check_cpu_tensor(weight_scale, "weight_scale")
     if not weight_scale.is_floating_point():
         raise TypeError(f"weight_scale has dtype {weight_scale.dtype}; expected a floating dtype (stored as float32)")
     if tuple(weight_scale.shape) not in ((n,), (n, 1)):
@@ -104,7 +105,7 @@ def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` (fp32/bf16/fp16) -> ``(x_q [..., K] uint8, x_scale [...] fp32)``, sgl-kernel's
     per-token symmetric quantization with the zero point 128 (``x ~ (x_q - 128) * x_scale``)."""
     kernel = _float_input_kernel(per_token_quant_int8, x, "x")
-    m, k, x2, ldx = _rows(x, "x")
+    m, k, x2, ldx = matrix_rows(x, "x")
     q = torch.empty(x.shape, dtype=torch.uint8)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32)
     if m:
@@ -120,24 +121,25 @@ def int8_scaled_mm(a_q: torch.Tensor, packed: PackedInt8Weight, a_scale: torch.T
     :func:`per_token_quant_int8` returns them; ``packed`` from :func:`convert_weight_packed_int8`."""
     kernel = _out_kernel(int8_scaled_mm, out_dtype)
     n, k = _checked_packed(packed)
-    _check_cpu_tensor(a_q, "a_q")
+    check_cpu_tensor(a_q, "a_q")
     if a_q.dtype is not torch.uint8:
         raise TypeError(f"a_q has dtype {a_q.dtype}; int8_scaled_mm takes torch.uint8 activations "
                         "(int8 values + 128, as per_token_quant_int8 returns them)")
-    m, _, a2, lda = _rows(a_q, "a_q", k, "packed's K")
-    _check_cpu_tensor(a_scale, "a_scale")
+    m, _, a2, lda = matrix_rows(a_q, "a_q", k, "packed's K")
+    check_cpu_tensor(a_scale, "a_scale")
     if a_scale.dtype is not torch.float32:
         raise TypeError(f"a_scale has dtype {a_scale.dtype}; expected torch.float32")
     if a_scale.numel() != m:
         raise ValueError(f"a_scale must hold one scale per row of a_q ({m}), got shape {tuple(a_scale.shape)}")
     a_scale = a_scale.reshape(m).contiguous()
-    bias = _checked_bias(bias, n)
+    bias = checked_fp32_bias(bias, n)
     out = torch.empty((*a_q.shape[:-1], n), dtype=out_dtype)
     if m == 0:
         return out
     status = kernel.scaled_mm(a2.data_ptr(), lda, a_scale.data_ptr(), *_weight_args(packed, bias), out.data_ptr(),
                               n, m, n, k, num_threads())
-    return _checked_status(status, out)
+    raise_for_status(status, "int8 GEMM")
+    return out
 
 
 @kernel_op(GEMM_INT8)
@@ -150,8 +152,8 @@ def int8_scaled_mm_with_quant(x: torch.Tensor, packed: PackedInt8Weight, bias: t
         raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant "
                         "writes x's dtype")
     n, k = _checked_packed(packed)
-    m, _, x2, ldx = _rows(x, "x", k, "packed's K")
-    bias = _checked_bias(bias, n)
+    m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
+    bias = checked_fp32_bias(bias, n)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     if m == 0:
         return out
@@ -159,38 +161,33 @@ def int8_scaled_mm_with_quant(x: torch.Tensor, packed: PackedInt8Weight, bias: t
     scale = torch.empty(m, dtype=torch.float32)
     status = kernel.scaled_mm_with_quant(x2.data_ptr(), ldx, q.data_ptr(), scale.data_ptr(),
                                          *_weight_args(packed, bias), out.data_ptr(), n, m, n, k, num_threads())
-    return _checked_status(status, out)
+    raise_for_status(status, "int8 GEMM")
+    return out
 
 
 def int8_accumulate(a_q: torch.Tensor, packed: PackedInt8Weight) -> torch.Tensor:
     """The exact int32 product ``(a_q - 128) . W^T`` before any scaling (``a_q [M, K]`` uint8): the
     accumulator :func:`int8_scaled_mm` dequantizes, for tests and callers that scale themselves."""
     n, k = _checked_packed(packed)
-    _check_cpu_tensor(a_q, "a_q")
+    check_cpu_tensor(a_q, "a_q")
     if a_q.dtype is not torch.uint8:
         raise TypeError(f"a_q has dtype {a_q.dtype}; expected torch.uint8")
-    m, _, a2, lda = _rows(a_q, "a_q", k, "packed's K")
+    m, _, a2, lda = matrix_rows(a_q, "a_q", k, "packed's K")
     out = torch.empty((*a_q.shape[:-1], n), dtype=torch.int32)
     if m == 0:
         return out
     kernel = int8_scaled_mm.kernels.variant(torch.float32).kernel()
     status = kernel.accumulate(a2.data_ptr(), lda, packed.packed.data_ptr(), packed.panel_width,
                                packed.compensation.data_ptr(), out.data_ptr(), n, m, n, k, num_threads())
-    return _checked_status(status, out)
+    raise_for_status(status, "int8 GEMM")
+    return out
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def _check_cpu_tensor(t: object, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
-
-
 def _float_input_kernel(op, x: object, name: str):
-    _check_cpu_tensor(x, name)
+    check_cpu_tensor(x, name)
     if x.dtype not in DTYPE_NAMES:
         raise TypeError(f"{name} has dtype {x.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
     return op.kernels.variant(x.dtype).kernel()
@@ -202,57 +199,15 @@ def _out_kernel(op, out_dtype: object):
     return op.kernels.variant(out_dtype).kernel()
 
 
-def _rows(t: torch.Tensor, name: str, k: int | None = None, k_source: str = ""):
-    """(m, k, 2-D rows with a contiguous last dim, row stride) of ``t [..., K]``."""
-    shape = t.shape
-    if t.dim() == 0 or (k is not None and shape[-1] != k):
-        expected = f"[..., {k}] to match {k_source}" if k is not None else "[..., K]"
-        raise ValueError(f"{name} must be {expected}, got shape {tuple(shape)}")
-    k = shape[-1]
-    m = math.prod(shape[:-1])
-    t2 = t.reshape(m, k)
-    t2, strides = readable_rows(t2, t2.shape, t2.stride())
-    return m, k, t2, strides[0]
-
-
 def _checked_packed(packed: object) -> tuple[int, int]:
-    if not isinstance(packed, PackedInt8Weight):
-        raise TypeError("packed must be a PackedInt8Weight from convert_weight_packed_int8, "
-                        f"got {type(packed).__name__}")
-    if packed.layout_version != LAYOUT_VERSION:
-        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
-                         f"{LAYOUT_VERSION}: pack the weight again with convert_weight_packed_int8")
-    n, k = packed.n, packed.k
-    expected = (-(-n // packed.panel_width), -(-k // GROUP), packed.panel_width, GROUP)
-    for field, t, dtype, shape in (("packed", packed.packed, torch.int8, expected),
-                                   ("compensation", packed.compensation, torch.int32, (n,)),
-                                   ("scale", packed.scale, torch.float32, (n,))):
-        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or not t.is_cpu or t.shape != shape \
-                or not t.is_contiguous():
-            raise ValueError(f"packed.{field} must be a contiguous CPU {dtype} tensor of shape {shape} "
-                             f"for a [{n}, {k}] weight")
-    return n, k
-
-
-def _checked_bias(bias: object, n: int) -> torch.Tensor | None:
-    """``bias [N]`` as the contiguous fp32 tensor the kernel adds (the caller keeps it alive)."""
-    if bias is None:
-        return None
-    _check_cpu_tensor(bias, "bias")
-    if not bias.is_floating_point():
-        raise TypeError(f"bias has dtype {bias.dtype}; expected a floating dtype (added in float32)")
-    if bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},) to match packed's N, got {tuple(bias.shape)}")
-    return bias.to(torch.float32).contiguous()
+    return check_packed(packed, PackedInt8Weight, "convert_weight_packed_int8", LAYOUT_VERSION, lambda p: [
+        ("packed", torch.int8, (-(-p.n // p.panel_width), -(-p.k // GROUP), p.panel_width, GROUP)),
+        ("compensation", torch.int32, (p.n,)),
+        ("scale", torch.float32, (p.n,)),
+    ])
 
 
 def _weight_args(packed: PackedInt8Weight, bias: torch.Tensor | None) -> tuple[int, ...]:
     """packed, panel_width, compensation, w_scale, bias as the kernel takes them."""
     return (packed.packed.data_ptr(), packed.panel_width, packed.compensation.data_ptr(), packed.scale.data_ptr(),
             0 if bias is None else bias.data_ptr())
-
-
-def _checked_status(status: int, out: torch.Tensor) -> torch.Tensor:
-    if status:
-        raise ValueError(_STATUS.get(status, f"int8 GEMM failed with status {status}"))
-    return out
