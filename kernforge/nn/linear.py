@@ -6,7 +6,7 @@
   (``w_scale = amax / 127``, ``w_q = round(w / w_scale)``), and packed with
   ``convert_weight_packed_int8``; forward is ``int8_scaled_mm_with_quant`` (x quantized per token
   inside the kernel).
-* ``quant="fp8_block"`` raises ``NotImplementedError`` until kernforge has ``fp8_scaled_mm``.
+* ``quant="fp8_block"`` raises ``NotImplementedError``: ``fp8_scaled_mm`` exists but is not wired in here yet.
 
 The packed tensors are buffers, so ``state_dict``/``load_state_dict`` and ``torch.save`` of the module
 work; a state dict loads into ``Linear(in_features, out_features, bias, dtype=..., quant=...)`` built
@@ -38,11 +38,9 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.dtype, self.quant = int(in_features), int(out_features), dtype, quant
         n, k = self.out_features, self.in_features
         if quant is None:
-            panels, width = -(-n // gemm.PANEL_WIDTH), gemm.PANEL_WIDTH
-            self.register_buffer("weight_packed", torch.zeros(panels, -(-k // 2), width, 2, dtype=torch.bfloat16))
+            self.register_buffer("weight_packed", torch.zeros(gemm.packed_shape(n, k), dtype=torch.bfloat16))
         else:
-            panels, width, group = -(-n // gemm_int8.PANEL_WIDTH), gemm_int8.PANEL_WIDTH, gemm_int8.GROUP
-            self.register_buffer("weight_packed", torch.zeros(panels, -(-k // group), width, group, dtype=torch.int8))
+            self.register_buffer("weight_packed", torch.zeros(gemm_int8.packed_shape(n, k), dtype=torch.int8))
             self.register_buffer("weight_compensation", torch.zeros(n, dtype=torch.int32))
             self.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32))
         # int8_scaled_mm adds the bias in fp32; weight_packed_linear takes it in x's dtype
@@ -137,6 +135,7 @@ def _check_config(dtype: object, quant: object) -> None:
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(map(repr, QUANTS))}, got {quant!r}")
     if quant == "fp8_block":
-        raise NotImplementedError("quant='fp8_block' needs kernforge's fp8_scaled_mm, which is not there yet")
+        raise NotImplementedError("quant='fp8_block' is not wired into kernforge.nn.Linear yet; pack the weight "
+                                  "with convert_weight_packed_fp8 and call fp8_scaled_mm")
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")

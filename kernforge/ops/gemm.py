@@ -124,7 +124,7 @@ torch.serialization.add_safe_globals([PackedWeight])  # loads with torch.load's 
 def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:
     """Pack a bf16 ``weight [N, K]`` (``nn.Linear.weight``) for :func:`weight_packed_linear`."""
     n, k = checked_weight(weight, torch.bfloat16, "convert_weight_packed")
-    panels, pairs = -(-n // PANEL_WIDTH), -(-k // 2)
+    panels, pairs, _, _ = packed_shape(n, k)
     padded = weight.new_zeros(panels * PANEL_WIDTH, pairs * 2)
     padded[:n, :k] = weight
     packed = padded.view(panels, PANEL_WIDTH, pairs, 2).permute(0, 2, 1, 3).contiguous()
@@ -177,9 +177,14 @@ def _linear(x, packed, bias, out, tile):
     return out
 
 
+def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, int, int, int]:
+    """Shape of the packed tensor of a weight ``[n, k]``: panels, K pairs, columns, 2."""
+    return (-(-n // panel_width), -(-k // 2), panel_width, 2)
+
+
 def _checked_packed(packed: object) -> tuple[int, int]:
     return check_packed(packed, PackedWeight, "convert_weight_packed", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.bfloat16, (-(-p.n // p.panel_width), -(-p.k // 2), p.panel_width, 2)),
+        ("packed", torch.bfloat16, packed_shape(p.n, p.k, p.panel_width)),
     ])
 
 

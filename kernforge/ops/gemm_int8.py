@@ -88,7 +88,7 @@ def convert_weight_packed_int8(weight: torch.Tensor, weight_scale: torch.Tensor)
     if tuple(weight_scale.shape) not in ((n,), (n, 1)):
         raise ValueError(f"weight_scale must have shape ({n},) or ({n}, 1) to match weight's N, "
                          f"got {tuple(weight_scale.shape)}")
-    panels, groups = -(-n // PANEL_WIDTH), -(-k // GROUP)
+    panels, groups, _, _ = packed_shape(n, k)
     padded = weight.new_zeros(panels * PANEL_WIDTH, groups * GROUP)
     padded[:n, :k] = weight
     packed = padded.view(panels, PANEL_WIDTH, groups, GROUP).permute(0, 2, 1, 3).contiguous()
@@ -199,9 +199,14 @@ def _out_kernel(op, out_dtype: object):
     return op.kernels.variant(out_dtype).kernel()
 
 
+def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, int, int, int]:
+    """Shape of the packed tensor of a weight ``[n, k]``: panels, K groups, columns, GROUP."""
+    return (-(-n // panel_width), -(-k // GROUP), panel_width, GROUP)
+
+
 def _checked_packed(packed: object) -> tuple[int, int]:
     return check_packed(packed, PackedInt8Weight, "convert_weight_packed_int8", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.int8, (-(-p.n // p.panel_width), -(-p.k // GROUP), p.panel_width, GROUP)),
+        ("packed", torch.int8, packed_shape(p.n, p.k, p.panel_width)),
         ("compensation", torch.int32, (p.n,)),
         ("scale", torch.float32, (p.n,)),
     ])
