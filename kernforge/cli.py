@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 
 from kernforge.cache import disk
 from kernforge.jit import compiler, core, isa, loader, module, render
+from kernforge.ops._common import TORCH_DTYPES, dtype_name, set_num_threads
 
 # The module: ``kernforge.prewarm`` (the package attribute) is the prewarm() function.
 prewarm = importlib.import_module("kernforge.prewarm")
@@ -75,10 +77,18 @@ def _prewarm(args) -> int:
         manifest = {"kernels": [{"module": args.module, "params": dict(args.param or [])}]}
     else:
         manifest = prewarm.all_ops_manifest(args.dtype or prewarm.ALL_DTYPES)
+    if args.tune and not args.model_config:
+        raise ValueError("--tune times a model's linear shapes: it needs --model-config "
+                         "(python -m kernforge tune gemm takes shapes directly)")
     if args.print_manifest:
         print(json.dumps(manifest, indent=2))
         return 0
     prewarm.prewarm(manifest, isa_tier=args.isa, jobs=args.jobs)
+    if args.tune:
+        if args.threads:
+            set_num_threads(args.threads)
+        with isa.use_isa(args.isa) if args.isa else contextlib.nullcontext():  # timed on the tier just built
+            _print_tuned(prewarm.tune_model_linears(args.model_config, args.tune_m))
     return 0
 
 
@@ -92,16 +102,22 @@ def _shape_nk(text: str) -> tuple[int, int]:
 
 def _tune(args) -> int:
     from kernforge.ops import gemm
-    from kernforge.ops._common import TORCH_DTYPES, dtype_name, set_num_threads
 
     if args.threads:
         set_num_threads(args.threads)
-    for r in gemm.tune_gemm(args.m, args.nk, TORCH_DTYPES[dtype_name(args.dtype)]):
-        timings = "  ".join(f"{'x'.join(map(str, t))} {s * 1e6:.1f}us" for t, s in r["seconds"].items())
-        print(f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
-              f"{'x'.join(map(str, r['tile']))} (default {'x'.join(map(str, r['default']))})  [{timings}]")
-    print(f"recorded in {disk.cache_root() / 'tuning'}")
+    _print_tuned(gemm.tune_gemm(args.m, args.nk, TORCH_DTYPES[dtype_name(args.dtype)]))
     return 0
+
+
+def _print_tuned(results: list[dict]) -> None:
+    """One line per tuned shape: the winner, the default and every candidate's time."""
+    from kernforge.ops.gemm import config_name
+
+    for r in results:
+        timings = "  ".join(f"{name} {s * 1e6:.1f}us" for name, s in r["seconds"].items())
+        print(f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
+              f"{config_name(r['config'])} (default {config_name(r['default'])})  [{timings}]")
+    print(f"recorded in {disk.cache_root() / 'tuning'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,12 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--module", help="a kernel module to build (name or package.module:ATTR), with --param NAME=VALUE")
     p.add_argument("--param", action="append", type=_parse_param, help="template parameter NAME=VALUE")
     p.add_argument("--template-dir", action="append", default=[], help="extra template directory (repeatable)")
-    p.add_argument("--isa", help="tier to build for (default: the tier in use)")
+    p.add_argument("--isa", help="tier to build (and with --tune, to tune) for (default: the tier in use)")
     p.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
     p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")
+    p.add_argument("--tune", action="store_true",
+                   help="with --model-config: then tune the GEMM for the model's linear shapes (q, k/v, o, "
+                        "gate+up as one, down) and record the winners where weight_packed_linear finds them")
+    p.add_argument("--tune-m", type=int, nargs="+", default=list(prewarm.TUNE_ROWS),
+                   help=f"with --tune: rows of x to tune for (default {' '.join(map(str, prewarm.TUNE_ROWS))})")
+    p.add_argument("--threads", type=int, help="with --tune: threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_prewarm)
     p = sub.add_parser("tune", help="time the tile candidates of an op on this machine and record the winners")
-    p.add_argument("op", choices=["gemm"], help="gemm: weight_packed_linear's register tile")
+    p.add_argument("op", choices=["gemm"],
+                   help="gemm: weight_packed_linear's register tile, rows per task, K block and thread split")
     p.add_argument("--m", type=int, nargs="+", required=True, help="rows of x to tune for (each picks an M bucket)")
     p.add_argument("--nk", type=_shape_nk, nargs="+", required=True, help="weight shapes NxK (repeatable list)")
     p.add_argument("--dtype", default="bf16", help="dtype of x (default bf16)")

@@ -21,7 +21,9 @@ prints every schema).
 The norm and activation kernels take the hidden size at run time (they are
 memory-bound, and a per-size build would only multiply compiles), so the
 model's sizes are recorded in the manifest's ``model`` section but select
-nothing.
+nothing. So are its linear layers' weight shapes (``linear_shapes``), which
+``tune_model_linears`` (``prewarm --model-config ... --tune``) hands to the GEMM
+tuner, so that dispatch finds a measured winner for each.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
     attention = _attention_shape(config, sizes["hidden_size"])
     return {
         "model": {**sizes, **attention, "dtype": dtype, "activation": activation,
-                  "model_type": config.get("model_type")},
+                  "model_type": config.get("model_type"), "linear_shapes": _linear_shapes(sizes, attention)},
         "kernels": [
             *({"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]),
             *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
@@ -104,6 +106,29 @@ def _attention_shape(config: dict, hidden_size: int) -> dict:
     if not isinstance(kv_heads, int) or heads % kv_heads:
         raise ValueError(f"config.json num_key_value_heads {kv_heads!r} must divide num_attention_heads {heads}")
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def _linear_shapes(sizes: dict, attention: dict) -> dict[str, list[int]]:
+    """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's projections, gate and up as one."""
+    hidden, q_width = sizes["hidden_size"], attention["num_attention_heads"] * attention["head_dim"]
+    kv_width = attention["num_key_value_heads"] * attention["head_dim"]
+    return {"q_proj": [q_width, hidden], "k_proj": [kv_width, hidden], "v_proj": [kv_width, hidden],
+            "o_proj": [hidden, q_width], "gate_up_proj": [2 * sizes["intermediate_size"], hidden],
+            "down_proj": [hidden, sizes["intermediate_size"]]}
+
+
+TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
+
+
+def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None) -> list[dict]:
+    """Run :func:`kernforge.tune_gemm` for each distinct linear shape of the model (``config.json``,
+    path or dict) at each M of ``m_list``, x in the model's dtype, on the tier in use: the winners
+    are recorded where ``weight_packed_linear``'s dispatch finds them. ``measure`` as tune_gemm's."""
+    from kernforge.ops.gemm import tune_gemm
+
+    model = manifest_from_model_config(config)["model"]
+    shapes = list(dict.fromkeys(tuple(nk) for nk in model["linear_shapes"].values()))  # distinct, in order
+    return tune_gemm(m_list, shapes, TORCH_DTYPES[dtype_name(model["dtype"])], measure=measure)
 
 
 def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:

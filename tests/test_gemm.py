@@ -5,6 +5,7 @@ the difference is the rounding of the output (rtol) plus summation order, which 
 (atol). Shapes cover every tail: M not a multiple of MR, N not a multiple of the panel width, odd K.
 """
 
+import dataclasses
 import io
 import json
 import logging
@@ -18,12 +19,14 @@ import kernforge
 from conftest import clean_env
 from kernforge.jit import tuning
 from kernforge.ops import gemm
-from kernforge.ops.gemm import (GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, convert_weight_packed,
-                                linear_with_tile, tile_shape, weight_packed_linear)
+from kernforge.ops.gemm import (DEFAULT_BLOCKING, GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, config_name,
+                                convert_weight_packed, gemm_config, linear_with_config, linear_with_tile, tile_shape,
+                                weight_packed_linear)
 from op_helpers import seeded
 
 ROWS = [1, 2, 7, 16, 33, 256]
 NK = [(1, 1), (15, 17), (17, 15), (1, 17), (1000, 1030)]
+LARGE_NK = [(4095, 4109), (4109, 4095)]  # one short of and past 4096: every panel, K block and pair tail
 # (rtol, atol per sqrt(K)) by output dtype
 TOLERANCE = {torch.bfloat16: (1e-2, 1e-3), torch.float16: (1e-3, 1e-3), torch.float32: (1e-5, 1e-5)}
 
@@ -58,6 +61,14 @@ def test_linear_matches_fp32_matmul(tier, m, n, k, with_bias):
     out = weight_packed_linear(x, convert_weight_packed(w), b)
     assert out.shape == (m, n)
     _assert_matches(out, _reference(x, w, b), torch.bfloat16, k)
+
+
+@pytest.mark.parametrize("n,k", LARGE_NK, ids=[f"n{n}_k{k}" for n, k in LARGE_NK])
+def test_large_n_and_k_match_fp32_matmul(tier, n, k):
+    x, w, b = _operands(33, n, k, bias=True, key=("large",))
+    packed = convert_weight_packed(w)
+    for rows in (x[:1], x):  # the one-row path and a row block with a tail of every tile
+        _assert_matches(weight_packed_linear(rows, packed, b), _reference(rows, w, b), torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -104,52 +115,78 @@ def test_empty_m_and_k():
     assert weight_packed_linear(torch.empty(0, 0, dtype=torch.bfloat16), packed).shape == (0, 9)
 
 
-# --------------------------------------------------------------------------- tile candidates
+# --------------------------------------------------------------------------- candidates
 
-TILE_SHAPES = [(1, 17, 15), (33, 47, 129)]  # between them every candidate of every tier applies
+# Every candidate of every tier applies to CANDIDATE_SHAPE: M past one row block of 64 (and 128) with a
+# tail for every MR, K past two K blocks of 256 and one of 512 and odd, N two panels of 32 with a tail;
+# (1, 17, 15) takes the one-row path.
+CANDIDATE_SHAPE = (263, 47, 517)
+TILE_SHAPES = [(1, 17, 15), CANDIDATE_SHAPE]
+WIDEST_SHAPE = {"m": 1024, "n": 4096, "k": 4096}  # a shape every candidate applies to
 
 
-def _tiles_for(dtype, m, n, k, tier):
-    return [c.params["tile"] for c in TILE_CANDIDATES.applicable(tile_shape(dtype, m, n, k), tier)]
+def _configs_for(dtype, m, n, k, tier):
+    return [dict(c.params) for c in TILE_CANDIDATES.applicable(tile_shape(dtype, m, n, k), tier)]
+
+
+def _assert_every_candidate_matches(dtype, m, n, k, key):
+    """Each applicable candidate on the current tier against fp32 matmul, on 2 threads (both splits of
+    the tasks between threads)."""
+    x, w, b = _operands(m, n, k, dtype, bias=True, key=key)
+    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    rtol, atol = TOLERANCE[dtype]
+    try:
+        kernforge.ops.set_num_threads(2)
+        for config in _configs_for(dtype, m, n, k, GEMM.built_tier(kernforge.jit.isa.selected_tier())):
+            torch.testing.assert_close(linear_with_config(x, packed, config, b).float(), expected, rtol=rtol,
+                                       atol=atol * k ** 0.5, msg=lambda text: f"{config_name(config)}: {text}")
+    finally:
+        kernforge.ops.set_num_threads(None)
 
 
 @pytest.mark.parametrize("m,n,k", TILE_SHAPES, ids=[f"m{m}_n{n}_k{k}" for m, n, k in TILE_SHAPES])
-def test_every_tile_candidate_matches_fp32_matmul(tier, m, n, k):
-    x, w, b = _operands(m, n, k, bias=True, key=("tiles",))
-    packed, expected = convert_weight_packed(w), _reference(x, w, b)
-    for tile in _tiles_for(torch.bfloat16, m, n, k, GEMM.built_tier(tier)):
-        rtol, atol = TOLERANCE[torch.bfloat16]
-        torch.testing.assert_close(linear_with_tile(x, packed, tile, b).float(), expected, rtol=rtol,
-                                   atol=atol * k ** 0.5, msg=lambda text: f"tile {tile}: {text}")
+def test_every_bf16_candidate_matches_fp32_matmul(tier, m, n, k):
+    _assert_every_candidate_matches(torch.bfloat16, m, n, k, ("tiles",))
 
 
-def test_every_fp32_tile_candidate_matches():
-    m, n, k = 33, 47, 129
-    x, w, b = _operands(m, n, k, torch.float32, bias=True, key=("tiles",))
-    packed, expected = convert_weight_packed(w), _reference(x, w, b)
-    for tile in _tiles_for(torch.float32, m, n, k, GEMM.built_tier(kernforge.jit.isa.selected_tier())):
-        _assert_matches(linear_with_tile(x, packed, tile, b), expected, torch.float32, k)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_every_fp32_and_fp16_candidate_matches(tier, dtype):
+    _assert_every_candidate_matches(dtype, *CANDIDATE_SHAPE, ("tiles",))
 
 
-def test_tile_candidates_cover_every_tile_and_default_to_the_default_tile():
+def test_the_tests_cover_every_candidate_and_rank_the_default_first():
     for tier in ("avx512", "avx2", "generic"):
-        tested = {t for m, n, k in TILE_SHAPES for t in _tiles_for(torch.bfloat16, m, n, k, tier)}
-        listed = {c.params["tile"] for c in [*TILE_CANDIDATES.candidates, TILE_CANDIDATES.reference]
-                  if tier in c.tiers and c.when({"dtype": "bf16", "m": 1024, "n": 1, "k": 1})}
-        assert tested == listed, tier
-    # kf::gemm::DefaultTile: 8 x 32 for vdpbf16ps, 4 x 32 for the AVX-512 FMA path, 4 x 16 below
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            name = kernforge.ops._registry.DTYPE_NAMES[dtype]
+            listed = [c.params for c in [*TILE_CANDIDATES.candidates, TILE_CANDIDATES.reference]
+                      if tier in c.tiers and c.when({**WIDEST_SHAPE, "dtype": name})]
+            assert _configs_for(dtype, *CANDIDATE_SHAPE, tier) == listed, (tier, name)
+    # kf::gemm::DefaultTile with the default blocking: 8 x 32 for vdpbf16ps, 4 x 32 for the AVX-512 FMA
+    # path, 4 x 16 below, whatever M and K
     for dtype, tier, tile in [(torch.bfloat16, "avx512", (8, 32)), (torch.float32, "avx512", (4, 32)),
                               (torch.float16, "avx512", (4, 32)), (torch.bfloat16, "avx2", (4, 16)),
                               (torch.float32, "generic", (4, 16))]:
-        for m in (1, 7, 300):
-            assert TILE_CANDIDATES.default(tile_shape(dtype, m, 64, 64), tier).params["tile"] == tile
-    assert _tiles_for(torch.bfloat16, 1, 64, 64, "avx512") == [(8, 32), (1, 16)]  # M = 1: no row-only variants
+        for m in (1, 7, 300, 2048):
+            for k in (1, 4096):
+                assert TILE_CANDIDATES.default(tile_shape(dtype, m, 64, k), tier).params == gemm_config(tile)
+    assert _configs_for(torch.bfloat16, 1, 64, 64, "avx512") == [gemm_config((8, 32)), gemm_config((1, 16))]
+    # blocking is tuned where it changes something: K over one K block, M over one row block
+    blocked = lambda m, k: [c for c in _configs_for(torch.bfloat16, m, 64, k, "avx512")  # noqa: E731
+                            if {name: c[name] for name in DEFAULT_BLOCKING} != DEFAULT_BLOCKING]
+    assert blocked(64, 256) == []
+    assert blocked(64, 257) == [gemm_config((8, 32), depth_block=512)]
+    assert blocked(65, 256) == [gemm_config((8, 32), row_block=128), gemm_config((8, 32), split="m")]
 
 
-def test_tile_must_be_a_candidate_tile():
+def test_config_must_be_a_module_config():
     x, w, _ = _operands(2, 8, 16)
+    packed = convert_weight_packed(w)
     with pytest.raises(ValueError, match="parameter tile must be one of"):
-        linear_with_tile(x, convert_weight_packed(w), (3, 32))
+        linear_with_tile(x, packed, (3, 32))
+    with pytest.raises(ValueError, match="parameter depth_block must be one of 256, 512"):
+        linear_with_config(x, packed, {"tile": (8, 32), "depth_block": 100})
+    with pytest.raises(ValueError, match="unknown parameter 'threads'"):
+        linear_with_config(x, packed, {"tile": (8, 32), "threads": 2})
 
 
 # --------------------------------------------------------------------------- tuning
@@ -163,42 +200,57 @@ def tuning_cache(cache):
     gemm.reset_tile_choices()
 
 
-def _dispatched_tile(m, n, k, dtype=torch.bfloat16):
-    return gemm._chosen_variant(dtype, m, n, k).params["tile"]
+def _dispatched(m, n, k, dtype=torch.bfloat16):
+    """The config weight_packed_linear runs for this shape (the variant's parameters but the dtype)."""
+    return {name: value for name, value in gemm._chosen_variant(dtype, m, n, k).params.items() if name != "dtype"}
 
 
-def test_tuned_tile_is_dispatched_for_its_bucket_only(tuning_cache):
-    n, k = 40, 64
+def test_tuned_config_is_dispatched_for_its_bucket_only(tuning_cache):
+    n, k = 40, 600
     tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
-    default, forced = _tiles_for(torch.bfloat16, 16, n, k, tier)[:2]
+    configs = _configs_for(torch.bfloat16, 200, n, k, tier)
+    default, forced = configs[0], configs[-2]  # the last before the reference: a blocking where there is one
     timed = []
 
-    def fake_timer(tile, run):  # runs the candidate once, then says `forced` is the fastest
-        run()
-        timed.append(tile)
-        return 0.5 if tile == forced else 1.0
+    def fake_timer(config, run):  # says `forced` is the fastest; each candidate's numerics are tested above
+        timed.append(config)
+        return 0.5 if config == forced else 1.0
 
-    result, = kernforge.tune_gemm([16], [(n, k)], measure=fake_timer)
-    assert result["tile"] == forced and result["default"] == default and result["m_bucket"] == 16
-    assert timed == _tiles_for(torch.bfloat16, 16, n, k, tier)  # every applicable candidate, once
-    for m in (9, 16):  # one bucket: 9..16 rows
+    result, = kernforge.tune_gemm([200], [(n, k)], measure=fake_timer)
+    assert result["config"] == forced and result["default"] == default and result["m_bucket"] == 256
+    assert timed == configs  # every applicable candidate, the default first, once each
+    assert set(result["seconds"]) == {config_name(c) for c in configs}
+    for m in (129, 256):  # one bucket: 129..256 rows
         x, w, b = _operands(m, n, k, bias=True, key=("tuned",))
         _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), _reference(x, w, b), torch.bfloat16, k)
-        assert _dispatched_tile(m, n, k) == forced
-    assert _dispatched_tile(8, n, k) == default  # another bucket: nothing recorded
-    assert _dispatched_tile(16, n, k + 2) == default  # another K
+        assert _dispatched(m, n, k) == forced
+    assert _dispatched(128, n, k) == default  # another bucket
+    assert _dispatched(200, n, k + 2) == default  # another K
 
 
-def test_recorded_tile_is_used_and_a_corrupt_record_is_ignored(tuning_cache, caplog):
+@pytest.mark.parametrize("gain, wins", [(0.02, False), (0.05, True)], ids=["within-noise", "faster"])
+def test_the_default_is_kept_unless_another_is_clearly_faster(tuning_cache, gain, wins):
+    """The tuned choice is never slower than the default as measured: the default is always timed,
+    and another candidate must beat it by more than min_gain (3%)."""
+    tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
+    configs = _configs_for(torch.bfloat16, 16, 40, 64, tier)
+    fastest = configs[1]
+    result, = kernforge.tune_gemm([16], [(40, 64)], measure=lambda c, run: 1.0 - gain if c == fastest else 1.0)
+    assert result["config"] == (fastest if wins else configs[0])
+    assert _dispatched(16, 40, 64) == result["config"]
+
+
+def test_recorded_config_is_used_and_a_corrupt_record_is_ignored(tuning_cache, caplog):
     m, n, k = 33, 47, 129
     tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
-    tiles = _tiles_for(torch.bfloat16, m, n, k, tier)
+    configs = _configs_for(torch.bfloat16, m, n, k, tier)
     bucket = TILE_CANDIDATES.bucket(tile_shape(torch.bfloat16, m, n, k))
-    tuning.TuningStore().record("weight_packed_linear", bucket, tier, {"tile": list(tiles[-1])}, {})
+    recorded = {**configs[-1], "tile": list(configs[-1]["tile"])}  # as JSON has it
+    tuning.TuningStore().record("weight_packed_linear", bucket, tier, recorded, {})
     x, w, b = _operands(m, n, k, bias=True, key=("recorded",))
     packed, expected = convert_weight_packed(w), _reference(x, w, b)
     _assert_matches(weight_packed_linear(x, packed, b), expected, torch.bfloat16, k)
-    assert _dispatched_tile(m, n, k) == tiles[-1]
+    assert _dispatched(m, n, k) == configs[-1]
 
     (tuning_cache / "tuning" / "weight_packed_linear.json").write_text("{not json")
     gemm.reset_tile_choices()
@@ -209,7 +261,7 @@ def test_recorded_tile_is_used_and_a_corrupt_record_is_ignored(tuning_cache, cap
     finally:
         logger.removeHandler(caplog.handler)
     assert "corrupt tuning file" in caplog.text
-    assert _dispatched_tile(m, n, k) == tiles[0]
+    assert _dispatched(m, n, k) == configs[0]
 
 
 def test_tune_cli_records_winners(tuning_cache):
@@ -245,6 +297,36 @@ def test_packed_weight_round_trips_through_torch_save():
     assert isinstance(loaded, PackedWeight) and loaded.shape == (50, 33) and loaded.dtype is torch.bfloat16
     assert loaded.layout_version == LAYOUT_VERSION and torch.equal(loaded.packed, packed.packed)
     assert torch.equal(weight_packed_linear(x, loaded, b), weight_packed_linear(x, packed, b))
+
+
+def test_packed_layout_is_the_same_on_every_tier():
+    """No tier has a layout of its own: a weight packed while one tier is forced runs under another."""
+    m, n, k = 33, 47, 129
+    x, w, b = _operands(m, n, k, bias=True, key=("tiers",))
+    tiers = kernforge.jit.isa.runnable_tiers()
+    packed = {}
+    for t in tiers:
+        with kernforge.use_isa(t):
+            packed[t] = convert_weight_packed(w)
+    assert all(torch.equal(packed[t].packed, packed[tiers[0]].packed) for t in tiers)
+    for packed_under, run_under in zip(tiers, [*tiers[1:], tiers[0]]):
+        with kernforge.use_isa(run_under):
+            _assert_matches(weight_packed_linear(x, packed[packed_under], b), _reference(x, w, b), torch.bfloat16, k)
+
+
+def test_packed_weight_of_another_layout_is_refused():
+    x, w, _ = _operands(2, 8, 16)
+    older = dataclasses.replace(convert_weight_packed(w), layout_version=LAYOUT_VERSION - 1)
+    buffer = io.BytesIO()
+    torch.save(older, buffer)  # as an older kernforge would have saved it
+    buffer.seek(0)
+    with pytest.raises(ValueError, match=f"packed has layout version {LAYOUT_VERSION - 1}; this kernforge reads "
+                                         f"version {LAYOUT_VERSION}: pack the weight again"):
+        weight_packed_linear(x, torch.load(buffer))
+    # NR 16 tiles could read 16-column panels, NR 32 ones could not: refused whatever the tier and tile
+    narrow = PackedWeight(torch.zeros(gemm.packed_shape(8, 16, 16), dtype=torch.bfloat16), 8, 16, panel_width=16)
+    with pytest.raises(ValueError, match="packed.panel_width must be a multiple of 32"):
+        weight_packed_linear(x, narrow)
 
 
 def test_packed_layout_is_vnni2_panels():

@@ -246,6 +246,68 @@ def test_bad_model_config_raises_value_error(change, match):
         prewarm.manifest_from_model_config(config)
 
 
+def test_manifest_records_the_linear_shapes():
+    assert prewarm.manifest_from_model_config(LLAMA)["model"]["linear_shapes"] == {
+        "q_proj": [4096, 4096], "k_proj": [1024, 4096], "v_proj": [1024, 4096], "o_proj": [4096, 4096],
+        "gate_up_proj": [22016, 4096], "down_proj": [4096, 11008]}
+    shapes = prewarm.manifest_from_model_config(GEMMA2)["model"]["linear_shapes"]  # 8 heads x 256 != 2304
+    assert shapes["q_proj"] == [2048, 2304] and shapes["o_proj"] == [2304, 2048] and shapes["k_proj"] == [1024, 2304]
+
+
+# --------------------------------------------------------------------------- tuning a model's linear layers
+
+TINY = {"hidden_size": 64, "intermediate_size": 96, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TINY_NK = [(64, 64), (32, 64), (192, 64), (64, 96)]  # q and o, k and v, gate+up, down: each tuned once
+
+
+@pytest.fixture
+def fresh_gemm_choices(cache):
+    """A fresh tuning store; dispatch forgets its choices before and after."""
+    from kernforge.ops import gemm
+
+    gemm.reset_tile_choices()
+    yield gemm
+    gemm.reset_tile_choices()
+
+
+def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choices):
+    gemm, timed = fresh_gemm_choices, []
+
+    def fake_timer(config, run):  # no timing in tests: the one-row reference "wins"
+        timed.append(config)
+        return 0.5 if config["tile"] == (1, 16) else 1.0
+
+    results = prewarm.tune_model_linears(TINY, [1, 3], measure=fake_timer)
+    assert [(r["n"], r["k"], r["m"]) for r in results] == [(n, k, m) for n, k in TINY_NK for m in (1, 3)]
+    assert {r["dtype"] for r in results} == {"bf16"} and len(timed) > len(results)
+    import torch
+    for n, k in TINY_NK:
+        for m in (1, 3):
+            assert gemm._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
+        assert gemm._chosen_variant(torch.bfloat16, 5, n, k).params["tile"] != (1, 16)  # bucket 8: not tuned
+
+
+def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    built = []
+    monkeypatch.setattr(prewarm, "prewarm", lambda manifest, **kw: built.append(manifest))  # no compiles here
+    monkeypatch.setattr(fresh_gemm_choices, "_time_call", lambda run: 1.0)  # nor timing: the defaults win
+    assert cli.main(["prewarm", "--model-config", str(path), "--tune", "--tune-m", "1", "16"]) == 0
+    assert built == [prewarm.manifest_from_model_config(TINY)]
+    out = capsys.readouterr().out
+    assert "bf16 m=16 (bucket 16) n=192 k=64" in out and "recorded in" in out
+    records = json.loads((disk.cache_root() / "tuning" / "weight_packed_linear.json").read_text())
+    assert sorted(r["bucket"] for r in records.values()) == sorted(
+        f"bf16_m{m}_n{n}_k{k}" for n, k in TINY_NK for m in (1, 16))
+
+
+def test_cli_tune_flag_needs_a_model_config(capsys):
+    assert cli.main(["prewarm", "--op", "rmsnorm", "--tune"]) == 1
+    assert "--tune times a model's linear shapes: it needs --model-config" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- the CLI in-process
 
 

@@ -88,12 +88,17 @@ class Candidates:
         return options[0]
 
     def tune(self, shape: Mapping[str, int], measure: Callable[[Candidate], float], tier: str | None = None,
-             store: "TuningStore | None" = None) -> Candidate:
+             store: "TuningStore | None" = None, min_gain: float = 0.0) -> Candidate:
         """Time every applicable candidate with ``measure`` (seconds, lower is better) and
-        remember the fastest for this shape bucket, tier and CPU model."""
+        remember the fastest for this shape bucket, tier and CPU model. The default is always
+        among them, and another candidate displaces it only when faster by more than the fraction
+        ``min_gain`` (so a measurement's noise alone never trades the default for an equal)."""
         tier = self._built(tier)
         timings = [(measure(c), c) for c in self.applicable(shape, tier)]
-        seconds, winner = min(timings, key=lambda t: t[0])
+        default_seconds, winner = timings[0]
+        seconds, fastest = min(timings, key=lambda t: t[0])
+        if seconds < default_seconds * (1 - min_gain):
+            winner = fastest
         (store or TuningStore()).record(self.kernel, self.bucket(shape), tier, _jsonable_params(winner.params),
                                         {c.label(): s for s, c in timings})
         return winner

@@ -7,10 +7,16 @@ the product, each panel K pair by K pair, each pair one 32-bit word per column (
 K element in the low half). N is padded with zero rows to whole panels, an odd K with a zero
 column; a panel is contiguous, so a thread's slice of N is one contiguous slice of the weight.
 
-The micro-kernel's register tile (MR, NR) is a module parameter. ``TILE_CANDIDATES`` lists the
-tiles each tier may run; dispatch takes the winner that ``tune_gemm`` recorded for the problem's
-(dtype, M bucket, N, K) on this tier and CPU model, else the tier's default (the rank-0 candidate,
-which is ``kf::gemm::DefaultTile``).
+The layout is the same on every tier and for every tile: each tile's NR divides ``PANEL_WIDTH``, so
+a weight packed once (under any forced tier, on any machine) runs under every tier and tuned choice.
+A packed weight of another layout version, or whose panel width is not a multiple of
+``PANEL_WIDTH``, is refused with a ValueError naming ``packed``.
+
+The micro-kernel's register tile (MR, NR) and the blocking around it (``row_block`` rows per task,
+``depth_block`` K per block, and ``split``: whether threads split N or M first) are module
+parameters. ``TILE_CANDIDATES`` lists the combinations each tier may run; dispatch takes the winner
+that ``tune_gemm`` recorded for the problem's (dtype, M bucket, N, K) on this tier and CPU model,
+else the tier's default (the rank-0 candidate: ``kf::gemm::DefaultTile`` with ``DEFAULT_BLOCKING``).
 """
 
 from __future__ import annotations
@@ -18,13 +24,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from kernforge.jit import isa
 from kernforge.jit.core import Variant
-from kernforge.jit.module import DType, Entry, IntTuple, Module
+from kernforge.jit.module import DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
 from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, raise_for_status
@@ -33,16 +39,31 @@ from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # columns of the product per packed panel: a multiple of every tier's NR
 
-# Every (MR, NR) some tier may run; NR divides PANEL_WIDTH, MR is at most 64 (linear.h's row block).
+# Every (MR, NR) some tier may run; NR divides PANEL_WIDTH, MR is at most the smallest row block.
 TILES = ((8, 32), (4, 32), (6, 32), (16, 16), (4, 16), (6, 16), (2, 32), (1, 16))
+# linear.h's blocking: rows per task (rounded down to whole tiles), K per block, which dimension the
+# threads split first. The defaults are what every tier runs untuned.
+DEFAULT_BLOCKING = {"row_block": 64, "depth_block": 256, "split": "n"}
 
 GEMM = Module(
     "gemm", "gemm.cpp.jinja",
-    params={"dtype": DType(), "tile": IntTuple(2, choices=TILES)},
+    params={"dtype": DType(), "tile": IntTuple(2, choices=TILES), "row_block": Int(choices=(64, 128)),
+            "depth_block": Int(choices=(256, 512)), "split": Enum(("n", "m"))},
     entries=[Entry("linear", "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
                              "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
                              "int64_t num_threads", returns="int64_t")],
 )
+
+
+def gemm_config(tile: tuple[int, int], row_block: int = 64, depth_block: int = 256, split: str = "n") -> dict:
+    """The GEMM module's parameters besides the dtype: a candidate's ``params``."""
+    return {"tile": tile, "row_block": row_block, "depth_block": depth_block, "split": split}
+
+
+def config_name(config: Mapping) -> str:
+    """``8x32``, plus whatever blocking differs from the default (``8x32 depth_block=512``)."""
+    blocking = [f"{k}={config[k]}" for k, v in DEFAULT_BLOCKING.items() if config.get(k, v) != v]
+    return " ".join(["x".join(map(str, config["tile"])), *blocking])
 
 
 def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "fp16", "fp32"),
@@ -53,7 +74,22 @@ def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "
     def applies(shape) -> bool:
         return shape["dtype"] in dtypes and (shape["dtype"] in default_for or shape["m"] >= mr)
 
-    return Candidate({"tile": (mr, nr)}, tiers, rank, when=applies)
+    return Candidate(gemm_config((mr, nr)), tiers, rank, when=applies)
+
+
+def _blocking(tile: tuple[int, int], tiers: tuple[str, ...], rank: int, matters: Callable[[dict], bool],
+              **blocking) -> Candidate:
+    """The bf16 default ``tile`` with one blocking changed, for the shapes where it ``matters``."""
+    return Candidate(gemm_config(tile, **blocking), tiers, rank,
+                     when=lambda shape: shape["dtype"] == "bf16" and matters(shape))
+
+
+def _rows_span_blocks(shape) -> bool:  # more than one default row block: rows per task and the split matter
+    return shape["m"] > DEFAULT_BLOCKING["row_block"]
+
+
+def _depth_spans_blocks(shape) -> bool:  # more than one default K block
+    return shape["k"] > DEFAULT_BLOCKING["depth_block"]
 
 
 def m_bucket(m: int) -> int:
@@ -69,6 +105,10 @@ def tile_shape(dtype: torch.dtype, m: int, n: int, k: int) -> dict:
 _WIDE, _NARROW = ("avx512",), ("avx2", "generic")
 # Register budgets: vdpbf16ps (32 zmm) holds 8 x 32 (16 accumulators) or 16 x 16; the FMA path on
 # AVX-512 also broadcasts A, 4 x 32 by default; 16 ymm on AVX2 hold 4 x 16 (6 x 16 at the limit).
+# Blocking, around the bf16 default tile on avx512 and avx2 (the scalar generic tier gains nothing):
+# a 512-deep K block (a 32 KB B block: still in Zen 4/5's and Sapphire Rapids' 48 KB L1, half the
+# scratch-tile traffic), 128 rows per task (a task's B block comes into L1 once per row block: half
+# as often), and threads splitting M first (each reads the whole weight; its rows of x stay in L2).
 TILE_CANDIDATES = Candidates(
     "weight_packed_linear", GEMM,
     candidates=[
@@ -76,11 +116,18 @@ TILE_CANDIDATES = Candidates(
         _tile(4, 32, _WIDE, 1, default_for=("fp16", "fp32")),
         _tile(6, 32, _WIDE, 2),
         _tile(16, 16, _WIDE, 3, dtypes=("bf16",)),
+        _blocking((8, 32), _WIDE, 4, _depth_spans_blocks, depth_block=512),
+        _blocking((8, 32), _WIDE, 5, _rows_span_blocks, row_block=128),
+        _blocking((8, 32), _WIDE, 6, _rows_span_blocks, split="m"),
         _tile(4, 16, _NARROW, 0, default_for=("bf16", "fp16", "fp32")),
         _tile(6, 16, _NARROW, 1),
         _tile(2, 32, _NARROW, 2),
+        _blocking((4, 16), ("avx2",), 3, _depth_spans_blocks, depth_block=512),
+        _blocking((4, 16), ("avx2",), 4, _rows_span_blocks, row_block=128),
+        _blocking((4, 16), ("avx2",), 5, _rows_span_blocks, split="m"),
     ],
-    reference=Candidate({"tile": (1, 16)}, ("avx512", "avx2", "generic")),  # one row: valid everywhere
+    # One row at a time: valid on every tier and shape.
+    reference=Candidate(gemm_config((1, 16)), ("avx512", "avx2", "generic")),
     bucket=lambda s: f"{s['dtype']}_m{s['m']}_n{s['n']}_k{s['k']}",
 )
 
@@ -97,8 +144,8 @@ def _chosen_variant(dtype: torch.dtype, m: int, n: int, k: int) -> Variant:
     key = (dtype, m_bucket(m), n, k, isa.selected_tier())
     found = _CHOSEN.get(key)
     if found is None:
-        tile = TILE_CANDIDATES.choose(tile_shape(dtype, m, n, k), tier=key[-1]).params["tile"]
-        found = _CHOSEN[key] = GEMM.select(DTYPE_NAMES[dtype], tile)
+        config = TILE_CANDIDATES.choose(tile_shape(dtype, m, n, k), tier=key[-1]).params
+        found = _CHOSEN[key] = GEMM.variant(dtype=DTYPE_NAMES[dtype], **config)
     return found
 
 
@@ -134,8 +181,8 @@ def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:
 export("convert_weight_packed", convert_weight_packed)
 
 
-# Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned tiles compile on first use.
-@kernel_op(GEMM, tile=(8, 32))
+# Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned choices compile on first use.
+@kernel_op(GEMM, **gemm_config((8, 32)))
 def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias)`` -> ``[..., N]`` in ``x``'s dtype (fp32 accumulation);
@@ -144,13 +191,21 @@ def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tens
     return _linear(x, packed, bias, out, None)
 
 
+def linear_with_config(x: torch.Tensor, packed: PackedWeight, config: Mapping, bias: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`weight_packed_linear` with the GEMM's parameters forced (what the tuner times):
+    ``config`` holds the ``tile`` and any of ``row_block``, ``depth_block``, ``split`` (the others
+    default to ``DEFAULT_BLOCKING``); a candidate's ``params`` is one."""
+    return _linear(x, packed, bias, out, {**DEFAULT_BLOCKING, **config})
+
+
 def linear_with_tile(x: torch.Tensor, packed: PackedWeight, tile: tuple[int, int], bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`weight_packed_linear` with the register tile forced (what the tuner times)."""
-    return _linear(x, packed, bias, out, tile)
+    """:func:`weight_packed_linear` with the register tile forced and the default blocking."""
+    return linear_with_config(x, packed, {"tile": tile}, bias, out)
 
 
-def _linear(x, packed, bias, out, tile):
+def _linear(x, packed, bias, out, config):
     variant_for_input(weight_packed_linear.kernels, x, "x")  # the dtype and device checks
     n, k = _checked_packed(packed)
     shape = x.shape
@@ -169,7 +224,8 @@ def _linear(x, packed, bias, out, tile):
         out2 = _rows_of_out(out, m, n)
     if m == 0 or n == 0:
         return out
-    variant = _chosen_variant(x.dtype, m, n, k) if tile is None else GEMM.select(DTYPE_NAMES[x.dtype], tile)
+    variant = _chosen_variant(x.dtype, m, n, k) if config is None else GEMM.variant(dtype=DTYPE_NAMES[x.dtype],
+                                                                                    **config)
     status = variant.kernel().linear(
         out2.data_ptr(), out2.stride(0), x2.data_ptr(), ldx, packed.packed.data_ptr(),
         packed.panel_width, 0 if bias is None else bias.data_ptr(), m, n, k, num_threads())
@@ -184,8 +240,18 @@ def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, i
 
 def _checked_packed(packed: object) -> tuple[int, int]:
     return check_packed(packed, PackedWeight, "convert_weight_packed", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.bfloat16, packed_shape(p.n, p.k, p.panel_width)),
+        ("packed", torch.bfloat16, packed_shape(p.n, p.k, _panel_width(p))),
     ])
+
+
+def _panel_width(packed: PackedWeight) -> int:
+    """A multiple of PANEL_WIDTH, which every tile's NR divides: then the weight runs under every tier
+    and tuned choice alike, rather than under some and not others."""
+    width = packed.panel_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < PANEL_WIDTH or width % PANEL_WIDTH:
+        raise ValueError(f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed's "
+                         f"layout), got {width!r}")
+    return width
 
 
 def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
@@ -211,19 +277,28 @@ def _time_call(run: Callable[[], object], min_seconds: float = 0.2, max_calls: i
 
 
 def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16,
-              measure: Callable[[tuple[int, int], Callable[[], object]], float] | None = None) -> list[dict]:
-    """Time every applicable tile of ``weight_packed_linear`` for each M of ``m_list`` and each
-    ``(N, K)`` of ``nk_list`` (x in ``dtype``, at the current :func:`kernforge.ops.num_threads`),
-    and record the fastest per (dtype, M bucket, N, K) for this tier and CPU model in the cache's
-    tuning store, where dispatch finds it. ``measure(tile, run)`` returns seconds (default: the
-    median wall time of ``run()``). Returns one dict per shape: the winner and every timing."""
+              measure: Callable[[dict, Callable[[], object]], float] | None = None,
+              min_gain: float = 0.03) -> list[dict]:
+    """Time every applicable candidate of ``weight_packed_linear`` (register tile, rows per task, K
+    block, thread split: ``TILE_CANDIDATES``) for each M of ``m_list`` and each ``(N, K)`` of
+    ``nk_list`` (x in ``dtype``, at the current :func:`kernforge.ops.num_threads`), and record the
+    winner per (dtype, M bucket, N, K) for this tier and CPU model in the cache's tuning store, where
+    dispatch finds it.
+
+    The candidates always include the tier's default, and another candidate wins only when it is
+    more than ``min_gain`` (a fraction) faster than the default in the same run: the recorded
+    choice is never slower than the default as measured. ``measure(config, run)`` returns seconds
+    (default: the median wall time of ``run()``), ``config`` being the candidate's parameters.
+    Returns one dict per shape: the winner's and the default's ``config`` and every timing by
+    :func:`config_name`."""
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be one of {', '.join(map(str, DTYPE_NAMES))}, got {dtype}")
     m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
     if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
         raise ValueError(f"tune_gemm needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
-    measure = measure or (lambda tile, run: _time_call(run))
-    tier, results = isa.selected_tier(), []
+    measure = measure or (lambda config, run: _time_call(run))
+    tier = GEMM.built_tier(isa.selected_tier())
+    results = []
     generator = torch.Generator().manual_seed(0)
     for n, k in nk_list:
         packed = convert_weight_packed(torch.randn(n, k, generator=generator).bfloat16())
@@ -233,15 +308,14 @@ def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: 
             timings = {}
 
             def seconds(candidate: Candidate) -> float:
-                tile = candidate.params["tile"]
-                timings[tile] = measure(tile, lambda: linear_with_tile(x, packed, tile, out=out))
-                return timings[tile]
+                config = dict(candidate.params)
+                timings[config_name(config)] = measure(config, lambda: linear_with_config(x, packed, config, out=out))
+                return timings[config_name(config)]
 
             shape = tile_shape(dtype, m, n, k)
-            winner = TILE_CANDIDATES.tune(shape, seconds, tier=tier)
-            results.append({"m": m, "n": n, "k": k, "dtype": shape["dtype"], "m_bucket": shape["m"],
-                            "tier": GEMM.built_tier(tier), "tile": winner.params["tile"],
-                            "default": TILE_CANDIDATES.default(shape, GEMM.built_tier(tier)).params["tile"],
+            winner = TILE_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=min_gain)
+            results.append({"m": m, "n": n, "k": k, "dtype": shape["dtype"], "m_bucket": shape["m"], "tier": tier,
+                            "config": dict(winner.params), "default": dict(TILE_CANDIDATES.default(shape, tier).params),
                             "seconds": timings})
     reset_tile_choices()
     return results

@@ -1,7 +1,7 @@
 // How a GEMM driver walks its output, shared by every element type (bf16 linear, int8 w8a8): tasks
-// of NR columns by row_block rows, column block first and one contiguous run of tasks per thread, so
-// a thread's columns, and its slice of the packed weight, are contiguous; within a task, the tile
-// is accumulated K block by K block, MR rows at a time.
+// of NR columns by row_block rows, one contiguous run of tasks per thread, by default column block
+// first, so a thread's columns, and its slice of the packed weight, are contiguous; within a task,
+// the tile is accumulated K block by K block, MR rows at a time.
 #pragma once
 
 #include <algorithm>
@@ -11,16 +11,25 @@
 
 namespace kf::gemm {
 
-// Calls task(m0, n0, rows) for every output tile [m0, m0 + rows) x [n0, n0 + NR).
-template <int NR, class Task>
+// Which dimension consecutive tasks, and so the threads' contiguous runs of them, split first.
+enum class Split {
+  kN,  // a column block's row blocks in turn: a thread reads its own slice of the weight, once
+  kM,  // a row block's column blocks in turn: a thread reads all of the weight, its rows of x stay in cache
+};
+
+// Calls task(m0, n0, rows) for every output tile [m0, m0 + rows) x [n0, n0 + NR). Either split
+// falls back on the other dimension where its own has fewer blocks than threads.
+template <int NR, Split kSplit = Split::kN, class Task>
 inline void for_each_output_tile(int64_t m, int64_t n, int64_t k, int64_t row_block, int64_t min_macs_per_thread,
                                  int64_t num_threads, const Task& task) {
   const int64_t column_blocks = (n + NR - 1) / NR, row_blocks = (m + row_block - 1) / row_block;
   const int64_t tasks = column_blocks * row_blocks;
   const int64_t threads = useful_threads(num_threads, tasks, m * n * std::max<int64_t>(k, 1), min_macs_per_thread);
   parallel_for(tasks, threads, [&](int64_t t) {
-    const int64_t n0 = t / row_blocks * NR, m0 = t % row_blocks * row_block;
-    task(m0, n0, std::min(row_block, m - m0));
+    const int64_t column_block = kSplit == Split::kN ? t / row_blocks : t % column_blocks;
+    const int64_t row_block_index = kSplit == Split::kN ? t % row_blocks : t / column_blocks;
+    const int64_t m0 = row_block_index * row_block;
+    task(m0, column_block * NR, std::min(row_block, m - m0));
   });
 }
 
