@@ -30,7 +30,7 @@ import torch
 
 from kernforge.jit import isa
 from kernforge.jit.core import Variant
-from kernforge.jit.module import DType, Entry, Enum, Int, IntTuple, Module
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
 from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, raise_for_status
@@ -52,6 +52,7 @@ GEMM = Module(
     entries=[Entry("linear", "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
                              "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
                              "int64_t num_threads", returns="int64_t")],
+    tiers=ALL_TIERS,  # the amx build multiplies bf16 x in AMX tiles (gemm/amx_kernel.h)
 )
 
 
@@ -102,7 +103,8 @@ def tile_shape(dtype: torch.dtype, m: int, n: int, k: int) -> dict:
     return {"dtype": DTYPE_NAMES[dtype], "m": m_bucket(m), "n": n, "k": k}
 
 
-_WIDE, _NARROW = ("avx512",), ("avx2", "generic")
+# On amx these register tiles serve fp16/fp32 x, and bf16 x below amx::kMinRows rows (AMX tiles above).
+_WIDE, _NARROW = ("avx512", "amx"), ("avx2", "generic")
 # Register budgets: vdpbf16ps (32 zmm) holds 8 x 32 (16 accumulators) or 16 x 16; the FMA path on
 # AVX-512 also broadcasts A, 4 x 32 by default; 16 ymm on AVX2 hold 4 x 16 (6 x 16 at the limit).
 # Blocking, around the bf16 default tile on avx512 and avx2 (the scalar generic tier gains nothing):

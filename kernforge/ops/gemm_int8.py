@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Module
 from kernforge.ops._common import num_threads
 from kernforge.ops._gemm import (
     check_cpu_tensor,
@@ -55,6 +55,7 @@ GEMM_INT8 = Module(
                             "int64_t out, int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads",
               returns="int64_t"),
     ],
+    tiers=ALL_TIERS,  # the amx build multiplies in AMX tiles (gemm/amx_kernel.h)
 )
 
 

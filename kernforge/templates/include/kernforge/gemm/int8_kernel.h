@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/tasks.h"
 #include "kernforge/parallel.h"
 #include "kernforge/vec.h"
@@ -214,6 +215,9 @@ int64_t gemm(const uint8_t* a, int64_t lda, const uint32_t* packed, int64_t pane
   static_assert(kRowBlock % MR == 0 && kDepthBlock % kGroup == 0, "blocks hold whole tiles and groups");
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
+#if defined(KF_GEMM_HAS_AMX)  // AMX tiles from a few rows on (gemm/amx_kernel.h): the same int32 sums
+  if (amx::gemm_u8s8<NR>(a, lda, packed, panel_width, m, n, k, num_threads, epilogue)) return kOk;
+#endif
   const int64_t groups = (k + kGroup - 1) / kGroup;
   for_each_output_tile<NR>(m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
                                                                                     int64_t rows) {
