@@ -1,0 +1,502 @@
+// Batch prefill attention (FlashInfer's BatchPrefillWith{Paged,Ragged}KVCacheWrapper semantics):
+// every query token of a request attends to the request's keys under its mask, with an online
+// softmax in fp32 over blocks of keys. kernforge/ops/prefill.py declares the module and documents
+// the semantics (masks, scales, LSE); this header is the kernel.
+//
+// Work: one item is (request, KV head, query tile): kQueriesPerTile queries x the GQA group's
+// query heads, `rows` query rows that share every K and V row they read. Row r of a tile is query
+// r / group, head r % group (the group's heads of a token are adjacent in q and out). The plan
+// orders items by cost, largest first, and threads take them dynamically (greedy balancing).
+//
+// Per item and block of kBlockN keys, both products run on the GEMM micro-kernels:
+//   S = Q . K^T   (rows x kBlockN): K's block is transposed into B's layout, pairs of head_dim
+//                  (bf16 path) or fp32 rows of head_dim (fp32 path);
+//   softmax       row by row: scale, soft cap, mask, running max/sum, P (bf16 or fp32);
+//   O += P . V    (rows x head_dim_vo): V's block as pairs of keys (bf16) or fp32 rows.
+// The bf16 path (q bf16, KV bf16 or fp8: fp8 widens to bf16 exactly) multiplies with vdpbf16ps on
+// AVX512-BF16; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
+// the fp32 path so that nothing is rounded below the input precision.
+//
+// Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
+// every query sees whole takes the unmasked softmax; the others (the diagonal, the window's edge, a
+// custom mask, the request's last partial block) take the masked one.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "kernforge/attention/softmax_state.h"
+#include "kernforge/gemm/f32_kernel.h"
+#include "kernforge/gemm/micro_kernel.h"
+#include "kernforge/parallel.h"
+#include "kernforge/types.h"
+#include "kernforge/vec.h"
+
+namespace kf::attention {
+
+// ---- planning -----------------------------------------------------------------------------------
+
+enum PrefillPlanError : int64_t {
+  kPrefillBadQoIndptr = 1,    // qo_indptr not starting at 0 or decreasing
+  kPrefillBadKvIndptr = 2,    // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
+  kPrefillBadLastPage = 3,    // last_page_len outside [1, page_size] for a request with pages
+  kPrefillNegativePage = 4,   // a negative page index
+  kPrefillQoExceedsKv = 5,    // causal request with qo_len > kv_len
+  kPrefillTooManyItems = 6,   // the item buffer the caller sized is too small (a bug, not user input)
+};
+
+inline int64_t prefill_error(PrefillPlanError kind, int64_t index) { return (int64_t(kind) << 32) | index; }
+
+// One work item: the tile's request, KV head and first query (int32s in the plan's item buffer).
+struct PrefillItem {
+  int32_t request, kv_head, query_begin;
+};
+
+struct PrefillPlanInput {
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;      // paged: pages per request (into indices); ragged: tokens
+  const int32_t* last_page_len;  // paged only
+  const int32_t* indices;        // paged only
+  int64_t batch, num_indices, page_size, num_kv_heads, queries_per_tile, window_left;
+  bool ragged, causal, custom_mask;  // a custom mask replaces the causal one (FlashInfer's mask modes)
+};
+
+// Keys [lo, hi) that query `q` (0-based within its request) may see under causal and window_left,
+// before any custom mask. Causal is aligned bottom-right: the last query sees the last key.
+inline void visible_keys(int64_t q, int64_t qo_len, int64_t kv_len, bool causal, int64_t window_left, int64_t& lo,
+                         int64_t& hi) {
+  const int64_t position = kv_len - qo_len + q;  // the query's position among the keys
+  hi = causal ? std::min(kv_len, position + 1) : kv_len;
+  lo = window_left >= 0 ? std::max<int64_t>(0, position - window_left) : 0;
+}
+
+// Validates the batch, writes kv_len per request and the work items, largest first. Returns 0 or
+// prefill_error(); *num_items gets the item count.
+inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, PrefillItem* items, int64_t capacity,
+                            int64_t* num_items) {
+  if (in.qo_indptr[0] != 0) return prefill_error(kPrefillBadQoIndptr, 0);
+  if (in.kv_indptr[0] != 0) return prefill_error(kPrefillBadKvIndptr, 0);
+  int64_t count = 0;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
+    const int64_t kv_span = int64_t(in.kv_indptr[b + 1]) - in.kv_indptr[b];
+    if (qo_len < 0) return prefill_error(kPrefillBadQoIndptr, b);
+    if (kv_span < 0) return prefill_error(kPrefillBadKvIndptr, b);
+    int64_t kv_len = kv_span;
+    if (!in.ragged) {
+      if (in.kv_indptr[b + 1] > in.num_indices) return prefill_error(kPrefillBadKvIndptr, b);
+      for (int64_t i = in.kv_indptr[b]; i < in.kv_indptr[b + 1]; ++i)
+        if (in.indices[i] < 0) return prefill_error(kPrefillNegativePage, i);
+      if (kv_span > 0 && (in.last_page_len[b] < 1 || in.last_page_len[b] > in.page_size))
+        return prefill_error(kPrefillBadLastPage, b);
+      kv_len = kv_span == 0 ? 0 : (kv_span - 1) * in.page_size + in.last_page_len[b];
+    }
+    if (in.causal && !in.custom_mask && qo_len > kv_len) return prefill_error(kPrefillQoExceedsKv, b);
+    kv_lens[b] = int32_t(kv_len);
+    for (int64_t q0 = 0; q0 < qo_len; q0 += in.queries_per_tile)
+      for (int64_t h = 0; h < in.num_kv_heads; ++h) {
+        if (count == capacity) return prefill_error(kPrefillTooManyItems, b);
+        items[count++] = {int32_t(b), int32_t(h), int32_t(q0)};
+      }
+  }
+  // Cost: query rows x keys visited. Largest first, so dynamic scheduling ends with small items.
+  const auto cost = [&](const PrefillItem& it) {
+    const int64_t qo_len = int64_t(in.qo_indptr[it.request + 1]) - in.qo_indptr[it.request];
+    const int64_t kv_len = kv_lens[it.request];
+    const int64_t last = std::min(qo_len, it.query_begin + in.queries_per_tile) - 1;
+    int64_t lo, hi, lo_last, hi_last;
+    visible_keys(it.query_begin, qo_len, kv_len, in.causal && !in.custom_mask, in.window_left, lo, hi);
+    visible_keys(last, qo_len, kv_len, in.causal && !in.custom_mask, in.window_left, lo_last, hi_last);
+    return (last - it.query_begin + 1) * (std::max<int64_t>(hi_last - lo, 0) + 16);
+  };
+  std::stable_sort(items, items + count, [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
+  *num_items = count;
+  return 0;
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------
+
+// kf_prefill_planned / kf_prefill_layer are declared by kernforge/ops/prefill.py (module structs).
+template <class QT, class KVT, class OutT, int kHeadQK, int kHeadVO, int kBlockM, int kBlockN>
+class PrefillKernel {
+  // bf16 q with bf16 or fp8 KV multiplies bf16 pairs; anything else multiplies in fp32.
+  static constexpr bool kBf16 = std::is_same_v<QT, bf16> &&
+                                (std::is_same_v<KVT, bf16> || std::is_same_v<KVT, fp8_e4m3> ||
+                                 std::is_same_v<KVT, fp8_e5m2>);
+  using Compute = std::conditional_t<kBf16, bf16, float>;
+  using Tile = gemm::DefaultTile<Compute>;
+  static constexpr int kMR = Tile::kMR;
+  static constexpr int kNR = Tile::kNR;
+  static constexpr int kWidth = VecF::kWidth;
+  // Output columns per micro-kernel call: NR where head_dim_vo allows, else one vector.
+  static constexpr int kNRV = kHeadVO % kNR == 0 ? kNR : kWidth;
+  static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
+  static_assert(kHeadQK % 2 == 0 && kHeadVO % kWidth == 0, "head dims are multiples of the vector width");
+
+ public:
+  explicit PrefillKernel(const kf_prefill_planned& p) : p_(p) {}
+
+  // Bytes of scratch one thread needs for tiles of `rows` query rows.
+  static int64_t scratch_bytes(int64_t rows) {
+    return Scratch::layout(rows, nullptr).bytes;
+  }
+
+  void run(const kf_prefill_layer& io) const {
+    const auto* items = reinterpret_cast<const PrefillItem*>(p_.items);
+    char* workspace = reinterpret_cast<char*>(p_.workspace);
+    std::atomic<int64_t> blocks_visited{0};
+    parallel_for<Schedule::kDynamic>(p_.num_items, std::min<int64_t>(io.num_threads, p_.max_threads),
+                                     [&](int64_t i) {
+      const Scratch s = Scratch::layout(p_.rows, workspace + thread_index() * p_.scratch_bytes);
+      blocks_visited.fetch_add(run_item(io, items[i], s), std::memory_order_relaxed);
+    });
+    if (p_.stats != 0) *reinterpret_cast<int64_t*>(p_.stats) = blocks_visited.load();
+  }
+
+ private:
+  // A thread's scratch: the tile's Q, the transposed K block, scores, probabilities, the V block,
+  // the output accumulators and the running max and sum, 64-byte aligned pieces of one buffer.
+  struct Scratch {
+    Compute *q, *k, *p, *v, *convert;
+    float *s, *o, *m, *l;
+    int64_t bytes;
+
+    static Scratch layout(int64_t rows, char* base) {
+      Scratch s{};
+      int64_t at = 0;
+      const auto take = [&](int64_t bytes) {
+        char* piece = base == nullptr ? nullptr : base + at;
+        at += (bytes + 63) / 64 * 64;
+        return piece;
+      };
+      s.q = reinterpret_cast<Compute*>(take(rows * kHeadQK * sizeof(Compute)));
+      s.k = reinterpret_cast<Compute*>(take(kHeadQK * kBlockN * sizeof(Compute)));
+      s.p = reinterpret_cast<Compute*>(take(rows * kBlockN * sizeof(Compute)));
+      s.v = reinterpret_cast<Compute*>(take(kBlockN * kHeadVO * sizeof(Compute)));
+      // fp8 K rows widened to bf16 before the transpose (bf16 KV is read in place)
+      s.convert = reinterpret_cast<Compute*>(take(std::is_same_v<KVT, bf16> || !kBf16 ? 0 : kBlockN * kHeadQK * sizeof(Compute)));
+      s.s = reinterpret_cast<float*>(take(rows * kBlockN * sizeof(float)));
+      s.o = reinterpret_cast<float*>(take(rows * kHeadVO * sizeof(float)));
+      s.m = reinterpret_cast<float*>(take(rows * sizeof(float)));
+      s.l = reinterpret_cast<float*>(take(rows * sizeof(float)));
+      s.bytes = at;
+      return s;
+    }
+  };
+
+  // Where one tile's queries and keys are.
+  struct TileView {
+    int64_t request, kv_head, query_begin, queries, rows, qo_begin, qo_len, kv_len;
+  };
+
+  const KVT* key_row(const kf_prefill_layer& io, int64_t request, int64_t token, int64_t head, bool value) const {
+    const int64_t base = value ? io.v : io.k;
+    const int64_t page_stride = value ? io.v_stride_page : io.k_stride_page;
+    const int64_t token_stride = value ? io.v_stride_token : io.k_stride_token;
+    const int64_t head_stride = value ? io.v_stride_head : io.k_stride_head;
+    const auto* indptr = reinterpret_cast<const int32_t*>(p_.kv_indptr);
+    int64_t offset;
+    if (p_.ragged) {
+      offset = (indptr[request] + token) * token_stride;
+    } else {
+      const auto* indices = reinterpret_cast<const int32_t*>(p_.indices);
+      const int64_t page = indices[indptr[request] + token / p_.page_size];
+      offset = page * page_stride + token % p_.page_size * token_stride;
+    }
+    return reinterpret_cast<const KVT*>(base) + offset + head * head_stride;
+  }
+
+  // Returns the number of key blocks the item computed.
+  int64_t run_item(const kf_prefill_layer& io, const PrefillItem& item, const Scratch& s) const {
+    const auto* qo_indptr = reinterpret_cast<const int32_t*>(p_.qo_indptr);
+    const auto* kv_lens = reinterpret_cast<const int32_t*>(p_.kv_lens);
+    TileView t;
+    t.request = item.request;
+    t.kv_head = item.kv_head;
+    t.query_begin = item.query_begin;
+    t.qo_begin = qo_indptr[t.request];
+    t.qo_len = qo_indptr[t.request + 1] - t.qo_begin;
+    t.kv_len = kv_lens[t.request];
+    t.queries = std::min<int64_t>(p_.queries_per_tile, t.qo_len - t.query_begin);
+    t.rows = t.queries * p_.group;
+    load_queries(io, t, s);
+    std::fill_n(s.o, t.rows * kHeadVO, 0.0f);
+    std::fill_n(s.m, t.rows, -std::numeric_limits<float>::infinity());
+    std::fill_n(s.l, t.rows, 0.0f);
+
+    const bool causal = p_.causal != 0 && p_.mask == 0;
+    int64_t lo_first, hi_first, lo_last, hi_last;
+    visible_keys(t.query_begin, t.qo_len, t.kv_len, causal, p_.window_left, lo_first, hi_first);
+    visible_keys(t.query_begin + t.queries - 1, t.qo_len, t.kv_len, causal, p_.window_left, lo_last, hi_last);
+    int64_t visited = 0;
+    for (int64_t k0 = lo_first / kBlockN * kBlockN; k0 < hi_last; k0 += kBlockN) {
+      const int64_t count = std::min<int64_t>(kBlockN, t.kv_len - k0);
+      // Every row sees all of [k0, k0 + kBlockN) only inside the first row's upper bound and the
+      // last row's lower bound, and only for a whole block.
+      const bool whole = p_.mask == 0 && count == kBlockN && k0 >= lo_last && k0 + kBlockN <= hi_first;
+      load_keys(io, t, k0, count, s);
+      scores(t, s);
+      softmax(t, k0, count, whole, float(io.qk_scale), s);
+      load_values(io, t, k0, count, s);
+      accumulate(t, s);
+      ++visited;
+    }
+    store(io, t, s);
+    return visited;
+  }
+
+  void load_queries(const kf_prefill_layer& io, const TileView& t, const Scratch& s) const {
+    const QT* q = reinterpret_cast<const QT*>(io.q);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const int64_t token = t.qo_begin + t.query_begin + r / p_.group;
+      const int64_t head = t.kv_head * p_.group + r % p_.group;
+      const QT* src = q + token * io.q_stride_token + head * io.q_stride_head;
+      Compute* dst = s.q + r * kHeadQK;
+      if constexpr (std::is_same_v<Compute, QT>) {
+        std::memcpy(dst, src, kHeadQK * sizeof(QT));
+      } else {
+        for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(src + d, kHeadQK - d).store(dst + d, kHeadQK - d);
+      }
+    }
+  }
+
+  // K block -> B of S = Q . K^T: bf16 path, word (pair p, key j) = (K[j][2p], K[j][2p + 1]) at
+  // k[p * kBlockN + j], i.e. the block's rows of pair words transposed; fp32 path, k[d * kBlockN + j]
+  // = K[j][d]. Keys past `count` are zero.
+  void load_keys(const kf_prefill_layer& io, const TileView& t, int64_t k0, int64_t count, const Scratch& s) const {
+    if constexpr (kBf16) {
+      auto* words = reinterpret_cast<uint32_t*>(s.k);
+      const uint32_t* rows[kBlockN];
+      for (int64_t j = 0; j < kBlockN; ++j) rows[j] = j < count ? key_words(io, t, k0 + j, s, j) : nullptr;
+      transpose_words(rows, words);
+    } else {
+      for (int64_t j = 0; j < kBlockN; ++j) {
+        if (j >= count) {
+          for (int64_t d = 0; d < kHeadQK; ++d) s.k[d * kBlockN + j] = 0.0f;
+          continue;
+        }
+        const KVT* row = key_row(io, t.request, k0 + j, t.kv_head, false);
+        for (int64_t d = 0; d < kHeadQK; ++d) s.k[d * kBlockN + j] = to_float(row[d]);
+      }
+    }
+  }
+
+  // Key `token`'s row as kHeadQK / 2 pair words: the cache row itself for bf16 KV; fp8 rows are
+  // widened (exactly) into row j of the conversion scratch.
+  const uint32_t* key_words(const kf_prefill_layer& io, const TileView& t, int64_t token, const Scratch& s,
+                            int64_t j) const {
+    const KVT* row = key_row(io, t.request, token, t.kv_head, false);
+    if constexpr (std::is_same_v<KVT, bf16>) {
+      return reinterpret_cast<const uint32_t*>(row);
+    } else {
+      bf16* widened = reinterpret_cast<bf16*>(s.convert) + j * kHeadQK;
+      for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(row + d, kHeadQK - d).store(widened + d, kHeadQK - d);
+      return reinterpret_cast<const uint32_t*>(widened);
+    }
+  }
+
+  // words[p * kBlockN + j] = rows[j][p] for p < kHeadQK / 2, j < kBlockN (a null row reads as zeros).
+  static void transpose_words(const uint32_t* const* rows, uint32_t* words) {
+    constexpr int64_t kPairs = kHeadQK / 2;
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+    if constexpr (kPairs % 16 == 0 && kBlockN % 16 == 0) {
+      for (int64_t j0 = 0; j0 < kBlockN; j0 += 16)
+        for (int64_t p0 = 0; p0 < kPairs; p0 += 16) transpose_16x16(rows + j0, p0, words + p0 * kBlockN + j0);
+      return;
+    }
+#endif
+    for (int64_t j = 0; j < kBlockN; ++j)
+      for (int64_t p = 0; p < kPairs; ++p) words[p * kBlockN + j] = rows[j] ? rows[j][p] : 0u;
+  }
+
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+  // out[c * kBlockN + i] = rows[i][p0 + c] for a 16 x 16 block of 32-bit words.
+  static void transpose_16x16(const uint32_t* const* rows, int64_t p0, uint32_t* out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + p0) : _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: columns (0, 1) (4, 5) ... | (2, 3) ...
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + c] = rows 4i..4i+3 of columns c, c + 4, c + 8, c + 12
+      r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // gather the 128-bit lanes of the four row groups
+      const __m512i even_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), odd_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+      const __m512i even_b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+      const __m512i odd_b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+      _mm512_storeu_si512(out + (c + 0) * kBlockN, _mm512_shuffle_i32x4(even_a, even_b, 0x88));
+      _mm512_storeu_si512(out + (c + 8) * kBlockN, _mm512_shuffle_i32x4(even_a, even_b, 0xdd));
+      _mm512_storeu_si512(out + (c + 4) * kBlockN, _mm512_shuffle_i32x4(odd_a, odd_b, 0x88));
+      _mm512_storeu_si512(out + (c + 12) * kBlockN, _mm512_shuffle_i32x4(odd_a, odd_b, 0xdd));
+    }
+  }
+#endif
+
+  // V block -> B of O += P . V: bf16 path, word (key pair p, column d) = (V[2p][d], V[2p + 1][d]) at
+  // v[p * kHeadVO + d]; fp32 path, v[j * kHeadVO + d] = V[j][d]. Keys past `count` are zero.
+  void load_values(const kf_prefill_layer& io, const TileView& t, int64_t k0, int64_t count, const Scratch& s) const {
+    if constexpr (kBf16) {
+      auto* words = reinterpret_cast<uint32_t*>(s.v);
+      for (int64_t j = 0; j < kBlockN; j += 2) {
+        uint32_t* dst = words + j / 2 * kHeadVO;
+        const KVT* even = j < count ? key_row(io, t.request, k0 + j, t.kv_head, true) : nullptr;
+        const KVT* odd = j + 1 < count ? key_row(io, t.request, k0 + j + 1, t.kv_head, true) : nullptr;
+        for (int64_t d = 0; d < kHeadVO; d += kWidth) interleave_pairs(even, odd, d, dst + d);
+      }
+    } else {
+      for (int64_t j = 0; j < kBlockN; ++j) {
+        float* dst = s.v + j * kHeadVO;
+        if (j >= count) {
+          std::fill_n(dst, kHeadVO, 0.0f);
+          continue;
+        }
+        const KVT* row = key_row(io, t.request, k0 + j, t.kv_head, true);
+        for (int64_t d = 0; d < kHeadVO; d += kWidth) VecF::load(row + d).store(dst + d);
+      }
+    }
+  }
+
+  // dst[i] = (even[d + i], odd[d + i]) as bf16 pair words, kWidth of them; a null row is zeros.
+  // Every bf16 and fp8 value widens to an fp32 whose top half is its bf16.
+  static void interleave_pairs(const KVT* even, const KVT* odd, int64_t d, uint32_t* dst) {
+    const VecF low = even ? VecF::load(even + d) : VecF::zero(), high = odd ? VecF::load(odd + d) : VecF::zero();
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+    const __m512i words = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(low.v), 16),
+                                          _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(high.v)));
+    _mm512_storeu_si512(dst, words);
+#else
+    alignas(64) float lo[kWidth], hi[kWidth];
+    low.store(lo);
+    high.store(hi);
+    for (int i = 0; i < kWidth; ++i) dst[i] = bit_cast<uint32_t>(lo[i]) >> 16 | (bit_cast<uint32_t>(hi[i]) & 0xffff0000u);
+#endif
+  }
+
+  // s.s[rows x kBlockN] = Q . K^T.
+  void scores(const TileView& t, const Scratch& s) const {
+    std::fill_n(s.s, t.rows * kBlockN, 0.0f);
+    for (int64_t r0 = 0; r0 < t.rows; r0 += kMR) {
+      const int64_t rows = std::min<int64_t>(kMR, t.rows - r0);
+      for (int64_t j0 = 0; j0 < kBlockN; j0 += kNR) {
+        float* c = s.s + r0 * kBlockN + j0;
+        if constexpr (kBf16) {
+          gemm::micro_kernel_rows<kMR, kNR>(rows, s.q + r0 * kHeadQK, kHeadQK,
+                                            reinterpret_cast<const uint32_t*>(s.k) + j0, kBlockN, kHeadQK, c,
+                                            kBlockN);
+        } else {
+          gemm::micro_kernel_f32_rows<kMR, kNR>(rows, s.q + r0 * kHeadQK, kHeadQK, s.k + j0, kBlockN, kHeadQK, c,
+                                                kBlockN);
+        }
+      }
+    }
+  }
+
+  // Scores -> probabilities of the online softmax, row by row; rescales the row's accumulators.
+  void softmax(const TileView& t, int64_t k0, int64_t count, bool whole, float qk_scale, const Scratch& s) const {
+    constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+    const bool capped = p_.soft_cap > 0.0;
+    const VecF scale = VecF::broadcast(qk_scale), cap = VecF::broadcast(float(p_.soft_cap));
+    const bool causal = p_.causal != 0 && p_.mask == 0;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      float* row = s.s + r * kBlockN;
+      VecF row_max = VecF::broadcast(kMinusInf);
+      for (int64_t j = 0; j < kBlockN; j += kWidth) {
+        VecF x = VecF::load(row + j) * scale;
+        if (capped) x = cap * tanh(x);
+        x.store(row + j);
+      }
+      if (!whole) mask_row(t, r / p_.group, k0, count, causal, row);
+      for (int64_t j = 0; j < kBlockN; j += kWidth) row_max = max(row_max, VecF::load(row + j));
+      const float m_old = s.m[r], m_new = std::max(m_old, reduce_max(row_max));
+      Compute* probabilities = s.p + r * kBlockN;
+      if (m_new == kMinusInf) {  // nothing visible yet: p = 0, state unchanged
+        for (int64_t j = 0; j < kBlockN; j += kWidth) VecF::zero().store(probabilities + j);
+        continue;
+      }
+      const VecF shift = VecF::broadcast(m_new);
+      VecF sum = VecF::zero();
+      for (int64_t j = 0; j < kBlockN; j += kWidth) {
+        const VecF x = VecF::load(row + j);
+        // exp of -inf is not exactly 0 in vec_math's exp: masked keys must weigh nothing.
+        const VecF p = select(x >= VecF::broadcast(std::numeric_limits<float>::lowest()), exp(x - shift), VecF::zero());
+        sum += p;
+        p.store(probabilities + j);
+      }
+      const float alpha = std::exp(m_old - m_new);  // 0 on the first visible block (m_old = -inf)
+      s.l[r] = s.l[r] * alpha + reduce_add(sum);
+      s.m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* o = s.o + r * kHeadVO;
+        const VecF a = VecF::broadcast(alpha);
+        for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(o + d) * a).store(o + d);
+      }
+    }
+  }
+
+  // Sets the logits of keys query `q` may not see to -inf.
+  void mask_row(const TileView& t, int64_t q, int64_t k0, int64_t count, bool causal, float* row) const {
+    constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+    int64_t lo, hi;
+    visible_keys(t.query_begin + q, t.qo_len, t.kv_len, causal, p_.window_left, lo, hi);
+    const int64_t begin = std::clamp<int64_t>(lo - k0, 0, kBlockN);
+    const int64_t end = std::clamp<int64_t>(std::min(hi, k0 + count) - k0, begin, kBlockN);
+    std::fill(row, row + begin, kMinusInf);
+    std::fill(row + end, row + kBlockN, kMinusInf);
+    if (p_.mask != 0) {  // bit (q, key) of the request's row-major [qo_len, kv_len] mask
+      const auto* bits = reinterpret_cast<const uint8_t*>(p_.mask);
+      const auto* offsets = reinterpret_cast<const int64_t*>(p_.mask_offsets);
+      const int64_t first = offsets[t.request] + (t.query_begin + q) * t.kv_len + k0;
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t bit = first + j;
+        if (!((bits[bit >> 3] >> (bit & 7)) & 1)) row[j] = kMinusInf;
+      }
+    }
+  }
+
+  // s.o[rows x kHeadVO] += P . V.
+  void accumulate(const TileView& t, const Scratch& s) const {
+    for (int64_t r0 = 0; r0 < t.rows; r0 += kMR) {
+      const int64_t rows = std::min<int64_t>(kMR, t.rows - r0);
+      for (int64_t d0 = 0; d0 < kHeadVO; d0 += kNRV) {
+        float* c = s.o + r0 * kHeadVO + d0;
+        if constexpr (kBf16) {
+          gemm::micro_kernel_rows<kMR, kNRV>(rows, s.p + r0 * kBlockN, kBlockN,
+                                             reinterpret_cast<const uint32_t*>(s.v) + d0, kHeadVO, kBlockN, c,
+                                             kHeadVO);
+        } else {
+          gemm::micro_kernel_f32_rows<kMR, kNRV>(rows, s.p + r0 * kBlockN, kBlockN, s.v + d0, kHeadVO, kBlockN, c,
+                                                 kHeadVO);
+        }
+      }
+    }
+  }
+
+  // out = O / l * v_scale; lse = log2 of the row's sum of exp (FlashInfer's base-2 convention).
+  void store(const kf_prefill_layer& io, const TileView& t, const Scratch& s) const {
+    OutT* out = reinterpret_cast<OutT*>(io.out);
+    float* lse = reinterpret_cast<float*>(io.lse);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const int64_t token = t.qo_begin + t.query_begin + r / p_.group;
+      const int64_t head = t.kv_head * p_.group + r % p_.group;
+      const float l = s.l[r];
+      const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
+      OutT* dst = out + token * io.out_stride_token + head * io.out_stride_head;
+      const float* o = s.o + r * kHeadVO;
+      for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(o + d) * factor).store(dst + d);
+      if (lse != nullptr) lse[token * io.lse_stride_token + head * io.lse_stride_head] = segment_lse(s.m[r], l);
+    }
+  }
+
+  const kf_prefill_planned& p_;
+};
+
+}  // namespace kf::attention

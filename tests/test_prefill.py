@@ -1,0 +1,377 @@
+"""Tests for prefill attention: ``BatchPrefillWithPagedKVCacheWrapper``,
+``BatchPrefillWithRaggedKVCacheWrapper`` and ``single_prefill_with_kv_cache``.
+
+The reference is plain PyTorch in float64, request by request, with the mask built explicitly:
+causal bottom-right (query i of a request with qo_len queries and kv_len keys sees keys
+j <= kv_len - qo_len + i), a custom mask instead of the causal one when given, window_left w keeping
+j >= kv_len - qo_len + i - w, soft cap ``cap * tanh(x / cap)``; LSE is base 2 (``log2(e) *
+logsumexp``); a query that sees no key gives zeros and -inf. It sees the same rounded inputs as the
+kernel (fp8 KV dequantized exactly), so only the kernel's arithmetic differs: out within the
+tolerance of the coarsest dtype (bf16 1e-2, fp16 1e-3, fp32 1e-5), cosine > 0.9999, LSE to 1e-3.
+
+Variants are keyed by (q, KV, out dtype, head dims, tile, tier); the scenario matrix runs on a few,
+the geometry tests (head dims 64/128/256 and MLA's 192/128, GQA 1/4/8, every tile the tuner may
+pick) on one shape each. Every test runs on the best ISA tier and a slice on the lower ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernforge
+from kernforge.ops import prefill
+from kernforge.ops.decode import PlanStateError
+
+LOG2E = 1.0 / math.log(2.0)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+MIN_COSINE = 0.9999
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.empty(16 << 20, dtype=torch.uint8)
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
+
+
+def rand(shape, dtype, g):
+    x = torch.randn(shape, generator=g)
+    return x.to(dtype)
+
+
+def reference(q, k, v, causal=False, window_left=-1, soft_cap=0.0, mask=None, sm_scale=None, v_scale=1.0):
+    """One request: q [qo, Hq, D], k/v [kv, Hk, D] (any dtype) -> out [qo, Hq, Dvo] f64, lse [qo, Hq]."""
+    qo_len, num_qo_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[:2]
+    group = num_qo_heads // num_kv_heads
+    kk = k.double().repeat_interleave(group, 1)
+    vv = v.double().repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    logits = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if soft_cap > 0:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    i = torch.arange(qo_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    keep = torch.ones(qo_len, kv_len, dtype=torch.bool)
+    if mask is not None:
+        keep &= mask
+    elif causal:
+        keep &= j <= kv_len - qo_len + i
+    if window_left >= 0:
+        keep &= j >= kv_len - qo_len + i - window_left
+    logits = logits.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(logits, -1).T * LOG2E
+    probabilities = torch.softmax(logits, -1).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probabilities, vv) * v_scale
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, dtype, what="", v_scale=1.0):
+    """``v_scale`` scales the absolute tolerance with the output (the errors of P rounded to bf16
+    are relative to the V rows they weigh)."""
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=tol * max(1.0, v_scale), rtol=tol, msg=lambda m: f"{what}\n{m}")
+    if ref_out.numel() and ref_out.abs().max() > 0:
+        cosine = torch.nn.functional.cosine_similarity(out.double().flatten(), ref_out.flatten(), dim=0)
+        assert cosine > MIN_COSINE, f"{what}: cosine {cosine}"
+    if lse is not None:
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite), f"{what}: -inf LSE where no key is visible"
+        torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- paged batches
+
+
+def paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size, layout, kv_dtype, g):
+    """A cache with each request's pages drawn from a shuffled pool, plus two unused pages."""
+    counts = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(counts) + 2
+    pool = torch.randperm(num_pages, generator=g).to(torch.int32)
+    indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    indices = pool[:sum(counts)].clone()
+    last = torch.tensor([(n - 1) % page_size + 1 if n else 1 for n in kv_lens], dtype=torch.int32)
+    shape = (num_pages, 2, page_size, num_kv_heads, head_dim) if layout == "NHD" else \
+        (num_pages, 2, num_kv_heads, page_size, head_dim)
+    cache = rand(shape, kv_dtype, g)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32)
+    return cache, qo_indptr, indptr, indices, last
+
+
+def gather(cache, indptr, indices, kv_len, b, layout, which):
+    pages = cache[indices[indptr[b]:indptr[b + 1]].long(), which]
+    if layout == "HND":
+        pages = pages.transpose(1, 2)
+    return pages.reshape(-1, *pages.shape[2:])[:kv_len]
+
+
+def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=None, num_qo_heads=8,
+              num_kv_heads=2, head_dim=128, page_size=16, layout="NHD", causal=True, window_left=-1,
+              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, **run_kwargs):
+    kv_dtype = kv_dtype or q_dtype
+    g = g or seeded(tuple(qo_lens), tuple(kv_lens), str(q_dtype), page_size, layout)
+    cache, qo_indptr, indptr, indices, last = paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size,
+                                                          layout, kv_dtype, g)
+    q = rand((sum(qo_lens), num_qo_heads, head_dim), q_dtype, g)
+    wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
+    wrapper.plan(qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
+                 window_left=window_left, logits_soft_cap=soft_cap, custom_mask=custom, packed_custom_mask=packed,
+                 q_data_type=q_dtype, kv_data_type=kv_dtype)
+    result = wrapper.run(q, cache, return_lse=return_lse, **run_kwargs)
+    return wrapper, q, cache, (qo_indptr, indptr, indices), result
+
+
+def check_paged(q, cache, indices, result, qo_lens, kv_lens, layout, dtype, masks=None, **ref_kwargs):
+    v_scale = ref_kwargs.get("v_scale", 1.0)
+    qo_indptr, indptr, pages = indices
+    out, lse = result
+    for b, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        k = gather(cache, indptr, pages, kv_len, b, layout, 0)
+        v = gather(cache, indptr, pages, kv_len, b, layout, 1)
+        mask = None if masks is None else masks[b]
+        ref_out, ref_lse = reference(q[rows], k, v, mask=mask, **ref_kwargs)
+        check(out[rows], lse[rows], ref_out, ref_lse, dtype, f"request {b} (qo {qo_len}, kv {kv_len})",
+              v_scale)
+
+
+# The issue's pairs in one batch, with an empty request (qo_len 0) among them.
+QO_LENS, KV_LENS = [1, 1, 17, 0, 100, 1023], [1, 4097, 17, 9, 1000, 1023]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_batch_matches_reference(tier, workspace, page_size, layout, causal):
+    _, q, cache, indices, result = run_paged(workspace, QO_LENS, KV_LENS, num_qo_heads=4, num_kv_heads=1,
+                                             page_size=page_size, layout=layout, causal=causal)
+    check_paged(q, cache, indices, result, QO_LENS, KV_LENS, layout, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                              (torch.bfloat16, FP8), (torch.float16, FP8)])
+def test_paged_dtypes(tier, workspace, q_dtype, kv_dtype):
+    qo, kv = [3, 40, 65], [3, 90, 65]
+    _, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=5)
+    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) or kv_dtype == FP8 and q_dtype == torch.bfloat16 \
+        else q_dtype
+    check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
+
+
+def test_fp8_scales(tier, workspace):
+    qo, kv = [7, 33], [20, 33]
+    _, q, cache, indices, result = run_paged(workspace, qo, kv, kv_dtype=FP8, k_scale=0.5, v_scale=2.0)
+    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, causal=True,
+                sm_scale=0.5 / math.sqrt(128), v_scale=2.0)
+
+
+@pytest.mark.parametrize("window_left,soft_cap", [(0, None), (37, None), (200, 30.0), (-1, 5.0)])
+def test_window_and_soft_cap(tier, workspace, window_left, soft_cap):
+    qo, kv = [50, 1, 130], [300, 64, 130]
+    _, q, cache, indices, result = run_paged(workspace, qo, kv, window_left=window_left, soft_cap=soft_cap)
+    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, causal=True, window_left=window_left,
+                soft_cap=soft_cap or 0.0)
+
+
+def random_masks(qo, kv, g):
+    return [torch.rand(a, b, generator=g) < 0.7 for a, b in zip(qo, kv)]
+
+
+def segment_packbits(masks):
+    """FlashInfer's segment_packbits, little bit order: each request from a byte boundary."""
+    packed = []
+    for m in masks:
+        bits = m.reshape(-1).to(torch.uint8)
+        bits = torch.cat([bits, bits.new_zeros(-len(bits) % 8)])
+        packed.append((bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1).to(torch.uint8))
+    return torch.cat(packed)
+
+
+@pytest.mark.parametrize("form", ["custom", "packed"])
+def test_custom_mask_replaces_causal(tier, workspace, form):
+    qo, kv = [5, 70, 3], [9, 70, 80]
+    g = seeded("mask", form)
+    masks = random_masks(qo, kv, g)
+    masks[1][3] = False  # a query that sees no key at all: zeros and -inf
+    kwargs = {"custom": torch.cat([m.reshape(-1) for m in masks])} if form == "custom" else \
+        {"packed": segment_packbits(masks)}
+    _, q, cache, indices, result = run_paged(workspace, qo, kv, causal=True, g=g, **kwargs)
+    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, masks=masks)
+    assert torch.equal(result[0][int(indices[0][1]) + 3], torch.zeros_like(result[0][0]))
+
+
+def test_qo_len_one_matches_decode(tier, workspace):
+    lengths = [1, 77, 300]
+    wrapper, q, cache, indices, (out, lse) = run_paged(workspace, [1, 1, 1], lengths)
+    decode = kernforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+    decode.plan(indices[1], indices[2], torch.tensor([(n - 1) % 16 + 1 for n in lengths], dtype=torch.int32), 8, 2,
+                128, 16, q_data_type=torch.bfloat16)
+    d_out, d_lse = decode.run(q, cache, return_lse=True)
+    torch.testing.assert_close(out.float(), d_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, d_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_masked_blocks_are_skipped(workspace):
+    """Causal attention visits only key blocks some query of the tile sees: for one request of
+    L = 640 queries, tiles of 16 queries (64 rows, GQA 4) and blocks of 64 keys, tile t visits
+    blocks 0 .. (16t + 15) // 64, against all 10 without the mask."""
+    length, tile = 640, (64, 64)
+    qo_indptr = kv_indptr = torch.tensor([0, length], dtype=torch.int32)
+    g = seeded("skip")
+    q, k, v = (rand((length, h, 64), torch.bfloat16, g) for h in (4, 1, 1))
+    counts = {}
+    for causal in (True, False):
+        wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper._make_plan(qo_indptr, kv_indptr, None, None, 4, 1, 64, None, 1, None, None, causal, "NONE", -1, None,
+                           None, torch.bfloat16, None, None, tile)
+        out = wrapper.run(q, k, v)
+        counts[causal] = wrapper.computed_blocks()
+        check(out, None, reference(q, k, v, causal=causal)[0], None, torch.bfloat16, f"causal={causal}")
+    tiles = length // 16
+    assert counts[False] == tiles * (length // 64)
+    assert counts[True] == sum((16 * t + 15) // 64 + 1 for t in range(tiles))
+
+
+# --------------------------------------------------------------------------- ragged and single
+
+
+@pytest.mark.parametrize("head_dim_qk,head_dim_vo,num_qo_heads,num_kv_heads", [
+    (64, 64, 8, 8), (128, 128, 8, 1), (256, 256, 4, 1), (192, 128, 16, 2), (128, 128, 16, 2),
+])
+def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_heads, num_kv_heads):
+    qo, kv = [1, 33, 0, 64], [40, 33, 5, 100]
+    g = seeded("ragged", head_dim_qk, head_dim_vo, num_qo_heads, num_kv_heads)
+    q = rand((sum(qo), num_qo_heads, head_dim_qk), torch.bfloat16, g)
+    k = rand((sum(kv), num_kv_heads, head_dim_qk), torch.bfloat16, g)
+    v = rand((sum(kv), num_kv_heads, head_dim_vo), torch.bfloat16, g)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal=True,
+                 q_data_type=torch.bfloat16)
+    out, lse = wrapper.run_return_lse(q, k, v)
+    assert out.shape == (sum(qo), num_qo_heads, head_dim_vo) and lse.shape == (sum(qo), num_qo_heads)
+    for b in range(len(qo)):
+        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
+        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True)
+        check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}")
+
+
+@pytest.mark.parametrize("tile", prefill.TILES)
+def test_every_tile(workspace, tile):
+    """Each tile the tuner may pick, on a batch with partial tiles and blocks."""
+    qo, kv = [70, 5], [200, 5]
+    g = seeded("tile", tile)
+    q = rand((sum(qo), 12, 64), torch.bfloat16, g)
+    k, v = (rand((sum(kv), 4, 64), torch.bfloat16, g) for _ in range(2))
+    qo_indptr = torch.tensor([0, 70, 75], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 200, 205], dtype=torch.int32)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper._make_plan(qo_indptr, kv_indptr, None, None, 12, 4, 64, None, 1, None, None, True, "NONE", -1, None, None,
+                       torch.bfloat16, None, None, tile)
+    out = wrapper.run(q, k, v)
+    for b in range(2):
+        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
+        check(out[rq], None, reference(q[rq], k[rk], v[rk], causal=True)[0], None, torch.bfloat16, f"tile {tile}")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_single_prefill(tier, layout, dtype):
+    g = seeded("single", layout, str(dtype))
+    q = rand((31, 4, 128), dtype, g)
+    k, v = (rand((47, 2, 128), dtype, g) for _ in range(2))
+    kk, vv = (t.transpose(0, 1).contiguous() if layout == "HND" else t for t in (k, v))
+    out, lse = kernforge.single_prefill_with_kv_cache(q, kk, vv, causal=True, kv_layout=layout, return_lse=True)
+    check(out, lse, *reference(q, k, v, causal=True), dtype)
+    mask = torch.rand(31, 47, generator=g) < 0.5
+    out = kernforge.single_prefill_with_kv_cache(q, kk, vv, custom_mask=mask, kv_layout=layout)
+    check(out, None, reference(q, k, v, mask=mask)[0], None, dtype)
+
+
+def test_strided_q_out_lse(tier, workspace):
+    """q as a view of a fused qkv buffer, out and lse into wider buffers: written in place."""
+    g = seeded("strided")
+    qkv = rand((40, 8 + 2 + 2, 64), torch.bfloat16, g)
+    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    out_buffer = torch.full((40, 10, 64), 7.0, dtype=torch.bfloat16)
+    lse_buffer = torch.full((40, 9), 7.0)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    wrapper.plan(indptr, indptr, 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
+    out, lse = wrapper.run(q, k, v, out=out_buffer[:, 1:9], lse=lse_buffer[:, :8], return_lse=True)
+    check(out, lse, *reference(q, k, v, causal=True), torch.bfloat16)
+    assert (out_buffer[:, [0, 9]] == 7).all() and (lse_buffer[:, 8] == 7).all()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def plan_paged(workspace, **overrides):
+    args = dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32), paged_kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+                paged_kv_indices=torch.tensor([0, 1], dtype=torch.int32),
+                paged_kv_last_page_len=torch.tensor([4, 9], dtype=torch.int32), num_qo_heads=4, num_kv_heads=2,
+                head_dim_qk=64, page_size=16, causal=True, q_data_type=torch.bfloat16)
+    args.update(overrides)
+    wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(**args)
+    return wrapper
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
+    ({"paged_kv_last_page_len": torch.tensor([3, 9], dtype=torch.int32)}, "more queries than keys"),
+    ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
+    ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
+    ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
+    ({"head_dim_qk": 72}, "head_dim_qk"),
+    ({"head_dim_vo": 32}, "head_dim_vo"),
+    ({"num_kv_heads": 3}, "divisible"),
+    ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),
+    ({"packed_custom_mask": torch.ones(2, dtype=torch.uint8)}, "packed_custom_mask"),
+    ({"logits_soft_cap": -1.0}, "logits_soft_cap"),
+])
+def test_plan_errors(workspace, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        plan_paged(workspace, **overrides)
+    with pytest.raises(TypeError, match="q_data_type"):
+        plan_paged(workspace, q_data_type=torch.int32)
+
+
+def test_run_errors(workspace):
+    with pytest.raises(PlanStateError):
+        kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace).run(torch.zeros(1), torch.zeros(1))
+    wrapper = plan_paged(workspace)
+    cache = torch.zeros(2, 2, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(9, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype of q"):
+        wrapper.run(q.float(), cache)
+    with pytest.raises(ValueError, match=r"q.shape\[0\]"):
+        wrapper.run(q[:8], cache)
+    with pytest.raises(ValueError, match="dtype of k"):
+        wrapper.run(q, cache.float())
+    with pytest.raises(ValueError, match="beyond paged_kv_cache"):
+        wrapper.run(q, cache[:1])
+    with pytest.raises(ValueError, match="Invalid shape of out"):
+        wrapper.run(q, cache, out=torch.zeros(9, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="o_data_type"):
+        wrapper.run(q, cache, out=torch.zeros(9, 4, 64))
+    with pytest.raises(NotImplementedError):
+        wrapper.run(q, cache, sinks=torch.zeros(4))
+    ragged = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 2, 64,
+                q_data_type=torch.bfloat16)
+    k = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k must have shape"):
+        ragged.run(q[:3], k[:4], k)
+    with pytest.raises(ValueError, match="v must have shape"):
+        ragged.run(q[:3], k, torch.zeros(5, 1, 64, dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError):
+        ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 2, 64,
+                    pos_encoding_mode="ROPE_LLAMA")
