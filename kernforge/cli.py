@@ -78,7 +78,7 @@ def _prewarm(args) -> int:
     else:
         manifest = prewarm.all_ops_manifest(args.dtype or prewarm.ALL_DTYPES)
     if args.tune and not args.model_config:
-        raise ValueError("--tune times a model's linear shapes: it needs --model-config "
+        raise ValueError("--tune times a model's linear and attention shapes: it needs --model-config "
                          "(python -m kernforge tune gemm takes shapes directly)")
     if args.print_manifest:
         print(json.dumps(manifest, indent=2))
@@ -89,6 +89,7 @@ def _prewarm(args) -> int:
             set_num_threads(args.threads)
         with isa.use_isa(args.isa) if args.isa else contextlib.nullcontext():  # timed on the tier just built
             _print_tuned(prewarm.tune_model_linears(args.model_config, args.tune_m))
+            _print_tuned_prefill(prewarm.tune_model_attention(args.model_config))
     return 0
 
 
@@ -101,12 +102,28 @@ def _shape_nk(text: str) -> tuple[int, int]:
 
 
 def _tune(args) -> int:
-    from kernforge.ops import gemm
+    from kernforge.ops import gemm, prefill
 
     if args.threads:
         set_num_threads(args.threads)
-    _print_tuned(gemm.tune_gemm(args.m, args.nk, TORCH_DTYPES[dtype_name(args.dtype)]))
+    dtype = TORCH_DTYPES[dtype_name(args.dtype)]
+    if args.op == "prefill":
+        head_dims = [(d, args.head_dim_vo or d) for d in args.head_dim]
+        _print_tuned_prefill(prefill.tune_prefill(head_dims, args.group, dtype, length=args.length))
+        return 0
+    if not args.m or not args.nk:
+        raise ValueError("tune gemm needs --m and --nk")
+    _print_tuned(gemm.tune_gemm(args.m, args.nk, dtype))
     return 0
+
+
+def _print_tuned_prefill(results: list[dict]) -> None:
+    for r in results:
+        timings = "  ".join(f"{'x'.join(map(str, tile))} {s * 1e3:.2f}ms" for tile, s in r["seconds"].items())
+        print(f"prefill {r['dtype']}/{r['kv_dtype']} head_dim {r['head_dim_qk']}/{r['head_dim_vo']} group "
+              f"{r['group']} {r['tier']}: tile {'x'.join(map(str, r['tile']))} (default "
+              f"{'x'.join(map(str, r['default']))})  [{timings}]")
+    print(f"recorded in {disk.cache_root() / 'tuning'}")
 
 
 def _print_tuned(results: list[dict]) -> None:
@@ -142,16 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")
     p.add_argument("--tune", action="store_true",
                    help="with --model-config: then tune the GEMM for the model's linear shapes (q, k/v, o, "
-                        "gate+up as one, down) and record the winners where weight_packed_linear finds them")
+                        "gate+up as one, down) and the prefill tile for its head_dim and GQA group, recording "
+                        "the winners where dispatch finds them")
     p.add_argument("--tune-m", type=int, nargs="+", default=list(prewarm.TUNE_ROWS),
                    help=f"with --tune: rows of x to tune for (default {' '.join(map(str, prewarm.TUNE_ROWS))})")
     p.add_argument("--threads", type=int, help="with --tune: threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_prewarm)
     p = sub.add_parser("tune", help="time the tile candidates of an op on this machine and record the winners")
-    p.add_argument("op", choices=["gemm"],
-                   help="gemm: weight_packed_linear's register tile, rows per task, K block and thread split")
-    p.add_argument("--m", type=int, nargs="+", required=True, help="rows of x to tune for (each picks an M bucket)")
-    p.add_argument("--nk", type=_shape_nk, nargs="+", required=True, help="weight shapes NxK (repeatable list)")
+    p.add_argument("op", choices=["gemm", "prefill"],
+                   help="gemm: weight_packed_linear's register tile, rows per task, K block and thread split; "
+                        "prefill: the prefill kernel's tile (query rows per item, keys per block)")
+    p.add_argument("--m", type=int, nargs="+", help="gemm: rows of x to tune for (each picks an M bucket)")
+    p.add_argument("--nk", type=_shape_nk, nargs="+", help="gemm: weight shapes NxK (repeatable list)")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[128], help="prefill: head_dim_qk values (default 128)")
+    p.add_argument("--head-dim-vo", type=int, help="prefill: head_dim_vo (default: head_dim_qk)")
+    p.add_argument("--group", type=int, nargs="+", default=[4], help="prefill: GQA group sizes (default 4)")
+    p.add_argument("--length", type=int, default=1024, help="prefill: causal request length timed (default 1024)")
     p.add_argument("--dtype", default="bf16", help="dtype of x (default bf16)")
     p.add_argument("--threads", type=int, help="threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_tune)

@@ -85,6 +85,8 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
             *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
             *({"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)} for kv_dtype in
               [dtype, *kv_cache_dtypes]),
+            *({"module": "prefill", "params": _prefill_params(dtype, kv_dtype, attention)} for kv_dtype in
+              [dtype, *kv_cache_dtypes]),
             {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
         ],
     }
@@ -120,6 +122,16 @@ def _linear_shapes(sizes: dict, attention: dict) -> dict[str, list[int]]:
 TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
 
 
+def tune_model_attention(config: dict | str | Path, measure=None) -> list[dict]:
+    """Run :func:`kernforge.tune_prefill` for the model's head_dim and GQA group, in its dtype."""
+    from kernforge.ops.prefill import tune_prefill
+
+    model = manifest_from_model_config(config)["model"]
+    group = model["num_attention_heads"] // model["num_key_value_heads"]
+    return tune_prefill([(model["head_dim"], model["head_dim"])], [group], TORCH_DTYPES[dtype_name(model["dtype"])],
+                        measure=measure)
+
+
 def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None) -> list[dict]:
     """Run :func:`kernforge.tune_gemm` for each distinct linear shape of the model (``config.json``,
     path or dict) at each M of ``m_list``, x in the model's dtype, on the tier in use: the winners
@@ -138,6 +150,17 @@ def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
     kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
     group = attention["num_attention_heads"] // attention["num_key_value_heads"]
     return decode_variant_params(q, kv, q, attention["head_dim"], group)
+
+
+def _prefill_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
+    from kernforge.ops.prefill import prefill_variant_params  # the one rule plan() uses
+
+    q = TORCH_DTYPES[dtype_name(dtype)]
+    kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
+    group = attention["num_attention_heads"] // attention["num_key_value_heads"]
+    head_dim = attention["head_dim"]
+    params = prefill_variant_params(q, kv, q, head_dim, head_dim, group)
+    return {**params, "tile": list(params["tile"])}  # as JSON spells it
 
 
 def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) -> list[core.KernelSpec]:

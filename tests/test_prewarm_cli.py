@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kernforge
+from kernforge.ops import prefill
 from conftest import TEST_TEMPLATES, clean_env
 from kernels import AXPY
 from kernforge import cli
@@ -188,6 +190,26 @@ def decode_entry(kv_dtype: str, head_dim: int, group: int) -> dict:
                                            "head_dim": head_dim, "group": group}}
 
 
+def prefill_entry(kv_dtype: str, head_dim: int) -> dict:
+    return {"module": "prefill", "params": {"q_dtype": "bf16", "kv_dtype": kv_dtype, "out_dtype": "bf16",
+                                            "head_dim_qk": head_dim, "head_dim_vo": head_dim,
+                                            "tile": list(prefill.TILES[0])}}
+
+
+def test_tune_prefill_records_the_winner_where_plan_finds_it(cache):
+    """A fake measure makes the (32, 64) tile fastest by far: tune_prefill records it and plan()
+    then builds that variant; a 1% win does not displace the default."""
+    fast = prefill.TILES[1]
+    results = prefill.tune_prefill([(64, 64)], [2], length=40,
+                                   measure=lambda tile, run: (run(), 1.0 if tile == fast else 2.0)[1])
+    assert results[0]["tile"] == fast and results[0]["default"] == prefill.TILES[0]
+    params = prefill.prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 64, 64, 2)
+    assert params["tile"] == fast
+    results = prefill.tune_prefill([(64, 64)], [2], length=40,
+                                   measure=lambda tile, run: 0.99 if tile == fast else 1.0)
+    assert results[0]["tile"] == prefill.TILES[0]
+
+
 def test_manifest_from_llama_config():
     manifest = prewarm.manifest_from_model_config(LLAMA)
     assert manifest["kernels"] == [{"op": "rmsnorm", "dtype": "bfloat16"},
@@ -195,17 +217,20 @@ def test_manifest_from_llama_config():
                                    {"op": "silu_and_mul", "dtype": "bfloat16"},
                                    *ATTENTION_OPS,
                                    decode_entry("bf16", head_dim=128, group=4),  # hidden / heads, heads / KV heads
+                                   prefill_entry("bf16", head_dim=128),
                                    SAMPLER]
     assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
 
 
 def test_manifest_builds_decode_for_each_kv_cache_dtype_and_mqa():
     mqa = {**LLAMA, "num_key_value_heads": 1}
-    decodes = [k for k in prewarm.manifest_from_model_config(mqa, ("float8_e4m3fn",))["kernels"] if "module" in k]
+    decodes = [k for k in prewarm.manifest_from_model_config(mqa, ("float8_e4m3fn",))["kernels"]
+               if k.get("module") == "decode"]
     assert decodes == [decode_entry("bf16", 128, group=0), decode_entry("fp8_e4m3", 128, group=0)]  # group 32: runtime
     specs = prewarm.specs_from_manifest({"kernels": decodes}, tier="generic")
     assert [dict(s.params)["kv_dtype"] for s in specs] == ["bf16", "fp8_e4m3"]
-    assert decodes == [k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"] if "module" in k]
+    assert decodes == [k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"]
+                       if k.get("module") == "decode"]
     with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
         prewarm.manifest_from_model_config({**LLAMA, "head_dim": 72})
 
@@ -305,7 +330,7 @@ def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_pa
 
 def test_cli_tune_flag_needs_a_model_config(capsys):
     assert cli.main(["prewarm", "--op", "rmsnorm", "--tune"]) == 1
-    assert "--tune times a model's linear shapes: it needs --model-config" in capsys.readouterr().err
+    assert "--tune times a model's linear and attention shapes: it needs --model-config" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the CLI in-process
