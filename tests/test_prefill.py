@@ -17,11 +17,16 @@ pick) on one shape each. Every test runs on the best ISA tier and a slice on the
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 import kernforge
+from kernforge.cache import disk
+from kernforge.jit import core
+from kernforge.jit.module import Entry, Module
 from kernforge.ops import prefill
 from kernforge.ops.decode import PlanStateError
 
@@ -375,3 +380,72 @@ def test_run_errors(workspace):
     with pytest.raises(NotImplementedError):
         ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 2, 64,
                     pos_encoding_mode="ROPE_LLAMA")
+
+
+# --------------------------------------------------------------------------- AMX tier
+
+PREFILL_EMULATED = Module(
+    "prefill_amx_emulated", "prefill_amx_emulated.cpp.jinja", params=prefill.PREFILL.params,
+    structs=[prefill.PREFILL_PLAN, prefill.PREFILL_IO],
+    entries=[*prefill.PREFILL.entries.values(), Entry("take_counters", "int64_t counters")],
+)
+
+
+def _amx_counters(kernel) -> dict:
+    counters = torch.zeros(3, dtype=torch.int64)
+    kernel.take_counters(counters.data_ptr())
+    faults, last, dots = counters.tolist()
+    return {"faults": faults, "last_fault": last, "dot_products": dots}
+
+
+@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile", [(torch.bfloat16, 12, (64, 64)), (FP8, 8, (32, 32)),
+                                                        (torch.bfloat16, 6, (128, 64))])
+def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile):
+    """The AMX products of the prefill kernel, with the tile instructions emulated (the same
+    template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
+    blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks."""
+    if not kernforge.jit.isa.runnable("avx512"):
+        pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
+    qo, kv = [45, 1, 70], [100, 33, 70]
+    g = seeded("amx", str(kv_dtype), num_qo_heads)
+    q = rand((sum(qo), num_qo_heads, 64), torch.bfloat16, g)
+    k, v = (rand((sum(kv), 2, 64), kv_dtype, g) for _ in range(2))
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    with kernforge.use_isa("avx512"):
+        for window in (-1, 40):
+            wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, 64, None, 1, None, None, True,
+                               "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
+                               module=PREFILL_EMULATED)
+            kernel = wrapper._plan.kernel
+            _amx_counters(kernel)
+            out, lse = wrapper.run_return_lse(q, k, v)
+            counters = _amx_counters(kernel)
+            assert counters["faults"] == 0 and counters["dot_products"] > 0, counters
+            for b in range(len(qo)):
+                rq = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+                rk = slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
+                ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True, window_left=window)
+                check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}, window {window}")
+
+
+def test_amx_build_compiles_with_the_tile_path(cache):
+    """The amx tier's build of the prefill module compiles here, with the tile instructions in it."""
+    params = prefill.prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 128, 128, 4,
+                                            prefill.TILES[0])
+    result, _ = core.build(core.KernelSpec.make(prefill.PREFILL, params, "amx"), load=False)  # compile only
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed: cannot look into the built library")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(disk.Entry(cache, result.key).so)],
+                          capture_output=True, text=True, check=True).stdout
+    for mnemonic in ("tdpbf16ps", "ldtilecfg", "tileloadd", "tilestored", "tilezero", "tilerelease"):
+        assert mnemonic in code, f"the amx build of prefill has no {mnemonic}"
+
+
+@pytest.mark.skipif(not kernforge.jit.isa.runnable("amx"), reason="this CPU or OS offers no AMX tiles: the "
+                    "amx tier's prefill runs only where it does (its tile logic is tested emulated above)")
+def test_amx_tier_matches_reference(workspace):
+    with kernforge.use_isa("amx"):
+        _, q, cache, indices, result = run_paged(workspace, [40, 100], [40, 300])
+        check_paged(q, cache, indices, result, [40, 100], [40, 300], "NHD", torch.bfloat16, causal=True)

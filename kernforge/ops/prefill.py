@@ -27,7 +27,7 @@ import threading
 import torch
 
 from kernforge.jit import isa
-from kernforge.jit.module import DType, Entry, Int, IntTuple, Module, Struct
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import index_vector, num_threads, writable_rows
 from kernforge.ops._registry import export
@@ -60,6 +60,7 @@ PREFILL = Module(
         "head_dim_qk": Int(minimum=16, maximum=512), "head_dim_vo": Int(minimum=16, maximum=512),
         "tile": IntTuple(2, choices=TILES),
     },
+    tiers=ALL_TIERS,  # the amx build multiplies bf16 in AMX tiles (gemm/amx_kernel.h)
     structs=[PREFILL_PLAN, PREFILL_IO],
     entries=[
         Entry("plan", "int64_t qo_indptr, int64_t kv_indptr, int64_t last_page_len, int64_t indices, "
@@ -74,7 +75,7 @@ PREFILL = Module(
 
 
 def _tile_candidate(tile: tuple[int, int], rank: int) -> Candidate:
-    return Candidate({"tile": tile}, ("avx512", "avx2", "generic"), rank)
+    return Candidate({"tile": tile}, tuple(ALL_TIERS), rank)
 
 
 TILE_CANDIDATES = Candidates(
@@ -174,7 +175,8 @@ class _PrefillWrapper:
 
     def _make_plan(self, qo_indptr, kv_indptr, last_page_len, indices, num_qo_heads, num_kv_heads, head_dim_qk,
                    head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left,
-                   logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type, tile=None) -> None:
+                   logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type, tile=None,
+                   module: Module = PREFILL) -> None:
         self._plan = None
         _check_pos_encoding_mode(pos_encoding_mode)
         _positive("num_qo_heads", num_qo_heads)
@@ -211,7 +213,7 @@ class _PrefillWrapper:
 
         group = num_qo_heads // num_kv_heads
         params = prefill_variant_params(q_dtype, kv_dtype, out_dtype, head_dim_qk, head_dim_vo, group, tile)
-        kernel = PREFILL.variant(**params).kernel()
+        kernel = module.variant(**params).kernel()  # module: PREFILL, or a test build of its template
         rows_per_item = params["tile"][0]
         queries_per_tile = max(1, rows_per_item // group)
         total_q = int(qo_indptr[-1])

@@ -14,7 +14,7 @@
 //   softmax       row by row: scale, soft cap, mask, running max/sum, P (bf16 or fp32);
 //   O += P . V    (rows x head_dim_vo): V's block as pairs of keys (bf16) or fp32 rows.
 // The bf16 path (q bf16, KV bf16 or fp8: fp8 widens to bf16 exactly) multiplies with vdpbf16ps on
-// AVX512-BF16; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
+// AVX512-BF16, and in AMX tiles (gemm/amx_kernel.h, 32 x 32 blocks) on the amx tier; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
 // the fp32 path so that nothing is rounded below the input precision.
 //
 // Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "kernforge/attention/softmax_state.h"
+#include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/f32_kernel.h"
 #include "kernforge/gemm/micro_kernel.h"
 #include "kernforge/parallel.h"
@@ -136,6 +137,13 @@ class PrefillKernel {
   // Output columns per micro-kernel call: NR where head_dim_vo allows, else one vector.
   static constexpr int kNRV = kHeadVO % kNR == 0 ? kNR : kWidth;
   static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
+#if defined(KF_GEMM_HAS_AMX)
+  // AMX blocks are 32 columns wide: keys per block and head_dim_vo must be whole blocks.
+  static constexpr bool kAmx = kBf16 && kBlockN % gemm::amx::kBlockColumns == 0 &&
+                               kHeadVO % gemm::amx::kBlockColumns == 0;
+#else
+  static constexpr bool kAmx = false;
+#endif
   static_assert(kHeadQK % 2 == 0 && kHeadVO % kWidth == 0, "head dims are multiples of the vector width");
 
  public:
@@ -163,7 +171,7 @@ class PrefillKernel {
   // the output accumulators and the running max and sum, 64-byte aligned pieces of one buffer.
   struct Scratch {
     Compute *q, *k, *p, *v, *convert;
-    float *s, *o, *m, *l;
+    float *s, *o, *pv, *m, *l;
     int64_t bytes;
 
     static Scratch layout(int64_t rows, char* base) {
@@ -182,6 +190,7 @@ class PrefillKernel {
       s.convert = reinterpret_cast<Compute*>(take(std::is_same_v<KVT, bf16> || !kBf16 ? 0 : kBlockN * kHeadQK * sizeof(Compute)));
       s.s = reinterpret_cast<float*>(take(rows * kBlockN * sizeof(float)));
       s.o = reinterpret_cast<float*>(take(rows * kHeadVO * sizeof(float)));
+      s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kHeadVO * sizeof(float) : 0));  // P . V of one block
       s.m = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.l = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.bytes = at;
@@ -211,6 +220,53 @@ class PrefillKernel {
     return reinterpret_cast<const KVT*>(base) + offset + head * head_stride;
   }
 
+  // The AMX products of an item, where the tier has tiles and the OS granted them: the thread's tile
+  // configuration lives as long as the item. scores()/accumulate() return false where they did not
+  // run, and the vector micro-kernels take over.
+  struct Tiles {
+#if defined(KF_GEMM_HAS_AMX)
+    bool enabled = kAmx && gemm::amx::tiles_permitted();
+    gemm::amx::Tiles state;
+    gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails;
+
+    // s.s[rows x kBlockN] = Q . K^T, 32 x 32 blocks.
+    bool scores(const TileView& t, const Scratch& s) {
+      if (!enabled) return false;
+      if constexpr (kAmx) {
+        const auto* k = reinterpret_cast<const uint32_t*>(s.k);
+        for (int64_t r0 = 0; r0 < t.rows; r0 += gemm::amx::kBlockRows) {
+          const int rows = int(std::min<int64_t>(gemm::amx::kBlockRows, t.rows - r0));
+          state.shape_for(rows);
+          for (int64_t j0 = 0; j0 < kBlockN; j0 += gemm::amx::kBlockColumns)
+            gemm::amx::block<gemm::amx::Bf16Product>(s.q + r0 * kHeadQK, kHeadQK, k + j0, kBlockN, kHeadQK, rows,
+                                                     s.s + r0 * kBlockN + j0, kBlockN, tails);
+        }
+      }
+      return true;
+    }
+
+    // s.o += P . V: the block's product in tiles, added to the (already rescaled) accumulators.
+    bool accumulate(const TileView& t, const Scratch& s) {
+      if (!enabled) return false;
+      if constexpr (kAmx) {
+        const auto* v = reinterpret_cast<const uint32_t*>(s.v);
+        for (int64_t r0 = 0; r0 < t.rows; r0 += gemm::amx::kBlockRows) {
+          const int rows = int(std::min<int64_t>(gemm::amx::kBlockRows, t.rows - r0));
+          state.shape_for(rows);
+          for (int64_t d0 = 0; d0 < kHeadVO; d0 += gemm::amx::kBlockColumns)
+            gemm::amx::block<gemm::amx::Bf16Product>(s.p + r0 * kBlockN, kBlockN, v + d0, kHeadVO, kBlockN, rows,
+                                                     s.pv + r0 * kHeadVO + d0, kHeadVO, tails);
+        }
+        for (int64_t i = 0; i < t.rows * kHeadVO; i += kWidth) (VecF::load(s.o + i) + VecF::load(s.pv + i)).store(s.o + i);
+      }
+      return true;
+    }
+#else
+    bool scores(const TileView&, const Scratch&) { return false; }
+    bool accumulate(const TileView&, const Scratch&) { return false; }
+#endif
+  };
+
   // Returns the number of key blocks the item computed.
   int64_t run_item(const kf_prefill_layer& io, const PrefillItem& item, const Scratch& s) const {
     const auto* qo_indptr = reinterpret_cast<const int32_t*>(p_.qo_indptr);
@@ -234,16 +290,17 @@ class PrefillKernel {
     visible_keys(t.query_begin, t.qo_len, t.kv_len, causal, p_.window_left, lo_first, hi_first);
     visible_keys(t.query_begin + t.queries - 1, t.qo_len, t.kv_len, causal, p_.window_left, lo_last, hi_last);
     int64_t visited = 0;
+    Tiles tiles;
     for (int64_t k0 = lo_first / kBlockN * kBlockN; k0 < hi_last; k0 += kBlockN) {
       const int64_t count = std::min<int64_t>(kBlockN, t.kv_len - k0);
       // Every row sees all of [k0, k0 + kBlockN) only inside the first row's upper bound and the
       // last row's lower bound, and only for a whole block.
       const bool whole = p_.mask == 0 && count == kBlockN && k0 >= lo_last && k0 + kBlockN <= hi_first;
       load_keys(io, t, k0, count, s);
-      scores(t, s);
+      if (!tiles.scores(t, s)) scores(t, s);
       softmax(t, k0, count, whole, float(io.qk_scale), s);
       load_values(io, t, k0, count, s);
-      accumulate(t, s);
+      if (!tiles.accumulate(t, s)) accumulate(t, s);
       ++visited;
     }
     store(io, t, s);
