@@ -449,3 +449,29 @@ def test_amx_tier_matches_reference(workspace):
     with kernforge.use_isa("amx"):
         _, q, cache, indices, result = run_paged(workspace, [40, 100], [40, 300])
         check_paged(q, cache, indices, result, [40, 100], [40, 300], "NHD", torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("threads_setting", [2, 5])
+def test_kv_split_when_tiles_are_fewer_than_threads(tier, workspace, threads_setting):
+    """One tile of a long request on more threads than tiles: plan() cuts its keys into pieces
+    whose partial states run() merges by LSE; the result equals the reference and the unsplit run."""
+    qo, kv = [10], [1100]
+    g = seeded("split", threads_setting)
+    q = rand((10, 2, 64), torch.bfloat16, g)
+    k, v = (rand((1100, 1, 64), torch.bfloat16, g) for _ in range(2))
+    indptr_q, indptr_kv = torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0, 1100], dtype=torch.int32)
+    results = {}
+    try:
+        kernforge.set_num_threads(threads_setting)
+        for disable in (False, True):
+            wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+            wrapper.plan(indptr_q, indptr_kv, 2, 1, 64, causal=True, window_left=900, q_data_type=torch.bfloat16,
+                         disable_split_kv=disable)
+            items = wrapper._plan.args.num_items
+            assert items == (1 if disable else threads_setting), (disable, items)
+            results[disable] = wrapper.run_return_lse(q, k, v)
+    finally:
+        kernforge.set_num_threads(None)
+    ref_out, ref_lse = reference(q, k, v, causal=True, window_left=900)
+    check(*results[False], ref_out, ref_lse, torch.bfloat16, "split")
+    torch.testing.assert_close(results[False][0].float(), results[True][0].float(), atol=1e-2, rtol=1e-2)

@@ -37,7 +37,8 @@ from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
 PREFILL_PLAN = Struct("kf_prefill_planned", (
-    ("items", _I64), ("num_items", _I64), ("qo_indptr", _I64), ("kv_indptr", _I64), ("indices", _I64),
+    ("items", _I64), ("num_items", _I64), ("merges", _I64), ("num_merges", _I64), ("partials", _I64),
+    ("qo_indptr", _I64), ("kv_indptr", _I64), ("indices", _I64),
     ("kv_lens", _I64), ("mask", _I64), ("mask_offsets", _I64), ("workspace", _I64), ("scratch_bytes", _I64),
     ("max_threads", _I64), ("rows", _I64), ("group", _I64), ("queries_per_tile", _I64), ("page_size", _I64),
     ("ragged", _I64), ("causal", _I64), ("window_left", _I64), ("soft_cap", "double"), ("stats", _I64),
@@ -66,7 +67,8 @@ PREFILL = Module(
         Entry("plan", "int64_t qo_indptr, int64_t kv_indptr, int64_t last_page_len, int64_t indices, "
                       "int64_t batch, int64_t num_indices, int64_t page_size, int64_t num_kv_heads, "
                       "int64_t queries_per_tile, int64_t window_left, int64_t ragged, int64_t causal, "
-                      "int64_t custom_mask, int64_t kv_lens, int64_t items, int64_t capacity, int64_t num_items",
+                      "int64_t custom_mask, int64_t num_threads, int64_t min_split_blocks, int64_t kv_lens, "
+                      "int64_t items, int64_t item_capacity, int64_t merges, int64_t merge_capacity, int64_t counts",
               returns=_I64),
         Entry("scratch_bytes", "int64_t rows", returns=_I64),
         Entry("run", "const kf_prefill_planned* plan, const kf_prefill_layer* io"),
@@ -92,7 +94,11 @@ _PLAN_ERRORS = {
     4: ("paged_kv_indices", "holds a negative page index at position {i}"),
     5: ("qo_indptr", "request {i} has more queries than keys (qo_len > kv_len), which causal=True does not allow"),
 }
-_ITEM_INTS = 3  # PrefillItem: request, kv_head, query_begin
+_ITEM_INTS = 6  # PrefillItem: request, kv_head, query_begin, kv_begin, kv_end, slot
+_MERGE_INTS = 5  # PrefillMerge: request, kv_head, query_begin, first_slot, parts
+# A tile is split along the KV (when tiles are fewer than threads) into pieces of at least this
+# many key blocks: each piece then costs a partial state and a share of the merge.
+_MIN_SPLIT_BLOCKS = 2
 
 
 def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
@@ -176,7 +182,7 @@ class _PrefillWrapper:
     def _make_plan(self, qo_indptr, kv_indptr, last_page_len, indices, num_qo_heads, num_kv_heads, head_dim_qk,
                    head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left,
                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type, tile=None,
-                   module: Module = PREFILL) -> None:
+                   module: Module = PREFILL, disable_split_kv: bool = False) -> None:
         self._plan = None
         _check_pos_encoding_mode(pos_encoding_mode)
         _positive("num_qo_heads", num_qo_heads)
@@ -217,30 +223,34 @@ class _PrefillWrapper:
         rows_per_item = params["tile"][0]
         queries_per_tile = max(1, rows_per_item // group)
         total_q = int(qo_indptr[-1])
-        capacity = (total_q // queries_per_tile + batch) * num_kv_heads
-        items = torch.empty(max(capacity, 1) * _ITEM_INTS, dtype=torch.int32)
+        threads = num_threads()
+        tiles = (total_q // queries_per_tile + batch) * num_kv_heads  # at least the tiles the batch has
+        items = torch.empty((tiles + threads) * _ITEM_INTS, dtype=torch.int32)
+        merges = torch.empty(max(tiles, 1) * _MERGE_INTS, dtype=torch.int32)
         kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
-        num_items = torch.zeros(1, dtype=torch.int64)
+        counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
         has_mask = custom_mask is not None or packed_custom_mask is not None
         error = kernel.plan(qo_indptr.data_ptr(), kv_indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(),
                             batch, num_indices, page_size if not self._ragged else 1, num_kv_heads, queries_per_tile,
-                            window_left, int(self._ragged), int(bool(causal)), int(has_mask), kv_lens.data_ptr(),
-                            items.data_ptr(), capacity, num_items.data_ptr())
+                            window_left, int(self._ragged), int(bool(causal)), int(has_mask),
+                            1 if disable_split_kv else threads, _MIN_SPLIT_BLOCKS, kv_lens.data_ptr(),
+                            items.data_ptr(), tiles + threads, merges.data_ptr(), max(tiles, 1), counts.data_ptr())
         if error:
             name, what = _PLAN_ERRORS[error >> 32]
             if name == "kv_indptr":
                 name = kv_name
             raise ValueError(f"{name} {what.format(i=error & 0xFFFFFFFF)}")
+        num_items, num_merges, slots = counts.tolist()
 
         mask = mask_offsets = None
         if has_mask:
             mask, mask_offsets = _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens[:batch])
 
         rows = queries_per_tile * group
-        threads = num_threads()
         scratch = kernel.scratch_bytes(rows)
+        partial_bytes = slots * rows * (head_dim_vo + 1) * 4
         workspace = self._float_workspace_buffer
-        needed = threads * scratch + 64
+        needed = threads * scratch + partial_bytes + 64
         if workspace.numel() * workspace.element_size() < needed and self._grows_workspace:
             workspace = self._float_workspace_buffer = torch.empty(needed, dtype=torch.uint8)
         if workspace.numel() * workspace.element_size() < needed:
@@ -249,7 +259,8 @@ class _PrefillWrapper:
         stats = torch.zeros(1, dtype=torch.int64)
         base = (workspace.data_ptr() + 63) // 64 * 64
         plan_args = kernel.new("kf_prefill_planned", {
-            "items": items.data_ptr(), "num_items": int(num_items[0]), "qo_indptr": qo_indptr.data_ptr(),
+            "items": items.data_ptr(), "num_items": num_items, "merges": merges.data_ptr(), "num_merges": num_merges,
+            "partials": base + threads * scratch, "qo_indptr": qo_indptr.data_ptr(),
             "kv_indptr": kv_indptr.data_ptr(), "indices": indices.data_ptr(), "kv_lens": kv_lens.data_ptr(),
             "mask": 0 if mask is None else mask.data_ptr(),
             "mask_offsets": 0 if mask_offsets is None else mask_offsets.data_ptr(),
@@ -260,7 +271,7 @@ class _PrefillWrapper:
         })
         self._plan = _Plan(
             kernel=kernel, args=plan_args, io=kernel.new("kf_prefill_layer"),
-            keep=(items, qo_indptr, kv_indptr, indices, last_page_len, kv_lens, mask, mask_offsets, workspace),
+            keep=(items, merges, qo_indptr, kv_indptr, indices, last_page_len, kv_lens, mask, mask_offsets, workspace),
             stats=stats, batch=batch, total_q=total_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, q_dtype=q_dtype,
             kv_dtype=kv_dtype, out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
@@ -402,7 +413,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         self._make_plan(qo_indptr, paged_kv_indptr, paged_kv_last_page_len, paged_kv_indices, num_qo_heads,
                         num_kv_heads, head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal,
                         pos_encoding_mode, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type,
-                        o_data_type)
+                        o_data_type, disable_split_kv=disable_split_kv)
 
     begin_forward = plan
 
@@ -474,7 +485,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 seq_lens_q=seq_lens_q, v_indptr=v_indptr, o_indptr=o_indptr)
         self._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 1,
                         custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left, logits_soft_cap,
-                        sm_scale, q_data_type, kv_data_type, o_data_type)
+                        sm_scale, q_data_type, kv_data_type, o_data_type, disable_split_kv=disable_split_kv)
 
     begin_forward = plan
 

@@ -53,9 +53,17 @@ enum PrefillPlanError : int64_t {
 
 inline int64_t prefill_error(PrefillPlanError kind, int64_t index) { return (int64_t(kind) << 32) | index; }
 
-// One work item: the tile's request, KV head and first query (int32s in the plan's item buffer).
+// One work item: a tile's request, KV head and first query, and the keys [kv_begin, kv_end) it
+// covers (int32s in the plan's item buffer). slot < 0: the item covers every key its queries see
+// and writes the output; slot >= 0: one piece of a tile split along the KV, which writes a partial
+// state to that workspace slot for the merge that follows.
 struct PrefillItem {
-  int32_t request, kv_head, query_begin;
+  int32_t request, kv_head, query_begin, kv_begin, kv_end, slot;
+};
+
+// A split tile: its pieces' states lie in slots [first_slot, first_slot + parts).
+struct PrefillMerge {
+  int32_t request, kv_head, query_begin, first_slot, parts;
 };
 
 struct PrefillPlanInput {
@@ -65,6 +73,7 @@ struct PrefillPlanInput {
   const int32_t* indices;        // paged only
   int64_t batch, num_indices, page_size, num_kv_heads, queries_per_tile, window_left;
   bool ragged, causal, custom_mask;  // a custom mask replaces the causal one (FlashInfer's mask modes)
+  int64_t num_threads, block_n, min_split_blocks;  // split the KV when tiles are fewer than threads
 };
 
 // Keys [lo, hi) that query `q` (0-based within its request) may see under causal and window_left,
@@ -76,47 +85,92 @@ inline void visible_keys(int64_t q, int64_t qo_len, int64_t kv_len, bool causal,
   lo = window_left >= 0 ? std::max<int64_t>(0, position - window_left) : 0;
 }
 
-// Validates the batch, writes kv_len per request and the work items, largest first. Returns 0 or
-// prefill_error(); *num_items gets the item count.
-inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, PrefillItem* items, int64_t capacity,
-                            int64_t* num_items) {
+// What plan_prefill hands back besides the items.
+struct PrefillPlanCounts {
+  int64_t items, merges, slots;
+};
+
+namespace prefill_detail {
+
+// Keys [begin, end) of a whole tile: from the block holding its first query's first key to its last
+// query's last key.
+inline void tile_keys(const PrefillPlanInput& in, int64_t qo_len, int64_t kv_len, int64_t query_begin,
+                      int64_t& begin, int64_t& end) {
+  const bool causal = in.causal && !in.custom_mask;
+  const int64_t last = std::min(qo_len, query_begin + in.queries_per_tile) - 1;
+  int64_t lo, hi, lo_last, hi_last;
+  visible_keys(query_begin, qo_len, kv_len, causal, in.window_left, lo, hi);
+  visible_keys(last, qo_len, kv_len, causal, in.window_left, lo_last, hi_last);
+  begin = lo / in.block_n * in.block_n;
+  end = std::max(begin, hi_last);
+}
+
+// Checks request b's indices and returns its kv_len, or a negative prefill_error.
+inline int64_t request_kv_len(const PrefillPlanInput& in, int64_t b) {
+  const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
+  const int64_t kv_span = int64_t(in.kv_indptr[b + 1]) - in.kv_indptr[b];
+  if (qo_len < 0) return -prefill_error(kPrefillBadQoIndptr, b);
+  if (kv_span < 0) return -prefill_error(kPrefillBadKvIndptr, b);
+  int64_t kv_len = kv_span;
+  if (!in.ragged) {
+    if (in.kv_indptr[b + 1] > in.num_indices) return -prefill_error(kPrefillBadKvIndptr, b);
+    for (int64_t i = in.kv_indptr[b]; i < in.kv_indptr[b + 1]; ++i)
+      if (in.indices[i] < 0) return -prefill_error(kPrefillNegativePage, i);
+    if (kv_span > 0 && (in.last_page_len[b] < 1 || in.last_page_len[b] > in.page_size))
+      return -prefill_error(kPrefillBadLastPage, b);
+    kv_len = kv_span == 0 ? 0 : (kv_span - 1) * in.page_size + in.last_page_len[b];
+  }
+  if (in.causal && !in.custom_mask && qo_len > kv_len) return -prefill_error(kPrefillQoExceedsKv, b);
+  return kv_len;
+}
+
+}  // namespace prefill_detail
+
+// Validates the batch, writes kv_len per request, the work items (largest first) and the merges of
+// split tiles. A batch of fewer tiles than threads has each tile's keys cut into up to
+// ceil(threads / tiles) pieces of at least min_split_blocks blocks. Returns 0 or prefill_error().
+// Capacities: items >= tiles * ceil(threads / tiles) (at most tiles + threads), merges >= tiles.
+inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, PrefillItem* items, int64_t item_capacity,
+                            PrefillMerge* merges, int64_t merge_capacity, PrefillPlanCounts* counts) {
   if (in.qo_indptr[0] != 0) return prefill_error(kPrefillBadQoIndptr, 0);
   if (in.kv_indptr[0] != 0) return prefill_error(kPrefillBadKvIndptr, 0);
-  int64_t count = 0;
+  int64_t tiles = 0;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    const int64_t kv_len = prefill_detail::request_kv_len(in, b);
+    if (kv_len < 0) return -kv_len;
+    kv_lens[b] = int32_t(kv_len);
+    const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
+    tiles += (qo_len + in.queries_per_tile - 1) / in.queries_per_tile * in.num_kv_heads;
+  }
+  const int64_t wanted_parts = tiles == 0 ? 1 : std::max<int64_t>(1, (in.num_threads + tiles - 1) / tiles);
+  PrefillPlanCounts c{0, 0, 0};
   for (int64_t b = 0; b < in.batch; ++b) {
     const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
-    const int64_t kv_span = int64_t(in.kv_indptr[b + 1]) - in.kv_indptr[b];
-    if (qo_len < 0) return prefill_error(kPrefillBadQoIndptr, b);
-    if (kv_span < 0) return prefill_error(kPrefillBadKvIndptr, b);
-    int64_t kv_len = kv_span;
-    if (!in.ragged) {
-      if (in.kv_indptr[b + 1] > in.num_indices) return prefill_error(kPrefillBadKvIndptr, b);
-      for (int64_t i = in.kv_indptr[b]; i < in.kv_indptr[b + 1]; ++i)
-        if (in.indices[i] < 0) return prefill_error(kPrefillNegativePage, i);
-      if (kv_span > 0 && (in.last_page_len[b] < 1 || in.last_page_len[b] > in.page_size))
-        return prefill_error(kPrefillBadLastPage, b);
-      kv_len = kv_span == 0 ? 0 : (kv_span - 1) * in.page_size + in.last_page_len[b];
-    }
-    if (in.causal && !in.custom_mask && qo_len > kv_len) return prefill_error(kPrefillQoExceedsKv, b);
-    kv_lens[b] = int32_t(kv_len);
-    for (int64_t q0 = 0; q0 < qo_len; q0 += in.queries_per_tile)
+    for (int64_t q0 = 0; q0 < qo_len; q0 += in.queries_per_tile) {
+      int64_t begin, end;
+      prefill_detail::tile_keys(in, qo_len, kv_lens[b], q0, begin, end);
+      const int64_t blocks = (end - begin + in.block_n - 1) / in.block_n;
+      const int64_t parts = std::max<int64_t>(1, std::min(wanted_parts, blocks / std::max<int64_t>(in.min_split_blocks, 1)));
       for (int64_t h = 0; h < in.num_kv_heads; ++h) {
-        if (count == capacity) return prefill_error(kPrefillTooManyItems, b);
-        items[count++] = {int32_t(b), int32_t(h), int32_t(q0)};
+        if (c.items + parts > item_capacity || (parts > 1 && c.merges == merge_capacity))
+          return prefill_error(kPrefillTooManyItems, b);
+        if (parts > 1) merges[c.merges++] = {int32_t(b), int32_t(h), int32_t(q0), int32_t(c.slots), int32_t(parts)};
+        for (int64_t i = 0; i < parts; ++i) {  // near-equal runs of whole blocks
+          const int64_t from = begin + blocks * i / parts * in.block_n;
+          const int64_t to = i + 1 == parts ? end : begin + blocks * (i + 1) / parts * in.block_n;
+          items[c.items++] = {int32_t(b), int32_t(h), int32_t(q0), int32_t(from), int32_t(to),
+                              int32_t(parts > 1 ? c.slots++ : -1)};
+        }
       }
+    }
   }
-  // Cost: query rows x keys visited. Largest first, so dynamic scheduling ends with small items.
+  // Cost: query rows x keys covered. Largest first, so dynamic scheduling ends with small items.
   const auto cost = [&](const PrefillItem& it) {
     const int64_t qo_len = int64_t(in.qo_indptr[it.request + 1]) - in.qo_indptr[it.request];
-    const int64_t kv_len = kv_lens[it.request];
-    const int64_t last = std::min(qo_len, it.query_begin + in.queries_per_tile) - 1;
-    int64_t lo, hi, lo_last, hi_last;
-    visible_keys(it.query_begin, qo_len, kv_len, in.causal && !in.custom_mask, in.window_left, lo, hi);
-    visible_keys(last, qo_len, kv_len, in.causal && !in.custom_mask, in.window_left, lo_last, hi_last);
-    return (last - it.query_begin + 1) * (std::max<int64_t>(hi_last - lo, 0) + 16);
+    return (std::min(qo_len - it.query_begin, in.queries_per_tile)) * (int64_t(it.kv_end) - it.kv_begin + 16);
   };
-  std::stable_sort(items, items + count, [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
-  *num_items = count;
+  std::stable_sort(items, items + c.items, [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
+  *counts = c;
   return 0;
 }
 
@@ -156,13 +210,15 @@ class PrefillKernel {
 
   void run(const kf_prefill_layer& io) const {
     const auto* items = reinterpret_cast<const PrefillItem*>(p_.items);
+    const auto* merges = reinterpret_cast<const PrefillMerge*>(p_.merges);
     char* workspace = reinterpret_cast<char*>(p_.workspace);
+    const int64_t threads = std::min<int64_t>(io.num_threads, p_.max_threads);
     std::atomic<int64_t> blocks_visited{0};
-    parallel_for<Schedule::kDynamic>(p_.num_items, std::min<int64_t>(io.num_threads, p_.max_threads),
-                                     [&](int64_t i) {
+    parallel_for<Schedule::kDynamic>(p_.num_items, threads, [&](int64_t i) {
       const Scratch s = Scratch::layout(p_.rows, workspace + thread_index() * p_.scratch_bytes);
       blocks_visited.fetch_add(run_item(io, items[i], s), std::memory_order_relaxed);
     });
+    parallel_for(p_.num_merges, threads, [&](int64_t i) { merge(io, merges[i]); });
     if (p_.stats != 0) *reinterpret_cast<int64_t*>(p_.stats) = blocks_visited.load();
   }
 
@@ -291,7 +347,8 @@ class PrefillKernel {
     visible_keys(t.query_begin + t.queries - 1, t.qo_len, t.kv_len, causal, p_.window_left, lo_last, hi_last);
     int64_t visited = 0;
     Tiles tiles;
-    for (int64_t k0 = lo_first / kBlockN * kBlockN; k0 < hi_last; k0 += kBlockN) {
+    const int64_t kv_end = std::min<int64_t>(item.kv_end, hi_last);
+    for (int64_t k0 = std::max<int64_t>(item.kv_begin, lo_first / kBlockN * kBlockN); k0 < kv_end; k0 += kBlockN) {
       const int64_t count = std::min<int64_t>(kBlockN, t.kv_len - k0);
       // Every row sees all of [k0, k0 + kBlockN) only inside the first row's upper bound and the
       // last row's lower bound, and only for a whole block.
@@ -303,7 +360,11 @@ class PrefillKernel {
       if (!tiles.accumulate(t, s)) accumulate(t, s);
       ++visited;
     }
-    store(io, t, s);
+    if (item.slot < 0) {
+      store(io, t, s);
+    } else {
+      store_partial(io, t, item.slot, s);
+    }
     return visited;
   }
 
@@ -550,6 +611,40 @@ class PrefillKernel {
       const float* o = s.o + r * kHeadVO;
       for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(o + d) * factor).store(dst + d);
       if (lse != nullptr) lse[token * io.lse_stride_token + head * io.lse_stride_head] = segment_lse(s.m[r], l);
+    }
+  }
+
+  // A piece of a split tile: its rows' normalized output (times v_scale) and LSE, in its slot
+  // ([rows][head_dim_vo] floats, then [rows] LSEs).
+  void store_partial(const kf_prefill_layer& io, const TileView& t, int64_t slot, const Scratch& s) const {
+    float* state = partial(slot);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const float l = s.l[r];
+      const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
+      for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(s.o + r * kHeadVO + d) * factor).store(state + r * kHeadVO + d);
+      state[p_.rows * kHeadVO + r] = segment_lse(s.m[r], l);
+    }
+  }
+
+  float* partial(int64_t slot) const {
+    return reinterpret_cast<float*>(p_.partials) + slot * p_.rows * (kHeadVO + 1);
+  }
+
+  // A split tile's output: its pieces' states merged by LSE (softmax_state.h), row by row.
+  void merge(const kf_prefill_layer& io, const PrefillMerge& m) const {
+    const auto* qo_indptr = reinterpret_cast<const int32_t*>(p_.qo_indptr);
+    const int64_t qo_begin = qo_indptr[m.request], qo_len = qo_indptr[m.request + 1] - qo_begin;
+    const int64_t rows = std::min<int64_t>(p_.queries_per_tile, qo_len - m.query_begin) * p_.group;
+    const float* first = partial(m.first_slot);
+    const int64_t slot_floats = p_.rows * (kHeadVO + 1);
+    OutT* out = reinterpret_cast<OutT*>(io.out);
+    float* lse = reinterpret_cast<float*>(io.lse);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = qo_begin + m.query_begin + r / p_.group;
+      const int64_t head = m.kv_head * p_.group + r % p_.group;
+      merge_state_row<float, OutT>(m.parts, first + r * kHeadVO, slot_floats, first + p_.rows * kHeadVO + r, slot_floats,
+                                   kHeadVO, out + token * io.out_stride_token + head * io.out_stride_head,
+                                   lse == nullptr ? nullptr : lse + token * io.lse_stride_token + head * io.lse_stride_head);
     }
   }
 
