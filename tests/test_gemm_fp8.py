@@ -2,8 +2,12 @@
 semantics): ``convert_weight_packed_fp8`` and ``fp8_scaled_mm``.
 
 Reference: fp32 torch of the dequantized weight, ``x.float() @ (w.float() * S).T`` with ``S`` the
-block scales expanded to ``[N, K]``. The kernel widens e4m3 exactly and accumulates in fp32, so the
+block scales expanded to ``[N, K]``. The kernel converts e4m3 exactly and accumulates in fp32, so the
 differences are fp32 summation order (relative ~K * 2^-24) and the output dtype's rounding.
+
+The kernel has two paths, by the rows M of x: weights converted in registers where they are used
+(small M) and weights converted to bf16 pairs once per task and K block for the bf16 micro-kernel
+(large M). The ``path`` fixture forces each, on every tier, whatever M is.
 """
 
 import io
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 import kernforge
+from kernforge.ops import gemm_fp8
 from kernforge.ops.gemm_fp8 import LAYOUT_VERSION, PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
 from op_helpers import seeded
 
@@ -19,6 +24,16 @@ ROWS = [1, 2, 7, 33]
 NK = [(1, 1), (17, 129), (129, 17), (300, 300), (1, 300)]
 BLOCK = (128, 128)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+PATHS = {"in_registers": gemm_fp8.NEVER, "converting": 1}  # a convert_from_rows that sends every M down it
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch):
+    """Run the test on one of the kernel's two paths, whatever M is."""
+    monkeypatch.setattr(gemm_fp8, "convert_from_rows", lambda dtype: PATHS[request.param])
+    return request.param
 
 
 def _weight(n, k, block=BLOCK, key=()):
@@ -53,7 +68,7 @@ def _assert_matches(actual, expected, dtype, k):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", NK)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_dequantized_fp32(tier, m, n, k, with_bias):
+def test_matches_dequantized_fp32(tier, path, m, n, k, with_bias):
     w, scale = _weight(n, k)
     x = _activation(m, k)
     bias = torch.randn(n, generator=seeded("gemm-fp8-b", n)) if with_bias else None
@@ -62,8 +77,8 @@ def test_matches_dequantized_fp32(tier, m, n, k, with_bias):
 
 
 @pytest.mark.parametrize("block", [(1, 1), (16, 48), (64, 300), (200, 7)])
-def test_other_block_sizes(tier, block):
-    """Blocks of N that are not a multiple of the tile width, K blocks of any depth (1, or all of K)."""
+def test_other_block_sizes(tier, path, block):
+    """Blocks of N that are not a multiple of the tile width, K blocks of any depth (1, odd, or all of K)."""
     n, k = 150, 300
     w, scale = _weight(n, k, block)
     x = _activation(9, k)
@@ -72,21 +87,41 @@ def test_other_block_sizes(tier, block):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fp16_and_fp32_activations(dtype):
+def test_fp16_and_fp32_activations(path, dtype):
     w, scale = _weight(70, 260)
     x = _activation(5, 260, dtype)
     out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale), scale, out_dtype=dtype)
     _assert_matches(out, _reference(x, w, scale, BLOCK), dtype, 260)
 
 
-def test_every_e4m3_value_widens_exactly(tier):
-    """All 254 finite codes (subnormals, -0) against torch's own widening, through the whole product."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_e4m3_value_converts_exactly_in_every_position(tier, path, dtype):
+    """Every finite code (subnormals, -0) at every column of a 64-wide panel and in both halves of a
+    K pair (the byte interleave and table lookups of the VBMI conversions), read back through
+    x = identity against torch's own widening. Exact: e4m3 * 2 is a bf16."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    w = codes.view(torch.float8_e4m3fn).reshape(-1, 1)
-    scale = torch.full((2, 1), 3.0)
-    out = fp8_scaled_mm(torch.ones(1, 1, dtype=torch.float32), convert_weight_packed_fp8(w, scale), scale,
-                        out_dtype=torch.float32)
-    assert torch.equal(out.reshape(-1), w.float().reshape(-1) * 3)
+    k = codes.numel()
+    shift = torch.arange(64)[:, None] + torch.arange(k)[None, :]  # column n, row k: code (n + k) mod 254
+    w = codes[shift % k].view(torch.float8_e4m3fn)
+    scale = torch.full((1, 2), 2.0)
+    out = fp8_scaled_mm(torch.eye(k, dtype=dtype), convert_weight_packed_fp8(w, scale), scale, out_dtype=dtype)
+    assert torch.equal(out.float(), (w.float() * 2).T)
+
+
+def test_dispatch_by_rows(tier):
+    """AVX-512 converts per K block from a measured M on; AVX2 and generic always convert in registers."""
+    expected = 96 if tier in ("avx512", "amx") else gemm_fp8.NEVER
+    assert gemm_fp8.convert_from_rows(torch.bfloat16) == expected
+
+
+def test_large_m_tasks_and_deep_k_blocks(tier, path):
+    """Over 256 rows (several row tasks, a partial last one), a tail of columns, and K blocks deeper
+    than the converting path's 256-row conversion step (300 and all of K)."""
+    for block in [(128, 128), (64, 300), (100, 600)]:
+        w, scale = _weight(100, 600, block, key=("large",))
+        x = _activation(300, 600, key=("large",))
+        out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale, block), scale, block)
+        _assert_matches(out, _reference(x, w, scale, block), torch.bfloat16, 600)
 
 
 def test_nan_weights_are_refused():
@@ -96,7 +131,7 @@ def test_nan_weights_are_refused():
         convert_weight_packed_fp8(w.view(torch.float8_e4m3fn), torch.ones(1, 1))
 
 
-def test_leading_dims_and_strided_rows(tier):
+def test_leading_dims_and_strided_rows(tier, path):
     w, scale = _weight(40, 130)
     packed = convert_weight_packed_fp8(w, scale)
     wide = _activation(6, 2 * 130)
@@ -106,9 +141,9 @@ def test_leading_dims_and_strided_rows(tier):
     _assert_matches(out.reshape(6, 40), _reference(x, w, scale, BLOCK), torch.bfloat16, 130)
 
 
-def test_thread_counts_agree():
+def test_thread_counts_agree(path):
     w, scale = _weight(300, 260)
-    packed, x = convert_weight_packed_fp8(w, scale), _activation(130, 260)
+    packed, x = convert_weight_packed_fp8(w, scale), _activation(300, 260)
     previous = kernforge.num_threads()
     try:
         kernforge.set_num_threads(1)
@@ -119,7 +154,7 @@ def test_thread_counts_agree():
         kernforge.set_num_threads(previous)
 
 
-def test_empty_m_and_k():
+def test_empty_m_and_k(path):
     w, scale = _weight(5, 0)
     bias = torch.arange(5, dtype=torch.float32)
     out = fp8_scaled_mm(torch.zeros(3, 0, dtype=torch.bfloat16), convert_weight_packed_fp8(w, scale), scale,
@@ -192,6 +227,8 @@ def test_errors_name_the_argument():
         fp8_scaled_mm(x, stale, scale)
     with pytest.raises(ValueError, match="packed.packed must be"):
         fp8_scaled_mm(x, PackedFp8Weight(packed.packed[:, :10], scale, BLOCK, 20, 40), scale)
+    with pytest.raises(ValueError, match="packed.panel_width must be a multiple of 64"):
+        fp8_scaled_mm(x, PackedFp8Weight(packed.packed, scale, BLOCK, 20, 40, panel_width=0), scale)
 
 
 def test_ops_are_exported():

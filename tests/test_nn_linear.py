@@ -1,5 +1,6 @@
 """``kernforge.nn.Linear`` and ``replace_linears`` against the original ``nn.Linear`` in fp32:
-bf16 and int8 w8a8, bias and no bias, 3-D input, a swapped MLP, state_dict and torch.save round trips."""
+bf16, int8 w8a8 and fp8 block-scaled weights, bias and no bias, 3-D input, a swapped MLP, state_dict
+and torch.save round trips; the fp8 layer also against its own dequantized weight (tight)."""
 
 import io
 
@@ -10,8 +11,10 @@ from torch import nn
 import kernforge.nn as knn
 from op_helpers import seeded
 
-# bf16 rounds x and W (and the output); int8 quantizes both per row/channel: ~1/254 relative per operand
-TOLERANCE = {None: 1e-2, "int8": 3e-2}
+# bf16 rounds x and W (and the output); int8 quantizes both per row/channel: ~1/254 relative per operand;
+# e4m3 keeps 3 mantissa bits: up to 1/16 relative per weight (x stays bf16)
+TOLERANCE = {None: 1e-2, "int8": 3e-2, "fp8_block": 6e-2}
+QUANTS = [None, "int8", "fp8_block"]
 
 
 def _layer(k, n, bias=True, key=()):
@@ -28,7 +31,7 @@ def _assert_close(actual, expected, quant):
     torch.testing.assert_close(actual.float(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 17), (33, 17), (2, 5, 17)])
 def test_from_linear_matches_nn_linear(quant, bias, shape):
@@ -41,6 +44,22 @@ def test_from_linear_matches_nn_linear(quant, bias, shape):
         _assert_close(y, layer(x.bfloat16().float()), quant)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_block_matches_its_dequantized_weight(dtype):
+    """Blocks of 128 x 128 with partial edge blocks (N = 200, K = 300): the layer computes exactly
+    x @ (w_q * scale).T + bias up to fp32 summation and the output's rounding."""
+    layer = _layer(300, 200, key=(8,))
+    module = knn.Linear.from_linear(layer, dtype=dtype, quant="fp8_block")
+    w_q, scale = knn.quantize_weight_fp8_block(layer.weight.detach())
+    assert module.weight_scale.shape == scale.shape == (2, 3) and torch.equal(module.weight_scale, scale)
+    dequantized = w_q.float() * scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    x = _x((9, 300), key=("fp8",)).to(dtype)
+    with torch.no_grad():
+        expected = x.float() @ dequantized.T + layer.bias
+    rtol = 1e-2 if dtype is torch.bfloat16 else 1e-5
+    torch.testing.assert_close(module(x).float(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
 def test_attributes_and_repr():
     module = knn.Linear.from_linear(_layer(17, 45, bias=False), quant="int8")
     assert (module.in_features, module.out_features) == (17, 45)
@@ -49,8 +68,6 @@ def test_attributes_and_repr():
 
 def test_config_errors():
     layer = _layer(8, 4)
-    with pytest.raises(NotImplementedError, match="fp8_scaled_mm"):
-        knn.Linear.from_linear(layer, quant="fp8_block")
     with pytest.raises(ValueError, match="quant must be one of"):
         knn.Linear.from_linear(layer, quant="int4")
     with pytest.raises(TypeError, match="dtype must be"):
@@ -59,6 +76,21 @@ def test_config_errors():
         knn.Linear.from_linear(nn.Conv1d(1, 1, 1))
     with pytest.raises(TypeError, match="x has dtype torch.float32 but this Linear was built for torch.bfloat16"):
         knn.Linear.from_linear(layer)(torch.zeros(2, 8))
+    with torch.no_grad():
+        layer.weight[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="weight holds NaN"):  # its whole block would read as NaN
+        knn.Linear.from_linear(layer, quant="fp8_block")
+
+
+def test_fp8_weight_quantization_is_per_block_amax_over_448():
+    w = torch.zeros(3, 5)
+    w[:2, :2] = torch.tensor([[1.0, -2.0], [0.5, 0.25]])  # block (0, 0): amax 2
+    w[2, 4] = -7.0  # block (1, 2), a partial one: amax 7
+    w_q, scale = knn.quantize_weight_fp8_block(w, block_size=(2, 2))
+    assert w_q.dtype is torch.float8_e4m3fn and scale.shape == (2, 3)
+    torch.testing.assert_close(scale, torch.tensor([[2.0, 1e-10, 1e-10], [1e-10, 1e-10, 7.0]]) / 448)
+    assert w_q.float()[:2, :2].tolist() == [[224.0, -448.0], [112.0, 56.0]]
+    assert w_q.float()[2, 4] == -448 and not w_q.float()[2, :4].any()  # zero blocks stay zero
 
 
 def test_int8_weight_quantization_is_per_channel_symmetric():
@@ -80,7 +112,7 @@ class MLP(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_replace_linears_swaps_in_place(quant):
     torch.manual_seed(1)
     model = MLP().bfloat16()
@@ -96,7 +128,7 @@ def test_replace_linears_swaps_in_place(quant):
     assert knn.replace_linears(model, quant=quant) == 0  # nothing left to swap
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_state_dict_and_torch_save_round_trip(quant):
     module = knn.Linear.from_linear(_layer(33, 70), quant=quant)
     x = _x((5, 33), key=("save",)).bfloat16()

@@ -6,7 +6,10 @@
   (``w_scale = amax / 127``, ``w_q = round(w / w_scale)``), and packed with
   ``convert_weight_packed_int8``; forward is ``int8_scaled_mm_with_quant`` (x quantized per token
   inside the kernel).
-* ``quant="fp8_block"`` raises ``NotImplementedError``: ``fp8_scaled_mm`` exists but is not wired in here yet.
+* ``quant="fp8_block"``: DeepSeek-V3's fp8 weights. The weight is quantized to e4m3fn with one fp32 scale
+  per 128 x 128 block (``scale = block amax / 448``, ``w_q = w / scale`` rounded to e4m3) and packed with
+  ``convert_weight_packed_fp8``; forward is ``fp8_scaled_mm`` (x in ``dtype``, fp32 accumulation per
+  K block, bias added in fp32).
 
 The packed tensors are buffers, so ``state_dict``/``load_state_dict`` and ``torch.save`` of the module
 work; a state dict loads into ``Linear(in_features, out_features, bias, dtype=..., quant=...)`` built
@@ -20,10 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernforge.ops import gemm, gemm_int8
+from kernforge.ops import gemm, gemm_fp8, gemm_int8
 from kernforge.ops._registry import DTYPE_NAMES
 
 QUANTS = (None, "int8", "fp8_block")
+FP8_BLOCK = (128, 128)  # (N, K) block of one fp8 weight scale, DeepSeek-V3's
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 class Linear(nn.Module):
@@ -39,11 +44,15 @@ class Linear(nn.Module):
         n, k = self.out_features, self.in_features
         if quant is None:
             self.register_buffer("weight_packed", torch.zeros(gemm.packed_shape(n, k), dtype=torch.bfloat16))
-        else:
+        elif quant == "int8":
             self.register_buffer("weight_packed", torch.zeros(gemm_int8.packed_shape(n, k), dtype=torch.int8))
             self.register_buffer("weight_compensation", torch.zeros(n, dtype=torch.int32))
             self.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32))
-        # int8_scaled_mm adds the bias in fp32; weight_packed_linear takes it in x's dtype
+        else:
+            self.register_buffer("weight_packed", torch.zeros(gemm_fp8.packed_shape(n, k),
+                                                              dtype=torch.float8_e4m3fn))
+            self.register_buffer("weight_scale", torch.zeros(gemm_fp8.scale_shape(n, k, FP8_BLOCK)))
+        # the quantized GEMMs add the bias in fp32; weight_packed_linear takes it in x's dtype
         bias_dtype = dtype if quant is None else torch.float32
         self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype) if bias else None)
 
@@ -61,11 +70,15 @@ class Linear(nn.Module):
         module = cls(layer.in_features, layer.out_features, layer.bias is not None, dtype, quant)
         if quant is None:
             module.weight_packed.copy_(gemm.convert_weight_packed(weight.to(torch.bfloat16)).packed)
-        else:
+        elif quant == "int8":
             packed = gemm_int8.convert_weight_packed_int8(*quantize_weight_int8(weight))
             module.weight_packed.copy_(packed.packed)
             module.weight_compensation.copy_(packed.compensation)
             module.weight_scale.copy_(packed.scale)
+        else:
+            packed = gemm_fp8.convert_weight_packed_fp8(*quantize_weight_fp8_block(weight), FP8_BLOCK)
+            module.weight_packed.copy_(packed.packed)
+            module.weight_scale.copy_(packed.weight_scale)
         if layer.bias is not None:
             module.bias.copy_(layer.bias.detach())
         return module
@@ -77,6 +90,10 @@ class Linear(nn.Module):
         if self.quant is None:
             packed = gemm.PackedWeight(self.weight_packed, self.out_features, self.in_features)
             return gemm.weight_packed_linear(x, packed, self.bias)
+        if self.quant == "fp8_block":
+            packed = gemm_fp8.PackedFp8Weight(self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features,
+                                              self.in_features)
+            return gemm_fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
         packed = gemm_int8.PackedInt8Weight(self.weight_packed, self.weight_compensation, self.weight_scale,
                                             self.out_features, self.in_features)
         return gemm_int8.int8_scaled_mm_with_quant(x, packed, self.bias)
@@ -106,6 +123,22 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return w_q, scale
 
 
+def quantize_weight_fp8_block(weight: torch.Tensor, block_size: tuple[int, int] = FP8_BLOCK
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block quantization: ``(w_q [N, K] float8_e4m3fn, scale [ceil(N / bn), ceil(K / bk)] fp32)``
+    with ``scale = block amax / 448`` and ``w_q = w / scale`` (round to nearest; an all-zero block gets a
+    tiny scale instead of a division by zero). Partial blocks at the edges take their own amax."""
+    bn, bk = block_size
+    n, k = weight.shape
+    blocks_n, blocks_k = -(-n // bn), -(-k // bk)
+    padded = weight.float().new_zeros(blocks_n * bn, blocks_k * bk)
+    padded[:n, :k] = weight
+    blocks = padded.view(blocks_n, bn, blocks_k, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-10) / E4M3_MAX
+    w_q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view_as(padded)[:n, :k]
+    return w_q.to(torch.float8_e4m3fn), scale
+
+
 def replace_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
     """Swap every ``torch.nn.Linear`` in ``model``'s tree (in place) for a :class:`Linear`; returns how
     many were replaced. Skipped: subclasses of ``nn.Linear`` (``MultiheadAttention.out_proj`` reads its
@@ -128,14 +161,11 @@ def _replaceable(layer: nn.Module) -> bool:
 
 
 def _layout_version(quant: str | None) -> int:
-    return gemm.LAYOUT_VERSION if quant is None else gemm_int8.LAYOUT_VERSION
+    return {None: gemm.LAYOUT_VERSION, "int8": gemm_int8.LAYOUT_VERSION, "fp8_block": gemm_fp8.LAYOUT_VERSION}[quant]
 
 
 def _check_config(dtype: object, quant: object) -> None:
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(map(repr, QUANTS))}, got {quant!r}")
-    if quant == "fp8_block":
-        raise NotImplementedError("quant='fp8_block' is not wired into kernforge.nn.Linear yet; pack the weight "
-                                  "with convert_weight_packed_fp8 and call fp8_scaled_mm")
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")

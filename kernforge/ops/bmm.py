@@ -1,4 +1,6 @@
-"""Batched matmul with sgl-kernel's CPU semantics (``bmm_cpu(out, mat1, mat2, is_vnni, scale)``):
+"""Batched matmuls: sgl-kernel's ``bmm`` and FlashInfer's ``bmm_fp8``.
+
+``bmm(out, a, b, scale=None)``, sgl-kernel's CPU semantics (``bmm_cpu(out, mat1, mat2, is_vnni, scale)``):
 ``out[i] = a[i] @ b[i].T`` for ``a [B, M, K]``, ``b [B, N, K]``, ``out [B, M, N]``, written into ``out``.
 
 * ``b`` is either a tensor ``[B, N, K]`` (bf16, or float8_e4m3fn together with ``scale``), packed on
@@ -12,6 +14,17 @@ This first version runs the bf16 micro-kernel once per batch entry (``weight_pac
 every call (reads and writes B*N*K elements, as sgl-kernel's non-VNNI path also does), a scale or an
 fp8 ``b`` adds one fp32 pass over ``b`` (the scale is folded into the bf16 weight, one bf16 rounding per
 element), and the B kernel calls parallelize over each entry's M x N only, not over the batch.
+
+``bmm_fp8(A, B, A_scale, B_scale, dtype, out=None, backend="cublas")``, FlashInfer's semantics:
+``out[i] = (A[i] @ B[i]) * A_scale * B_scale`` for fp8 ``A [b, m, k]`` and ``B [b, k, n]`` (e4m3 or e5m2,
+either or both; FlashInfer passes B column-major, the transpose of a contiguous ``[b, n, k]``, but any
+layout is read), per-tensor float32 scales (one element each) and ``out [b, m, n]`` in ``dtype``
+(bf16 or fp16). Every fp8 value is exactly a bf16 and an fp32, so the product runs on
+``weight_packed_linear`` with exact operands: ``B[i]`` is packed on every call (as a bf16 weight
+``[n, k]``), ``A`` is widened to fp32 so that the GEMM writes its fp32 sums unrounded, and the scales
+are applied to those sums before the one rounding to ``dtype`` (an unscaled fp8 product would
+overflow fp16). ``backend`` is checked against
+FlashInfer's names and otherwise ignored: there is one CPU implementation.
 """
 
 from __future__ import annotations
@@ -21,10 +34,14 @@ from typing import Sequence
 import torch
 
 from kernforge.ops._common import checked_out, variant_for_input
+from kernforge.ops._gemm import check_cpu_tensor
 from kernforge.ops._registry import export
 from kernforge.ops.gemm import PackedWeight, convert_weight_packed, weight_packed_linear
 
 _B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
+BMM_FP8_BACKENDS = ("cudnn", "cublas", "cutlass", "auto")
 
 
 def bmm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor | Sequence[PackedWeight],
@@ -87,3 +104,59 @@ def _pack_tensor(b: torch.Tensor, batch: int, k: int, scale: float | None) -> li
     if scale is not None:
         b = (b.float() * scale).bfloat16()  # the scale in the weight: one rounding per element, none per output
     return [convert_weight_packed(b_i) for b_i in b]
+
+
+def bmm_fp8(A: torch.Tensor, B: torch.Tensor, A_scale: torch.Tensor, B_scale: torch.Tensor, dtype: torch.dtype,
+            out: torch.Tensor | None = None, backend: str = "cublas") -> torch.Tensor:
+    """FlashInfer's ``bmm_fp8``: ``out [b, m, n] = (A [b, m, k] @ B [b, k, n]) * A_scale * B_scale`` in
+    ``dtype`` (bf16 or fp16); ``A`` and ``B`` float8_e4m3fn or float8_e5m2, the scales float32 with one
+    element. Returns ``out`` (allocated when None)."""
+    if dtype not in _FP8_OUT_DTYPES:  # FlashInfer's message (its common check, made before anything else)
+        raise ValueError(f"Unsupported output dtype: {dtype}. "
+                         "Only torch.bfloat16 and torch.float16 are supported for FP8 GEMM operations.")
+    if backend not in BMM_FP8_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BMM_FP8_BACKENDS))}, got {backend!r}")
+    for t, name in ((A, "A"), (B, "B")):
+        check_cpu_tensor(t, name)
+        if t.dtype not in _FP8_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; bmm_fp8 takes torch.float8_e4m3fn or torch.float8_e5m2")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+    if backend == "cutlass" and torch.float8_e5m2 in (A.dtype, B.dtype):  # FlashInfer's message
+        raise ValueError("e5m2 is not supported for bmm_fp8 with cutlass backend")
+    batch, m, k = A.shape
+    if B.shape[0] != batch or B.shape[1] != k:
+        raise ValueError(f"B must be [{batch}, {k}, n] to match A [b, m, k] = {list(A.shape)}, got {list(B.shape)}")
+    n = B.shape[2]
+    scale = _per_tensor_scale(A_scale, "A_scale") * _per_tensor_scale(B_scale, "B_scale")
+    out = _checked_fp8_out(out, (batch, m, n), dtype)
+    sums = torch.empty(batch, m, n, dtype=torch.float32)
+    x = A.to(torch.float32)  # exact; fp32 x makes the GEMM write fp32 sums
+    weights = B.transpose(1, 2).to(torch.bfloat16)  # [b, n, k], exact
+    for x_i, w_i, sums_i in zip(x, weights, sums):
+        weight_packed_linear(x_i, convert_weight_packed(w_i), out=sums_i)
+    out.copy_(sums.mul_(scale))
+    return out
+
+
+export("bmm_fp8", bmm_fp8)
+
+
+def _per_tensor_scale(scale: object, name: str) -> torch.Tensor:
+    check_cpu_tensor(scale, name)
+    if scale.dtype is not torch.float32:
+        raise TypeError(f"{name} has dtype {scale.dtype}; expected torch.float32 (a per-tensor scale)")
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+    return scale.reshape(())
+
+
+def _checked_fp8_out(out: object, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    check_cpu_tensor(out, "out")
+    if out.dtype is not dtype:
+        raise TypeError(f"out has dtype {out.dtype} but dtype is {dtype}; they must match")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape} ([b, m, n] of A and B), got {tuple(out.shape)}")
+    return out

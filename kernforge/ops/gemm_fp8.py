@@ -3,14 +3,28 @@
 out_dtype, is_vnni)``).
 
 * ``convert_weight_packed_fp8(weight, weight_scale, block_size=(128, 128))`` packs an e4m3fn weight
-  ``[N, K]`` once; it stays fp8 (one byte per weight) and is widened to fp32 in registers.
+  ``[N, K]`` once; it stays fp8 in memory (one byte per weight).
 * ``fp8_scaled_mm(x, packed, weight_scale, block_size=(128, 128), bias=None, out_dtype=torch.bfloat16)``
   = ``x @ (W * S)^T (+ bias)`` where ``S[n, k] = weight_scale[n // bn, k // bk]``, ``block_size =
   (bn, bk)`` (sgl-kernel: ``block_size[0]`` is N's block, ``block_size[1]`` K's) and ``weight_scale`` is
   fp32 ``[ceil(N / bn), ceil(K / bk)]`` (partial last blocks allowed). Each K block's partial sums
-  are accumulated in fp32 and scaled before they join the tile. The weights are widened exactly
-  (e4m3 -> fp16 bits -> fp32 on AVX2/AVX-512), so a weight holding NaN is refused when packed. ``out_dtype`` must be ``x``'s dtype
+  are accumulated in fp32 and scaled before they join the tile. ``out_dtype`` must be ``x``'s dtype
   (sgl-kernel writes ``mat1``'s scalar type); ``bias`` ``[N]`` is added in fp32.
+
+Two kernel paths compute the same sums, chosen by the rows M of ``x`` (``convert_from_rows``):
+
+* Few rows (decode): the weights are converted in registers where they are used, and prefetched
+  ahead. bf16 x on AVX512-BF16 + VBMI: pairs of K rows become bf16 pair words by vpermt2b table
+  lookups, multiplied by ``vdpbf16ps``; otherwise the weights are widened to fp32 (e4m3 -> fp16 bits ->
+  fp32 on AVX2/AVX-512: NaN codes would read as finite numbers, so a weight holding NaN is refused
+  when packed) and FMA'd. Each weight byte crosses the memory bus once per call: at M = 1 the GEMM is
+  memory-bound, about twice as fast as the bf16 one.
+* Many rows (prefill, AVX-512): converting per use would cost more than the multiply-adds, so each
+  task converts every K block of its 32 columns once to bf16 pairs (vpermt2b lookups on AVX512-VBMI,
+  fp32 widening elsewhere) and runs the bf16 micro-kernel (``vdpbf16ps`` on AVX512-BF16) over up to
+  256 rows into a zeroed block tile, which it then adds times the block's scales.
+
+Both convert exactly (every e4m3 value is a bf16) and sum each K block in fp32.
 
 The packed layout (``PackedFp8Weight.layout_version`` 1, read by ``kernforge/gemm/fp8_kernel.h``): N in
 panels of ``panel_width`` columns, each panel K rows of ``panel_width`` bytes; N padded with zero
@@ -23,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernforge.jit import isa
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import export, kernel_op
@@ -39,6 +54,17 @@ from kernforge.ops._gemm import (
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 64  # columns per packed panel: a multiple of every tier's NR
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The first M that takes the converting path, per (built tier, x dtype): where it overtook the
+# in-register path, timed on Zen 5 (one thread, K = N = 4096; bf16: 0.98x the in-register time at
+# M = 96, 0.89x at 256; fp16 0.96x at 64; fp32 0.99x at 128). On AVX2 the converting path (its FMA
+# micro-kernel) stayed 13-54% slower at every M up to 512, so dispatch never takes it there, nor on
+# generic; the tests still run both paths on every tier (they replace convert_from_rows).
+CONVERT_FROM_ROWS = {
+    ("avx512", torch.bfloat16): 96,
+    ("avx512", torch.float16): 64,
+    ("avx512", torch.float32): 128,
+}
+NEVER = 1 << 62
 
 GEMM_FP8 = Module(
     "gemm_fp8", "gemm_fp8.cpp.jinja",
@@ -46,7 +72,7 @@ GEMM_FP8 = Module(
     entries=[
         Entry("scaled_mm", "int64_t x, int64_t ldx, int64_t packed, int64_t panel_width, int64_t scales, "
                            "int64_t block_n, int64_t block_k, int64_t bias, int64_t out, int64_t ldo, int64_t m, "
-                           "int64_t n, int64_t k, int64_t num_threads", returns="int64_t"),
+                           "int64_t n, int64_t k, int64_t convert_from_rows, int64_t num_threads", returns="int64_t"),
     ],
 )
 _STATUS = {**STATUS, 2: "block_size must hold two positive sizes"}
@@ -82,7 +108,7 @@ def convert_weight_packed_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,
     if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():  # once per weight, not per call
         raise ValueError("weight holds NaN (e4m3fn code S.1111.111); fp8_scaled_mm's fast widening "
                          "does not propagate NaN, so NaN weights are refused")
-    panels = -(-n // PANEL_WIDTH)
+    panels = packed_shape(n, k)[0]
     padded = torch.zeros(panels * PANEL_WIDTH, k, dtype=torch.uint8)
     padded[:n] = weight.view(torch.uint8)
     packed = padded.view(panels, PANEL_WIDTH, k).transpose(1, 2).contiguous().view(torch.float8_e4m3fn)
@@ -114,12 +140,27 @@ def fp8_scaled_mm(x: torch.Tensor, packed: PackedFp8Weight, weight_scale: torch.
         return out
     status = kernel.scaled_mm(x2.data_ptr(), ldx, packed.packed.data_ptr(), packed.panel_width,
                               weight_scale.data_ptr(), block[0], block[1], 0 if bias is None else bias.data_ptr(),
-                              out.data_ptr(), n, m, n, k, num_threads())
+                              out.data_ptr(), n, m, n, k, convert_from_rows(x.dtype), num_threads())
     raise_for_status(status, "fp8 GEMM", _STATUS)
     return out
 
 
-# --------------------------------------------------------------------------- checks
+def convert_from_rows(dtype: torch.dtype) -> int:
+    """The first M at which fp8_scaled_mm converts weights per K block (else it converts them in registers)."""
+    return CONVERT_FROM_ROWS.get((GEMM_FP8.built_tier(isa.selected_tier()), dtype), NEVER)
+
+
+# --------------------------------------------------------------------------- layout and checks
+
+
+def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, int, int]:
+    """Shape of the packed tensor of a weight ``[n, k]``: panels, K rows, columns."""
+    return (-(-n // panel_width), k, panel_width)
+
+
+def scale_shape(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
+    """Shape of the block scales of a weight ``[n, k]``: ``(ceil(n / bn), ceil(k / bk))``."""
+    return (-(-n // block_size[0]), -(-k // block_size[1]))
 
 
 def _checked_block_size(block_size) -> tuple[int, int]:
@@ -137,7 +178,7 @@ def _checked_scale(weight_scale: object, n: int, k: int, block: tuple[int, int])
     check_cpu_tensor(weight_scale, "weight_scale")
     if weight_scale.dtype is not torch.float32:
         raise TypeError(f"weight_scale has dtype {weight_scale.dtype}; expected torch.float32")
-    expected = (-(-n // block[0]), -(-k // block[1]))
+    expected = scale_shape(n, k, block)
     if tuple(weight_scale.shape) != expected:
         raise ValueError(f"weight_scale must have shape {expected} (ceil(N / {block[0]}), ceil(K / {block[1]})) "
                          f"for a [{n}, {k}] weight with block_size {block}, got {tuple(weight_scale.shape)}")
@@ -146,5 +187,14 @@ def _checked_scale(weight_scale: object, n: int, k: int, block: tuple[int, int])
 
 def _checked_packed(packed: object) -> tuple[int, int]:
     return check_packed(packed, PackedFp8Weight, "convert_weight_packed_fp8", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.float8_e4m3fn, (-(-p.n // p.panel_width), p.k, p.panel_width)),
+        ("packed", torch.float8_e4m3fn, packed_shape(p.n, p.k, _panel_width(p))),
     ])
+
+
+def _panel_width(packed: PackedFp8Weight) -> int:
+    """A multiple of PANEL_WIDTH, which both kernel paths' tile widths divide on every tier."""
+    width = packed.panel_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < PANEL_WIDTH or width % PANEL_WIDTH:
+        raise ValueError(f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed_fp8's "
+                         f"layout), got {width!r}")
+    return width
