@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
+from kernforge.ops.prefill import prefill_variant_params
 
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 11008
 EPS = 1e-6
@@ -38,7 +39,7 @@ def main():
     print(f"kernforge {kernforge.__version__}: tier {info['selected_tier']} "
           f"(runnable: {', '.join(info['runnable_tiers'])}), {torch.get_num_threads()} threads")
 
-    print("\n== pre-warm (the ops below: bf16 and fp32; the sampler: fp32 probs; decode: bf16) ==")
+    print("\n== pre-warm (the ops below: bf16 and fp32; the sampler: fp32 probs; attention and linear: bf16) ==")
     model_ops = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
                  "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
     results = kernforge.prewarm({"kernels": [
@@ -46,6 +47,9 @@ def main():
         {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},
         {"module": "decode", "params": {"q_dtype": "bf16", "kv_dtype": "bf16", "out_dtype": "bf16",
                                         "head_dim": 128, "group": 4}},
+        {"module": "prefill", "params": prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                                               128, 128, 4)},
+        {"op": "weight_packed_linear", "dtype": "bf16"},
     ]})
     compiled = [r for r in results if r.compiled]
     print(f"{len(compiled)} compiled, {len(results) - len(compiled)} already cached")
@@ -94,6 +98,8 @@ def main():
 
     sampling_demo()
     decode_demo()
+    prefill_demo()
+    linear_demo()
 
 
 def decode_demo(batch=16, kv_len=2048, heads=32, kv_heads=8, head_dim=128, page=16):
@@ -125,6 +131,47 @@ def decode_demo(batch=16, kv_len=2048, heads=32, kv_heads=8, head_dim=128, page=
     print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
     print(f"{'BatchDecode...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
           f"{t_theirs / t_ours:7.1f}x   ({gbs:.1f} GB/s of KV read)")
+
+
+def prefill_demo(length=1024, heads=32, kv_heads=8, head_dim=128):
+    """Causal prefill of one request (ragged K/V), against torch's scaled_dot_product_attention."""
+    q = torch.randn(length, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    indptr = torch.tensor([0, length], dtype=torch.int32)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+    wrapper.plan(indptr, indptr, heads, kv_heads, head_dim, causal=True, q_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+
+    correct = _matches(wrapper.run(q, k, v, out=out), sdpa())
+    t_ours = median_us(lambda: wrapper.run(q, k, v, out=out), reps=5)
+    t_theirs = median_us(sdpa, reps=3)
+    gflops = 4 * head_dim * heads * length * (length + 1) / 2 / t_ours / 1e3
+    print(f"\n== prefill attention, bf16, causal: {length} tokens, {heads} q / {kv_heads} KV heads, head_dim {head_dim} ==")
+    print("correct: within bf16 tolerance of torch SDPA (is_causal, enable_gqa); torch us: that SDPA call")
+    print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
+    print(f"{'BatchPrefill...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+          f"{t_theirs / t_ours:7.1f}x   ({gflops:.0f} GFLOP/s)")
+
+
+def linear_demo(n=4096, k=4096):
+    """A prepacked bf16 linear layer at decode (1 row) and prefill (256 rows) sizes, against F.linear."""
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    packed = kernforge.convert_weight_packed(weight)
+    print(f"\n== linear, bf16 weight [{n}, {k}] prepacked once, out= preallocated ==")
+    print("correct: within bf16 tolerance of a float32 matmul; torch us: F.linear")
+    print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
+    for m in (1, 256):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        correct = _matches(kernforge.weight_packed_linear(x, packed, out=out), x.float() @ weight.float().T)
+        t_ours = median_us(lambda: kernforge.weight_packed_linear(x, packed, out=out), reps=10)
+        t_theirs = median_us(lambda: F.linear(x, weight), reps=10)
+        print(f"{f'weight_packed_linear M={m}':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+              f"{t_theirs / t_ours:7.2f}x")
 
 
 def sampling_demo(batch=16, vocab=128256, top_k=50, top_p=0.9):

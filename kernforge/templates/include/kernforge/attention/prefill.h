@@ -519,33 +519,39 @@ class PrefillKernel {
   }
 
   // Scores -> probabilities of the online softmax, row by row; rescales the row's accumulators.
+  // Without a soft cap the scale is folded into the exponent, exp(scale * s - m), and the row max is
+  // taken on the raw scores (scale > 0 keeps their order), which saves a pass over the row.
   void softmax(const TileView& t, int64_t k0, int64_t count, bool whole, float qk_scale, const Scratch& s) const {
     constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-    const bool capped = p_.soft_cap > 0.0;
+    const bool capped = p_.soft_cap > 0.0, folded = !capped && qk_scale > 0.0f;
     const VecF scale = VecF::broadcast(qk_scale), cap = VecF::broadcast(float(p_.soft_cap));
+    const VecF multiplier = VecF::broadcast(folded ? qk_scale : 1.0f);
+    const VecF lowest = VecF::broadcast(std::numeric_limits<float>::lowest());
     const bool causal = p_.causal != 0 && p_.mask == 0;
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = s.s + r * kBlockN;
-      VecF row_max = VecF::broadcast(kMinusInf);
-      for (int64_t j = 0; j < kBlockN; j += kWidth) {
-        VecF x = VecF::load(row + j) * scale;
-        if (capped) x = cap * tanh(x);
-        x.store(row + j);
+      if (!folded) {
+        for (int64_t j = 0; j < kBlockN; j += kWidth) {
+          VecF x = VecF::load(row + j) * scale;
+          if (capped) x = cap * tanh(x);
+          x.store(row + j);
+        }
       }
       if (!whole) mask_row(t, r / p_.group, k0, count, causal, row);
-      for (int64_t j = 0; j < kBlockN; j += kWidth) row_max = max(row_max, VecF::load(row + j));
-      const float m_old = s.m[r], m_new = std::max(m_old, reduce_max(row_max));
+      VecF row_max = VecF::load(row);
+      for (int64_t j = kWidth; j < kBlockN; j += kWidth) row_max = max(row_max, VecF::load(row + j));
+      const float m_old = s.m[r], m_new = std::max(m_old, reduce_max(row_max) * (folded ? qk_scale : 1.0f));
       Compute* probabilities = s.p + r * kBlockN;
       if (m_new == kMinusInf) {  // nothing visible yet: p = 0, state unchanged
         for (int64_t j = 0; j < kBlockN; j += kWidth) VecF::zero().store(probabilities + j);
         continue;
       }
-      const VecF shift = VecF::broadcast(m_new);
+      const VecF shift = VecF::broadcast(-m_new);
       VecF sum = VecF::zero();
       for (int64_t j = 0; j < kBlockN; j += kWidth) {
         const VecF x = VecF::load(row + j);
         // exp of -inf is not exactly 0 in vec_math's exp: masked keys must weigh nothing.
-        const VecF p = select(x >= VecF::broadcast(std::numeric_limits<float>::lowest()), exp(x - shift), VecF::zero());
+        const VecF p = select(x >= lowest, exp(fma(x, multiplier, shift)), VecF::zero());
         sum += p;
         p.store(probabilities + j);
       }
