@@ -16,8 +16,13 @@ Columns
                               >= 256 MiB, 8x the L3), so no weight is served from the cache.
     GFLOP/s, % bf16 peak      2 * M * N * K / kernforge time, against roof.json's bf16 dot-product
                               peak for the thread count (the figure for large M).
-    tuned vs default          where `python -m kernforge tune gemm` recorded a tile for the case's
-                              bucket that differs from the default: default time / tuned time.
+    int8 x, fp8 x             kernforge bf16 time / the time of the same weights quantized: int8 w8a8
+                              (int8_scaled_mm_with_quant: the activation is quantized inside the call,
+                              per-channel weight scales) and fp8 block-scaled (fp8_scaled_mm, e4m3 with
+                              128 x 128 block scales); > 1: the quantized GEMM is faster.
+    tuned vs default          where `python -m kernforge tune gemm` recorded a configuration (tile,
+                              blocking, thread split) for the case's bucket that differs from the
+                              default: default time / tuned time.
 
 torch.compile compiles ``F.linear(x, w)`` with mode="max-autotune-no-cudagraphs" (Inductor's C++
 GEMM template among its choices) where that works, else the default mode; the header says which.
@@ -41,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
 import kernforge  # noqa: E402
+import kernforge.nn  # noqa: E402,F401  (quantize_weight_fp8_block)
 from kernforge.jit import tuning  # noqa: E402
 from kernforge.ops import gemm  # noqa: E402
 
@@ -51,7 +57,7 @@ ROTATE_BYTES = 256 * H.MiB  # 8x the L3: no weight copy survives in the cache un
 MAX_WEIGHT_BYTES = 2 << 30  # skip bigger weights (this VM has little memory to spare)
 
 HEADERS = ["K x N", "M", "kf us", "F.linear us", "compile us", "vs F.linear", "vs compile", "weight GB/s",
-           "% DRAM r", "GFLOP/s", "% bf16 peak", "tuned vs default", "bg"]
+           "% DRAM r", "GFLOP/s", "% bf16 peak", "int8 x", "fp8 x", "tuned vs default", "bg"]
 
 
 def _compiled_linear(args) -> tuple[object | None, str]:
@@ -72,12 +78,24 @@ def _compiled_linear(args) -> tuple[object | None, str]:
     return None, "unavailable"
 
 
+def _quantized(weights, n, k):
+    """int8 w8a8 (per-channel scales) and fp8 block-scaled (128 x 128) packings of the same weights."""
+    int8, fp8 = [], []
+    for w in weights:
+        scale = w.float().abs().amax(1).clamp(min=1e-8) / 127
+        int8.append(kernforge.convert_weight_packed_int8((w.float() / scale[:, None]).round().to(torch.int8), scale))
+        q, block_scale = kernforge.nn.quantize_weight_fp8_block(w)
+        fp8.append((kernforge.convert_weight_packed_fp8(q, block_scale), block_scale))
+    return int8, fp8
+
+
 def _case(k, n, rows, args, compiled, dram_r, peak):
     weight_bytes = n * k * 2
     copies = max(1, -(-ROTATE_BYTES // weight_bytes))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=generator).bfloat16() for _ in range(copies)]
     packed = [kernforge.convert_weight_packed(w) for w in weights]
+    int8, fp8 = _quantized(weights, n, k) if not args.no_quant else ([], [])
     results = []
     for m in rows:
         x = torch.randn(m, k, generator=generator).bfloat16()
@@ -89,25 +107,30 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         }
         if compiled is not None:
             fns["compile"] = lambda: compiled(x, weights[next(turn)])
+        if int8:
+            fns["int8"] = lambda: kernforge.int8_scaled_mm_with_quant(x, int8[next(turn)], out_dtype=torch.bfloat16)
+            fns["fp8"] = lambda: kernforge.fp8_scaled_mm(x, *fp8[next(turn)], out_dtype=torch.bfloat16)
         shape = gemm.tile_shape(torch.bfloat16, m, n, k)
         tier = gemm.GEMM.built_tier(kernforge.jit.isa.selected_tier())
         recorded = tuning.TuningStore().lookup(gemm.TILE_CANDIDATES.kernel, gemm.TILE_CANDIDATES.bucket(shape), tier)
-        tuned = gemm.TILE_CANDIDATES.choose(shape, tier=tier).params["tile"]
-        default = gemm.TILE_CANDIDATES.default(shape, tier).params["tile"]
+        tuned = dict(gemm.TILE_CANDIDATES.choose(shape, tier=tier).params)
+        default = dict(gemm.TILE_CANDIDATES.default(shape, tier).params)
         if tuned != default:
-            fns["kf default"] = lambda: gemm.linear_with_tile(x, packed[next(turn)], default, out=out)
+            fns["kf default"] = lambda: gemm.linear_with_config(x, packed[next(turn)], default, out=out)
         t, bg = H.timed(fns, args)
         kf = t["kf"].median_ns
         gbs, gflops = weight_bytes / kf, 2 * m * n * k / kf
         other = lambda name: H.us(t.get(name)) if name in t else "n/a"  # noqa: E731
         ratio = lambda name: H.fmt(t[name].median_ns / kf, 2) if name in t else "n/a"  # noqa: E731
+        speedup = lambda name: H.fmt(kf / t[name].median_ns, 2) if name in t else "n/a"  # noqa: E731
         row = [f"{k}x{n}", m, H.us(t["kf"]), other("F.linear"), other("compile"), ratio("F.linear"), ratio("compile"),
                H.fmt(gbs), f"{100 * gbs / dram_r:.0f}%", H.fmt(gflops, 0), f"{100 * gflops / peak:.0f}%",
-               (f"{ratio('kf default')} ({'x'.join(map(str, tuned))})" if "kf default" in t
+               speedup("int8"), speedup("fp8"),
+               (f"{ratio('kf default')} ({gemm.config_name(tuned)})" if "kf default" in t
                 else "default won" if recorded else "no record"),
                f"{100 * bg:.0f}%"]
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
-        results.append({"k": k, "n": n, "m": m, "tile": tuned, "default_tile": default, "bg": bg,
+        results.append({"k": k, "n": n, "m": m, "config": tuned, "default_config": default, "bg": bg,
                         **{name: timing.to_json() for name, timing in t.items()}})
         yield row, results[-1]
 
@@ -115,6 +138,7 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--no-quant", action="store_true", help="skip the int8 and fp8 columns")
     p.add_argument("--m", nargs="*", type=int, help="only these M")
     p.add_argument("--shapes", nargs="*", help="only these KxN")
     p.add_argument("--max-bg", type=float, default=0.10,

@@ -269,7 +269,7 @@ def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_hea
 
 
 @pytest.mark.parametrize("tile", prefill.TILES)
-def test_every_tile(workspace, tile):
+def test_every_tile(tier, workspace, tile):
     """Each tile the tuner may pick, on a batch with partial tiles and blocks."""
     qo, kv = [70, 5], [200, 5]
     g = seeded("tile", tile)
