@@ -1,0 +1,502 @@
+"""kernforge's ops as ``torch.ops.kernforge.<op>`` custom ops, so ``torch.compile`` traces them.
+
+A kernforge op is opaque Python to Dynamo (cffi calls on raw pointers): a compiled model breaks its
+graph at each one. Registered with ``torch.library``, each op is one node of the graph instead: a
+schema that says which arguments it writes (``Tensor(a!)``), a fake implementation that gives the
+output's shape, dtype and strides from the inputs' alone, and the real one, which calls the Python
+op. AOTAutograd's functionalization turns the writing ops into ``auto_functionalized`` nodes, which
+Inductor turns back into in-place calls; under ``backend="aot_eager"`` the written tensors are cloned
+per call (correct, but a whole KV cache is copied per append: use Inductor or ``backend="eager"``
+for anything large). The ops are defined from schema strings with ``torch.library.Library`` (about
+0.1 ms each at import; 1.6 us of dispatch per call) rather than ``torch.library.custom_op``, whose
+Python wrapper costs about 12 us per call.
+
+Interface (what models and ``kernforge.integrations.transformers`` call)
+------------------------------------------------------------------------
+* This module's functions (``rmsnorm``, ``fused_add_rmsnorm``, ``silu_and_mul``,
+  ``apply_rope_pos_ids_inplace``, ``append_paged_kv_cache``, ``weight_packed_linear``, ...) take the
+  arguments of kernforge's op of the same name. Eagerly they call that op directly (no dispatcher
+  cost); while Dynamo traces (``torch.compiler.is_compiling()``) they call
+  ``torch.ops.kernforge.<op>``. A model written against them runs at full speed eagerly and compiles
+  without graph breaks. Ops with ``out=`` have a second custom op ``<op>_out`` that writes ``out``.
+* ``weight_packed_linear(x, packed)`` and ``int8_scaled_mm_with_quant(x, packed)`` take the packed
+  dataclasses; their custom ops take the dataclass's tensors and ints (``packed.packed, n, k,
+  panel_width``), since a schema holds no Python objects.
+* ``top_k_top_p_sampling_from_logits``: the custom op takes ``top_k``/``top_p`` as ``[batch]``
+  tensors and the Philox ``seed``/``offset`` as int64 tensors, so it is a pure function of its
+  inputs. Traced, this module's function makes those tensors (a Python ``top_k``/``top_p`` is filled
+  in; without ``seed``, one is drawn from torch's default generator by a traced ``randint``; Dynamo
+  does not trace a ``torch.Generator`` argument: pass ``seed``/``offset`` tensors instead).
+* Attention: a wrapper's plan (page table, work lists, compiled kernel) lives in Python objects that
+  a graph cannot hold, and is replaced every step. So ``plan()`` stays outside the compiled region
+  (once per step) and ``run()`` becomes ``kernforge::attention_run(q, kv, v, wrapper, out_dtype,
+  head_dim_vo, q_scale, k_scale, v_scale)``: ``wrapper`` is the wrapper's number in a registry of
+  live wrappers (weak references; numbers are never reused), and the real implementation runs that
+  wrapper's *current* plan, so one graph serves every step's new plan. The fake implementation needs
+  only ``q``'s shape and the two planned values it is given; Dynamo reads them from the plan while
+  tracing and guards on them, so a plan with another output dtype or head dim recompiles rather than
+  mis-describe the output (the real implementation checks them too). The KV cache is an input of the
+  op, which orders the op after the ``append_paged_kv_cache`` that wrote the cache. ``kv``/``v``:
+  the paged cache (one tensor, ``v`` None) or its ``(k_cache, v_cache)`` halves; the ragged
+  wrapper's ``k`` and ``v``. ``attention_run_return_lse`` returns ``(out, lse)``.
+  Use this module's ``BatchDecodeWithPagedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper``
+  and ``BatchPrefillWithRaggedKVCacheWrapper`` (kernforge's, registered when built, with a traceable
+  ``run()``), or ``register_wrapper(w)`` a wrapper of ``kernforge.ops`` and call
+  ``attention_run(w, q, paged_kv_cache)``.
+* Inference only: no autograd formulas (run the model under ``torch.no_grad()`` or
+  ``torch.inference_mode()``). Scales (``q_scale`` ...) are Python floats when traced.
+
+``SCHEMAS`` maps each custom op to its schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Callable
+
+import torch
+
+from kernforge.ops import activation, decode, gemm, gemm_int8, norm, page, prefill, rope, sampling
+from kernforge.ops.decode import PlanStateError
+
+NAMESPACE = "kernforge"
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace
+SCHEMAS: dict[str, str] = {}  # op name -> its schema
+
+
+def _define(schema: str, impl: Callable, fake: Callable) -> None:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CPU")
+    _LIB.impl(name, fake, "Meta")  # what FakeTensorMode runs; register_fake costs 0.4 ms per op (a stack lookup)
+    SCHEMAS[name] = schema
+
+
+def _writes_only(python_op: Callable) -> Callable:
+    """The implementation of an op that writes its arguments: the dispatcher wants None back."""
+
+    def impl(*args, **kwargs) -> None:
+        python_op(*args, **kwargs)
+
+    return impl
+
+
+def _no_output(*args, **kwargs) -> None:
+    """The fake of an op that writes its arguments and returns nothing."""
+
+
+def _op(name: str):
+    return getattr(torch.ops.kernforge, name)
+
+
+def _traceable(python_op: Callable) -> Callable:
+    """``python_op`` eagerly, ``torch.ops.kernforge.<its name>`` while Dynamo traces (for ops whose
+    schema takes the Python op's arguments as they are)."""
+    name = python_op.__name__
+
+    @functools.wraps(python_op)
+    def op(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _op(name)(*args, **kwargs)
+        return python_op(*args, **kwargs)
+
+    return op
+
+
+# --------------------------------------------------------------------------- norms and activations
+
+
+def _norm_fake(input, weight, eps=1e-6):
+    # as the op: empty_like of the rows it reads (a contiguous copy when the last dim is strided)
+    if input.stride(-1) == 1 or input.shape[-1] <= 1:
+        return torch.empty_like(input)
+    return input.new_empty(input.shape)
+
+
+def _gated_fake(input):
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+for _python_op in (norm.rmsnorm, norm.gemma_rmsnorm):
+    _define(f"{_python_op.__name__}(Tensor input, Tensor weight, float eps=1e-06) -> Tensor", _python_op, _norm_fake)
+    _define(f"{_python_op.__name__}_out(Tensor input, Tensor weight, float eps=1e-06, *, Tensor(a!) out) -> ()",
+            _writes_only(_python_op), _no_output)
+
+for _python_op in (norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm):
+    _define(f"{_python_op.__name__}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=1e-06) -> ()",
+            _python_op, _no_output)
+
+for _python_op in (activation.silu_and_mul, activation.gelu_and_mul, activation.gelu_tanh_and_mul):
+    _define(f"{_python_op.__name__}(Tensor input) -> Tensor", _python_op, _gated_fake)
+    _define(f"{_python_op.__name__}_out(Tensor input, *, Tensor(a!) out) -> ()", _writes_only(_python_op),
+            _no_output)
+
+
+def _maybe_out(name: str, out, *args):
+    """Traced: ``<name>(*args)``, or ``<name>_out(*args, out=out)`` and ``out``."""
+    if out is None:
+        return _op(name)(*args)
+    _op(f"{name}_out")(*args, out=out)
+    return out
+
+
+@functools.wraps(norm.rmsnorm)
+def rmsnorm(input, weight, eps: float = 1e-6, out=None):
+    if torch.compiler.is_compiling():
+        return _maybe_out("rmsnorm", out, input, weight, eps)
+    return norm.rmsnorm(input, weight, eps, out)
+
+
+@functools.wraps(norm.gemma_rmsnorm)
+def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None):
+    if torch.compiler.is_compiling():
+        return _maybe_out("gemma_rmsnorm", out, input, weight, eps)
+    return norm.gemma_rmsnorm(input, weight, eps, out)
+
+
+fused_add_rmsnorm = _traceable(norm.fused_add_rmsnorm)
+gemma_fused_add_rmsnorm = _traceable(norm.gemma_fused_add_rmsnorm)
+
+
+@functools.wraps(activation.silu_and_mul)
+def silu_and_mul(input, out=None):
+    if torch.compiler.is_compiling():
+        return _maybe_out("silu_and_mul", out, input)
+    return activation.silu_and_mul(input, out)
+
+
+@functools.wraps(activation.gelu_and_mul)
+def gelu_and_mul(input, out=None):
+    if torch.compiler.is_compiling():
+        return _maybe_out("gelu_and_mul", out, input)
+    return activation.gelu_and_mul(input, out)
+
+
+@functools.wraps(activation.gelu_tanh_and_mul)
+def gelu_tanh_and_mul(input, out=None):
+    if torch.compiler.is_compiling():
+        return _maybe_out("gelu_tanh_and_mul", out, input)
+    return activation.gelu_tanh_and_mul(input, out)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+_PLAIN = "int? rotary_dim=None, bool interleave=False, float rope_scale=1., float rope_theta=10000."
+_LLAMA31 = ("int? rotary_dim=None, bool interleave=False, float rope_scale=8., float rope_theta=500000., "
+            "float low_freq_factor=1., float high_freq_factor=4., float old_context_len=8192.")
+_POS_IDS = "Tensor pos_ids"
+_SEGMENTS = "Tensor indptr, Tensor offsets"
+
+
+def _rope_fake(q, k, *args, **kwargs):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+for _python_op, _positions, _params in (
+        (rope.apply_rope_pos_ids, _POS_IDS, _PLAIN), (rope.apply_llama31_rope_pos_ids, _POS_IDS, _LLAMA31),
+        (rope.apply_rope, _SEGMENTS, _PLAIN), (rope.apply_llama31_rope, _SEGMENTS, _LLAMA31)):
+    _define(f"{_python_op.__name__}(Tensor q, Tensor k, {_positions}, {_params}) -> (Tensor, Tensor)",
+            _python_op, _rope_fake)
+    _in_place = getattr(rope, f"{_python_op.__name__}_inplace")
+    _define(f"{_in_place.__name__}(Tensor(a!) q, Tensor(b!) k, {_positions}, {_params}) -> ()", _in_place,
+            _no_output)
+
+_define("apply_rope_with_cos_sin_cache(Tensor positions, Tensor query, Tensor key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox=True) -> (Tensor, Tensor)", rope.apply_rope_with_cos_sin_cache,
+        lambda positions, query, key, *args, **kwargs: (torch.empty_like(query), torch.empty_like(key)))
+_define("apply_rope_with_cos_sin_cache_inplace(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox=True) -> ()", rope.apply_rope_with_cos_sin_cache_inplace, _no_output)
+
+apply_rope_pos_ids = _traceable(rope.apply_rope_pos_ids)
+apply_rope_pos_ids_inplace = _traceable(rope.apply_rope_pos_ids_inplace)
+apply_llama31_rope_pos_ids = _traceable(rope.apply_llama31_rope_pos_ids)
+apply_llama31_rope_pos_ids_inplace = _traceable(rope.apply_llama31_rope_pos_ids_inplace)
+apply_rope = _traceable(rope.apply_rope)
+apply_rope_inplace = _traceable(rope.apply_rope_inplace)
+apply_llama31_rope = _traceable(rope.apply_llama31_rope)
+apply_llama31_rope_inplace = _traceable(rope.apply_llama31_rope_inplace)
+apply_rope_with_cos_sin_cache = _traceable(rope.apply_rope_with_cos_sin_cache)
+apply_rope_with_cos_sin_cache_inplace = _traceable(rope.apply_rope_with_cos_sin_cache_inplace)
+
+
+# --------------------------------------------------------------------------- the paged KV cache
+
+
+def _cache(kv: torch.Tensor, v: torch.Tensor | None):
+    """The Python ops' ``paged_kv_cache`` from the schema's ``kv, v``."""
+    return kv if v is None else (kv, v)
+
+
+def _halves(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The schema's ``kv, v`` from a ``paged_kv_cache`` (one tensor or a (k, v) pair)."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
+                             "entries")
+        return paged_kv_cache[0], paged_kv_cache[1]
+    return paged_kv_cache, None
+
+
+def _append_impl(append_key, append_value, batch_indices, positions, paged_kv_cache, paged_v_cache, kv_indices,
+                 kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
+    page.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
+                               _cache(paged_kv_cache, paged_v_cache), kv_indices, kv_indptr, kv_last_page_len,
+                               kv_layout)
+
+
+_define("append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
+        "Tensor(a!) paged_kv_cache, Tensor(b!)? paged_v_cache, Tensor kv_indices, Tensor kv_indptr, "
+        "Tensor kv_last_page_len, str kv_layout=\"NHD\") -> ()", _append_impl, _no_output)
+
+
+@functools.wraps(page.append_paged_kv_cache)
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                          kv_last_page_len, kv_layout: str = "NHD") -> None:
+    if not torch.compiler.is_compiling():
+        return page.append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                                          kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+    _op("append_paged_kv_cache")(append_key, append_value, batch_indices, positions, *_halves(paged_kv_cache),
+                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+def _linear_fake(x, packed, n, k, panel_width, bias=None):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _packed_weight(packed, n, k, panel_width) -> gemm.PackedWeight:
+    return gemm.PackedWeight(packed, n, k, panel_width=panel_width)
+
+
+_define("weight_packed_linear(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None) -> Tensor",
+        lambda x, packed, n, k, panel_width, bias=None:
+            gemm.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias),
+        _linear_fake)
+_define("weight_packed_linear_out(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None, *, "
+        "Tensor(a!) out) -> ()",
+        _writes_only(lambda x, packed, n, k, panel_width, bias=None, *, out:
+                     gemm.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias, out)),
+        _no_output)
+_define("int8_scaled_mm_with_quant(Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, "
+        "int panel_width, Tensor? bias=None) -> Tensor",
+        lambda x, packed, compensation, scale, n, k, panel_width, bias=None: gemm_int8.int8_scaled_mm_with_quant(
+            x, gemm_int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias),
+        lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)))
+
+
+def _check_layout(packed, module) -> None:
+    # the custom ops rebuild the dataclass with the current layout: refuse another one before that
+    if packed.layout_version != module.LAYOUT_VERSION:
+        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
+                         f"{module.LAYOUT_VERSION} (pack the weight again)")
+
+
+@functools.wraps(gemm.weight_packed_linear)
+def weight_packed_linear(x, packed, bias=None, out=None):
+    if not torch.compiler.is_compiling():
+        return gemm.weight_packed_linear(x, packed, bias, out)
+    _check_layout(packed, gemm)
+    return _maybe_out("weight_packed_linear", out, x, packed.packed, packed.n, packed.k, packed.panel_width, bias)
+
+
+@functools.wraps(gemm_int8.int8_scaled_mm_with_quant)
+def int8_scaled_mm_with_quant(x, packed, bias=None, out_dtype=None):
+    if not torch.compiler.is_compiling():
+        return gemm_int8.int8_scaled_mm_with_quant(x, packed, bias, out_dtype)
+    _check_layout(packed, gemm_int8)
+    if out_dtype is not None and out_dtype is not x.dtype:
+        raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant "
+                        "writes x's dtype")
+    return _op("int8_scaled_mm_with_quant")(x, packed.packed, packed.compensation, packed.scale, packed.n, packed.k,
+                                            packed.panel_width, bias)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _sampling_impl(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
+    return sampling.top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices, filter_apply_order, seed=seed,
+                                                     offset=offset, return_valid=True)
+
+
+def _sampling_fake(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
+    batch, dtype = (logits.shape[0], torch.int32) if indices is None else (indices.shape[0], indices.dtype)
+    return logits.new_empty(batch, dtype=dtype), logits.new_empty(batch, dtype=torch.bool)
+
+
+_define("top_k_top_p_sampling_from_logits(Tensor logits, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset, "
+        "Tensor? indices=None, str filter_apply_order=\"top_k_first\") -> (Tensor samples, Tensor valid)",
+        _sampling_impl, _sampling_fake)
+
+
+def _per_row(value, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.full((batch,), value, dtype=dtype)
+
+
+def _seed_tensor(value) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor([value], dtype=torch.int64)
+
+
+@functools.wraps(sampling.top_k_top_p_sampling_from_logits)
+def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
+                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
+                                     return_valid=False):
+    if not torch.compiler.is_compiling():
+        return sampling.top_k_top_p_sampling_from_logits(
+            logits, top_k, top_p, indices, filter_apply_order, deterministic, generator, check_nan, seed, offset,
+            return_valid)
+    if check_nan:
+        raise NotImplementedError("check_nan reads the logits in Python: not available under torch.compile")
+    batch = logits.shape[0] if indices is None else indices.shape[0]
+    if not isinstance(top_k, torch.Tensor):
+        top_k = min(top_k, logits.shape[1])  # as the Python op: k >= vocab means no top-k
+    if seed is None or offset is None:  # as the Python op: a fresh seed from the generator, offset 0
+        seed, offset = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=generator), 0
+    samples, valid = _op("top_k_top_p_sampling_from_logits")(
+        logits, _per_row(top_k, batch, torch.int64), _per_row(top_p, batch, torch.float32), _seed_tensor(seed),
+        _seed_tensor(offset), indices, filter_apply_order)
+    return (samples, valid) if return_valid else samples
+
+
+# --------------------------------------------------------------------------- attention
+
+_WRAPPERS: dict[int, weakref.ref] = {}  # handle -> the live wrapper
+_HANDLES = itertools.count(1)
+_HANDLE_ATTRIBUTE = "_torch_library_handle"
+_WRAPPER_CLASSES = (decode.BatchDecodeWithPagedKVCacheWrapper, prefill.BatchPrefillWithPagedKVCacheWrapper,
+                    prefill.BatchPrefillWithRaggedKVCacheWrapper)
+
+
+def register_wrapper(wrapper):
+    """Give a kernforge attention wrapper its handle (once; idempotent) so ``attention_run`` can be
+    traced with it; returns the wrapper. The registry holds it weakly."""
+    if not isinstance(wrapper, _WRAPPER_CLASSES):
+        raise TypeError(f"wrapper must be one of kernforge's batch attention wrappers, got {type(wrapper).__name__}")
+    if getattr(wrapper, _HANDLE_ATTRIBUTE, None) is None:
+        handle = next(_HANDLES)
+        _WRAPPERS[handle] = weakref.ref(wrapper, lambda _, handle=handle: _WRAPPERS.pop(handle, None))
+        setattr(wrapper, _HANDLE_ATTRIBUTE, handle)
+    return wrapper
+
+
+def _wrapper(handle: int):
+    ref = _WRAPPERS.get(handle)
+    wrapper = None if ref is None else ref()
+    if wrapper is None:
+        raise ValueError(f"no live attention wrapper has handle {handle} (register_wrapper gives handles; a wrapper "
+                         "that was garbage-collected has none)")
+    return wrapper
+
+
+def _planned_output(wrapper) -> tuple[torch.dtype, int]:
+    """(out dtype, head_dim_vo) of the wrapper's plan: what the fake implementation needs."""
+    plan = wrapper._plan
+    if plan is None:
+        raise PlanStateError("run() called before plan(): plan the batch first")
+    if isinstance(wrapper, decode.BatchDecodeWithPagedKVCacheWrapper):
+        return plan.out_dtype, plan.head_dim
+    return plan.out_dtype, plan.head_dim_vo
+
+
+def _base_run(wrapper, q, kv, v, **kwargs):
+    """The wrapper's own (kernforge.ops) run()."""
+    if isinstance(wrapper, prefill.BatchPrefillWithRaggedKVCacheWrapper):
+        return prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, q, kv, v, **kwargs)
+    cls = next(cls for cls in _WRAPPER_CLASSES if isinstance(wrapper, cls))
+    return cls.run(wrapper, q, _cache(kv, v), **kwargs)
+
+
+def _attention_impl(q, kv, v, wrapper, out_dtype, head_dim_vo, q_scale=None, k_scale=None, v_scale=None,
+                    return_lse=False):
+    live = _wrapper(wrapper)
+    planned = _planned_output(live)
+    if planned != (out_dtype, head_dim_vo):
+        raise ValueError(f"attention_run was given out_dtype {out_dtype} and head_dim_vo {head_dim_vo}, but the "
+                         f"wrapper's plan gives {planned[0]} and {planned[1]}")
+    return _base_run(live, q, kv, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+
+def _attention_fake(q, kv, v, wrapper, out_dtype, head_dim_vo, *args, **kwargs):
+    return q.new_empty((q.shape[0], q.shape[1], head_dim_vo), dtype=out_dtype)
+
+
+def _attention_lse_fake(q, *args, **kwargs):
+    return _attention_fake(q, *args, **kwargs), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+_ATTENTION_ARGS = ("Tensor q, Tensor kv, Tensor? v, int wrapper, ScalarType out_dtype, int head_dim_vo, "
+                   "float? q_scale=None, float? k_scale=None, float? v_scale=None")
+_define(f"attention_run({_ATTENTION_ARGS}) -> Tensor", _attention_impl, _attention_fake)
+_define(f"attention_run_return_lse({_ATTENTION_ARGS}) -> (Tensor out, Tensor lse)",
+        functools.partial(_attention_impl, return_lse=True), _attention_lse_fake)
+
+
+def attention_run(wrapper, q, kv, v=None, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+                  return_lse: bool = False):
+    """``wrapper.run(q, kv)`` (paged: ``kv`` the cache or its (k, v) pair) or ``wrapper.run(q, kv, v)``
+    (ragged) of a kernforge wrapper; traced as ``kernforge::attention_run`` (the wrapper registered)."""
+    if not torch.compiler.is_compiling():
+        return _base_run(wrapper, q, kv, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                         return_lse=return_lse)
+    handle = getattr(wrapper, _HANDLE_ATTRIBUTE, None)
+    if handle is None:
+        raise ValueError("torch.compile traced attention_run on an unregistered wrapper: call "
+                         "kernforge.ops.torch_library.register_wrapper(wrapper) once, before compiling")
+    if v is None:
+        kv, v = _halves(kv)
+    out_dtype, head_dim_vo = _planned_output(wrapper)
+    args = (q, kv, v, handle, out_dtype, head_dim_vo, q_scale, k_scale, v_scale)
+    if not return_lse:
+        result = _op("attention_run")(*args)
+        return result if out is None else out.copy_(result)
+    result, result_lse = _op("attention_run_return_lse")(*args)
+    return (result if out is None else out.copy_(result)), (result_lse if lse is None else lse.copy_(result_lse))
+
+
+class _TraceableRun:
+    """run() through ``attention_run``: eagerly the wrapper's own, traced one ``kernforge::attention_run``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        register_wrapper(self)
+
+    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, **options):
+        if options and not torch.compiler.is_compiling():
+            return super().run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                               lse=lse, return_lse=return_lse, **options)
+        if options:
+            raise NotImplementedError(f"run() options {sorted(options)} are not traceable; pass them eagerly")
+        return attention_run(self, q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                             lse=lse, return_lse=return_lse)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_TraceableRun, decode.BatchDecodeWithPagedKVCacheWrapper):
+    """kernforge's decode wrapper, registered, with a ``run()`` that torch.compile traces."""
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWithPagedKVCacheWrapper):
+    """kernforge's paged prefill wrapper, registered, with a ``run()`` that torch.compile traces."""
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWithRaggedKVCacheWrapper):
+    """kernforge's ragged prefill wrapper, registered, with a ``run(q, k, v)`` that torch.compile traces."""
+
+    def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
+            **options):
+        if options and not torch.compiler.is_compiling():
+            return prefill.BatchPrefillWithRaggedKVCacheWrapper.run(
+                self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                return_lse=return_lse, **options)
+        if options:
+            raise NotImplementedError(f"run() options {sorted(options)} are not traceable; pass them eagerly")
+        return attention_run(self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                             return_lse=return_lse)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
