@@ -150,3 +150,16 @@ def test_state_dict_and_torch_save_round_trip(quant):
     torch.save(module, whole)
     whole.seek(0)
     assert torch.equal(torch.load(whole, weights_only=False)(x), expected)
+
+
+def test_linear_compiles_without_graph_breaks():
+    """kernforge.nn.Linear calls its GEMM through torch.ops.kernforge, one node of a compiled graph."""
+    layer = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    model = torch.nn.Sequential(knn.Linear.from_linear(layer), torch.nn.ReLU(), knn.Linear.from_linear(
+        torch.nn.Linear(48, 32).to(torch.bfloat16), quant="int8"))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+        compiled = torch.compile(model, backend="eager")
+        torch.testing.assert_close(compiled(x), model(x))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernforge.ops import gemm, gemm_fp8, gemm_int8
+from kernforge.ops import gemm, gemm_fp8, gemm_int8, torch_library
 from kernforge.ops._registry import DTYPE_NAMES
 
 QUANTS = (None, "int8", "fp8_block")
@@ -89,14 +89,14 @@ class Linear(nn.Module):
                             "(Linear.from_linear(..., dtype=...))")
         if self.quant is None:
             packed = gemm.PackedWeight(self.weight_packed, self.out_features, self.in_features)
-            return gemm.weight_packed_linear(x, packed, self.bias)
+            return torch_library.weight_packed_linear(x, packed, self.bias)  # a graph node under torch.compile
         if self.quant == "fp8_block":
             packed = gemm_fp8.PackedFp8Weight(self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features,
                                               self.in_features)
             return gemm_fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
         packed = gemm_int8.PackedInt8Weight(self.weight_packed, self.weight_compensation, self.weight_scale,
                                             self.out_features, self.in_features)
-        return gemm_int8.int8_scaled_mm_with_quant(x, packed, self.bias)
+        return torch_library.int8_scaled_mm_with_quant(x, packed, self.bias)
 
     def get_extra_state(self) -> dict:
         """What the buffers' shapes do not pin down (K and N pad to whole pairs/groups and panels)."""
