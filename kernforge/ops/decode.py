@@ -174,7 +174,40 @@ def _check_out(t, shape, dtype, name: str) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class WorkspaceWrapper:
+    """What FlashInfer's attention wrappers share on the CPU: the workspace buffer (a wrapper serves
+    one caller at a time: its workspace holds the running call's scratch), the KV layout, and the
+    GPU-only options refused."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 backend: str = "auto", jit_args=None):
+        _check_workspace(float_workspace_buffer)
+        check_kv_layout(kv_layout)
+        if use_cuda_graph:
+            raise NotImplementedError("use_cuda_graph: CUDA graphs do not exist on the CPU; plan() per batch instead")
+        if backend not in ("auto", "fa2"):
+            raise NotImplementedError(f"backend={backend!r}: kernforge has one CPU backend ('auto')")
+        if jit_args is not None:
+            raise NotImplementedError("jit_args: custom FlashInfer JIT kernels are not supported by kernforge")
+        self._float_workspace_buffer = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self._grows_workspace = False  # the single_* ops' own wrappers size their buffer themselves
+        self._plan = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return False
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        _check_workspace(float_workspace_buffer)
+        self._float_workspace_buffer = float_workspace_buffer
+        self._plan = None  # the plan's partial states pointed into the old buffer
+
+    def end_forward(self) -> None:
+        """FlashInfer's no-op."""
+
+
+class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
     """FlashInfer's batch decode wrapper: ``plan()`` once per batch, ``run()`` per layer.
 
     ``float_workspace_buffer`` is a CPU tensor (any dtype) that holds the split
@@ -187,32 +220,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
-        _check_workspace(float_workspace_buffer)
-        check_kv_layout(kv_layout)
-        if use_cuda_graph:
-            raise NotImplementedError("use_cuda_graph: CUDA graphs do not exist on the CPU; plan() per batch instead")
-        if backend not in ("auto", "fa2"):
-            raise NotImplementedError(f"backend={backend!r}: kernforge has one CPU backend ('auto')")
-        if jit_args is not None:
-            raise NotImplementedError("jit_args: custom FlashInfer JIT kernels are not supported by kernforge")
-        self._float_workspace_buffer = float_workspace_buffer
-        self._kv_layout = kv_layout
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args)
         self._use_tensor_cores = bool(use_tensor_cores)
-        self._grows_workspace = False  # single_decode_with_kv_cache's own wrapper sizes its buffer itself
-        self._plan = None
 
     @property
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return False
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        _check_workspace(float_workspace_buffer)
-        self._float_workspace_buffer = float_workspace_buffer
-        self._plan = None  # the plan's partial states pointed into the old buffer
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
@@ -367,9 +380,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
-
-    def end_forward(self) -> None:
-        """FlashInfer's no-op."""
 
 
 class _Plan:

@@ -31,8 +31,8 @@ from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module,
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import index_vector, num_threads, writable_rows
 from kernforge.ops._registry import export
-from kernforge.ops.decode import (KV_DTYPE_NAMES, PlanStateError, _canonical_dtype, _check_out, _check_pos_encoding_mode,
-                                  _check_workspace, _dtype_param, _scalar, _window)
+from kernforge.ops.decode import (KV_DTYPE_NAMES, PlanStateError, WorkspaceWrapper, _canonical_dtype, _check_out,
+                                  _check_pos_encoding_mode, _dtype_param, _scalar, _window)
 from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
@@ -140,37 +140,10 @@ class _Plan:
         self.__dict__.update(fields)
 
 
-class _PrefillWrapper:
-    """What the paged and the ragged wrappers share: the workspace, plan() and run()'s core."""
+class _PrefillWrapper(WorkspaceWrapper):
+    """What the paged and the ragged wrappers share: plan() and run()'s core."""
 
     _ragged = False
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 backend: str = "auto", jit_args=None, **buffers):
-        _check_workspace(float_workspace_buffer)
-        check_kv_layout(kv_layout)
-        if use_cuda_graph:
-            raise NotImplementedError("use_cuda_graph: CUDA graphs do not exist on the CPU; plan() per batch instead")
-        if backend not in ("auto", "fa2"):
-            raise NotImplementedError(f"backend={backend!r}: kernforge has one CPU backend ('auto')")
-        if jit_args is not None:
-            raise NotImplementedError("jit_args: custom FlashInfer JIT kernels are not supported by kernforge")
-        self._float_workspace_buffer = float_workspace_buffer
-        self._kv_layout = kv_layout
-        self._grows_workspace = False
-        self._plan = None
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return False
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        _check_workspace(float_workspace_buffer)
-        self._float_workspace_buffer = float_workspace_buffer
-        self._plan = None
-
-    def end_forward(self) -> None:
-        """FlashInfer's no-op."""
 
     def computed_blocks(self) -> int:
         """Key blocks (of a work item's query rows) the last run() computed: fully masked ones are

@@ -502,17 +502,28 @@ class PrefillKernel {
   // s.s[rows x kBlockN] = Q . K^T.
   void scores(const TileView& t, const Scratch& s) const {
     std::fill_n(s.s, t.rows * kBlockN, 0.0f);
-    for (int64_t r0 = 0; r0 < t.rows; r0 += kMR) {
-      const int64_t rows = std::min<int64_t>(kMR, t.rows - r0);
-      for (int64_t j0 = 0; j0 < kBlockN; j0 += kNR) {
-        float* c = s.s + r0 * kBlockN + j0;
+    multiply<kNR>(t.rows, s.q, kHeadQK, s.k, kBlockN, kHeadQK, kBlockN, s.s);
+  }
+
+  // s.o[rows x kHeadVO] += P . V.
+  void accumulate(const TileView& t, const Scratch& s) const {
+    multiply<kNRV>(t.rows, s.p, kBlockN, s.v, kHeadVO, kBlockN, kHeadVO, s.o);
+  }
+
+  // c[rows x columns] (`columns` floats apart) += a[rows x depth] . b on the micro-kernels, NR
+  // columns at a time; b is pair words (bf16 path) or fp32 rows (fp32 path), ldb of them apart.
+  template <int NR>
+  static void multiply(int64_t rows, const Compute* a, int64_t lda, const Compute* b, int64_t ldb, int64_t depth,
+                       int64_t columns, float* c) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+      const int64_t tile_rows = std::min<int64_t>(kMR, rows - r0);
+      for (int64_t j0 = 0; j0 < columns; j0 += NR) {
+        float* tile = c + r0 * columns + j0;
         if constexpr (kBf16) {
-          gemm::micro_kernel_rows<kMR, kNR>(rows, s.q + r0 * kHeadQK, kHeadQK,
-                                            reinterpret_cast<const uint32_t*>(s.k) + j0, kBlockN, kHeadQK, c,
-                                            kBlockN);
+          gemm::micro_kernel_rows<kMR, NR>(tile_rows, a + r0 * lda, lda, reinterpret_cast<const uint32_t*>(b) + j0,
+                                           ldb, depth, tile, columns);
         } else {
-          gemm::micro_kernel_f32_rows<kMR, kNR>(rows, s.q + r0 * kHeadQK, kHeadQK, s.k + j0, kBlockN, kHeadQK, c,
-                                                kBlockN);
+          gemm::micro_kernel_f32_rows<kMR, NR>(tile_rows, a + r0 * lda, lda, b + j0, ldb, depth, tile, columns);
         }
       }
     }
@@ -582,24 +593,6 @@ class PrefillKernel {
       for (int64_t j = begin; j < end; ++j) {
         const int64_t bit = first + j;
         if (!((bits[bit >> 3] >> (bit & 7)) & 1)) row[j] = kMinusInf;
-      }
-    }
-  }
-
-  // s.o[rows x kHeadVO] += P . V.
-  void accumulate(const TileView& t, const Scratch& s) const {
-    for (int64_t r0 = 0; r0 < t.rows; r0 += kMR) {
-      const int64_t rows = std::min<int64_t>(kMR, t.rows - r0);
-      for (int64_t d0 = 0; d0 < kHeadVO; d0 += kNRV) {
-        float* c = s.o + r0 * kHeadVO + d0;
-        if constexpr (kBf16) {
-          gemm::micro_kernel_rows<kMR, kNRV>(rows, s.p + r0 * kBlockN, kBlockN,
-                                             reinterpret_cast<const uint32_t*>(s.v) + d0, kHeadVO, kBlockN, c,
-                                             kHeadVO);
-        } else {
-          gemm::micro_kernel_f32_rows<kMR, kNRV>(rows, s.p + r0 * kBlockN, kBlockN, s.v + d0, kHeadVO, kBlockN, c,
-                                                 kHeadVO);
-        }
       }
     }
   }
