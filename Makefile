@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kernforge-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0 -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0 -e '.[test,transformers]'
 	touch $(STAMP)
 
 demo: $(STAMP)

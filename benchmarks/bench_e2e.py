@@ -1,0 +1,207 @@
+"""End to end: a Hugging Face Llama generating through kernforge vs stock transformers (issue 11).
+
+Model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32/8 heads, head dim 64, intermediate 8192,
+vocab 128256, tied embeddings), random weights (examples/llama_generate.build_model), bf16, 2
+threads, greedy. Columns, measured in one run:
+
+    stock    transformers' model.generate with sdpa attention (its DynamicCache, torch's GEMMs)
+    kf       kernforge.integrations.transformers.optimize(copy) and its generate loop (paged KV,
+             prefill/decode wrappers, packed bf16 linears)
+    int8     the same with optimize(..., quant="int8"): w8a8 decoder linears, lm_head bf16
+
+Rows
+    TTFT       one --prompt-token prompt (1024), batch 1: the generate call until its first token
+               (prefill + lm_head + the first token's selection); median of --reps runs after a
+               warm-up run of the same shape.
+    TPOT b1    the same prompt, --new new tokens (128): (time of the last token - time of the first)
+               / (new - 1), from a streamer's timestamps.
+    TPOT b8    8 prompts of --batch-prompt tokens (128) at once, --new new tokens: time per step
+               (each step gives 8 tokens).
+    tok/s      decode tokens per second (batch / TPOT).
+
+Physical bounds (``../shared/roofline/roof.json``, else ``benchmarks/roof.json``, at --threads)
+    TTFT bound   prefill FLOPs at the bf16 dot-product peak: 2 x (decoder linear weights) x tokens,
+                 plus causal attention 2 x layers x query heads x head dim x tokens^2 (QK^T and PV,
+                 half the square each), plus lm_head for the one position kept.
+    TPOT bound   bytes read once per step at the DRAM read bandwidth: every linear weight at its
+                 storage width (bf16 2 B; int8 1 B + 8 B of fp32 scales and compensation per output
+                 channel) plus the KV of every sequence at its mean length over the steps.
+
+Targets (issue 11): TTFT >= 1.8x stock and <= 1.5x the FLOP bound; TPOT b1 >= 2x stock and
+<= 1.3x the bandwidth bound; TPOT b8 <= 1.5x TPOT b1; int8 TPOT <= 0.6x bf16 TPOT.
+
+    .venv/bin/python benchmarks/bench_e2e.py                     # the full run (minutes; needs a quiet machine)
+    .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: 2 layers, short prompts
+    .venv/bin/python benchmarks/bench_e2e.py --layers 4 --new 32 --impls stock kf
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import sys
+
+import _harness as H
+
+sys.path.insert(0, str(H.REPO_ROOT / "examples"))
+from llama_generate import build_model, kernforge_generate, random_prompts, stock_generate, timed_generate  # noqa: E402
+
+from kernforge.integrations import transformers as kft  # noqa: E402
+
+IMPLS = ("stock", "kf", "int8")
+BATCH = 8
+
+
+def make(name: str, stock, pages: int):
+    """(generate function, model) of one column."""
+    if name == "stock":
+        return stock_generate(stock), stock
+    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None)
+    return kernforge_generate(model), model
+
+
+def measure(generate, args, vocab: int) -> dict:
+    single, _ = random_prompts([args.prompt], vocab)
+    batch, _ = random_prompts([args.batch_prompt] * BATCH, vocab, seed=2)
+    generate(single[:, :16], None, 2, _NullStreamer())  # first calls: compiles, allocations
+    ttfts = []
+    for _ in range(args.reps + 1):
+        ttfts.append(timed_generate(generate, single, None, 1)[1]["ttft"])
+    _, b1 = timed_generate(generate, single, None, args.new)
+    _, b8 = timed_generate(generate, batch, None, args.new)
+    return {"ttft": statistics.median(ttfts[1:]), "ttft_runs": ttfts, "tpot_b1": b1["tpot"], "tpot_b8": b8["tpot"]}
+
+
+class _NullStreamer:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def linear_weights(config) -> tuple[int, int]:
+    """(decoder linear weights, lm_head weights) as parameter counts."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    per_layer = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                 + 3 * hidden * config.intermediate_size)
+    return per_layer * config.num_hidden_layers, hidden * config.vocab_size
+
+
+def bounds(config, args, roof: dict) -> dict:
+    decoder, lm_head = linear_weights(config)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers, tokens = config.num_hidden_layers, args.prompt
+    flops = 2 * decoder * tokens + 2 * layers * heads * head_dim * tokens ** 2 + 2 * lm_head
+    peak = roof[str(args.threads)]["bf16_gflops"] * 1e9
+    dram = roof[str(args.threads)]["DRAM_r"] * 1e9
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+
+    def step_bytes(weight_bytes: float, batch: int, context: int) -> float:
+        mean_context = context + args.new / 2
+        return weight_bytes + batch * mean_context * kv_per_token
+
+    bf16 = 2 * (decoder + lm_head)
+    rows = config.num_hidden_layers * (heads * head_dim + 2 * kv_heads * head_dim + config.hidden_size +
+                                       2 * config.intermediate_size + config.hidden_size)
+    int8 = decoder + 8 * rows + 2 * lm_head
+    return {
+        "ttft": flops / peak, "flops": flops, "peak_gflops": peak / 1e9, "dram_gbs": dram / 1e9,
+        "tpot_b1": {"bf16": step_bytes(bf16, 1, args.prompt) / dram, "int8": step_bytes(int8, 1, args.prompt) / dram},
+        "tpot_b8": {"bf16": step_bytes(bf16, BATCH, args.batch_prompt) / dram,
+                    "int8": step_bytes(int8, BATCH, args.batch_prompt) / dram},
+    }
+
+
+def report(results: dict, limit: dict) -> list[str]:
+    ms = lambda s: H.fmt(s * 1e3, 1)  # noqa: E731
+    names = list(results)
+    headers = ["", *names, "bound"]
+    rows = [["TTFT (ms)", *(ms(results[n]["ttft"]) for n in names), ms(limit["ttft"])]]
+    for key, label in (("tpot_b1", "TPOT b1 (ms)"), ("tpot_b8", f"TPOT b{BATCH} (ms)")):
+        rows.append([label, *(ms(results[n][key]) for n in names),
+                     f"{ms(limit[key]['bf16'])} (int8 {ms(limit[key]['int8'])})"])
+    for key, batch in (("tpot_b1", 1), ("tpot_b8", BATCH)):
+        rows.append([f"tok/s b{batch}", *(H.fmt(batch / results[n][key], 1) for n in names), ""])
+    print(H.table(headers, rows))
+    return targets(results, limit)
+
+
+def targets(results: dict, limit: dict) -> list[str]:
+    lines = []
+
+    def check(label: str, value: float, op: str, goal: float) -> None:
+        ok = value >= goal if op == ">=" else value <= goal
+        lines.append(f"- {label}: {value:.2f} ({op} {goal}): {'pass' if ok else 'MISS'}")
+
+    stock, kf, q8 = results.get("stock"), results.get("kf"), results.get("int8")
+    if kf and stock:
+        check("TTFT speedup vs stock", stock["ttft"] / kf["ttft"], ">=", 1.8)
+        check("TPOT b1 speedup vs stock", stock["tpot_b1"] / kf["tpot_b1"], ">=", 2.0)
+    if kf:
+        check("TTFT / FLOP bound", kf["ttft"] / limit["ttft"], "<=", 1.5)
+        check("TPOT b1 / bandwidth bound", kf["tpot_b1"] / limit["tpot_b1"]["bf16"], "<=", 1.3)
+        check(f"TPOT b{BATCH} / TPOT b1", kf["tpot_b8"] / kf["tpot_b1"], "<=", 1.5)
+    if kf and q8:
+        check("int8 TPOT b1 / bf16 TPOT b1", q8["tpot_b1"] / kf["tpot_b1"], "<=", 0.6)
+    print("\n".join(lines))
+    return lines
+
+
+def main() -> int:
+    p = H.base_parser(__doc__.split("\n")[0])
+    p.add_argument("checkpoint", nargs="?", help="a local checkpoint directory (default: random weights)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's; --quick: 2)")
+    p.add_argument("--prompt", type=int, help="prompt tokens for TTFT and TPOT b1 (default 1024; --quick 128)")
+    p.add_argument("--batch-prompt", type=int, help=f"tokens of each of the {BATCH} prompts (default 128; --quick 32)")
+    p.add_argument("--new", type=int, help="new tokens for TPOT (default 128; --quick 16)")
+    p.add_argument("--reps", type=int, help="TTFT runs after the warm-up (default 3; --quick 1)")
+    p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+    args = p.parse_args()
+    quick = args.quick
+    args.layers = args.layers or (2 if quick else None)
+    args.prompt = args.prompt or (128 if quick else 1024)
+    args.batch_prompt = args.batch_prompt or (32 if quick else 128)
+    args.new = args.new or (16 if quick else 128)
+    args.reps = args.reps or (1 if quick else 3)
+
+    H.setup_threads(args.threads)
+    roof, roof_path = H.load_roof()
+    H.wait_for_quiet(args.wait_quiet)
+    stock = build_model(args.checkpoint, args.layers)
+    stock.generation_config.eos_token_id = None  # random weights: every requested token is generated
+    config = stock.config
+    limit = bounds(config, args, roof)
+    info = H.print_header("bench_e2e: transformers Llama, stock vs kernforge (bf16, int8)", args, {
+        "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                 f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}"
+                 + (f" ({args.checkpoint})" if args.checkpoint else ", random weights"),
+        "roof": f"{roof_path}: bf16 peak {limit['peak_gflops']:.0f} GFLOP/s, DRAM read {limit['dram_gbs']:.1f} GB/s",
+        "cases": f"TTFT {args.prompt} tokens (median of {args.reps}); TPOT over {args.new} tokens at batch 1 "
+                 f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
+    })
+    pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
+    results, load = {}, {}
+    for name in args.impls:
+        generate, model = make(name, stock, pages)
+        with H.LoadMeter() as meter:
+            results[name] = measure(generate, args, config.vocab_size)
+        load[name] = meter.other
+        print(f"{name}: {results[name]} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
+        if model is not stock:
+            del generate, model
+            gc.collect()
+    lines = report(results, limit)
+    if max(load.values(), default=0) > 0.10:
+        print(f"\nnote: other processes used {100 * max(load.values()):.0f}% of the CPUs during a column: "
+              "the figures are not a quiet machine's")
+    H.write_json(args.json, {"info": info, "roof": roof, "bounds": limit, "results": results, "background": load,
+                             "targets": lines})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The paged KV cache: a transformers ``Cache`` whose keys and values live in kernforge's pages.
+
+One :class:`PagePool` per optimized model holds every layer's pages (``[num_pages, 2, page_size,
+num_kv_heads, head_dim]`` per layer, FlashInfer's NHD layout) and a free list. A
+:class:`PagedCache` is one batch's use of the pool: the pages of each sequence, in order, and
+the attention plans of the current step. Pages return to the pool when the cache is reset or
+garbage-collected.
+
+A step (one forward of the model) is planned once, by its first attention layer
+(:meth:`PagedCache.begin_step`): the new tokens of each sequence (the padding mask's ones), page
+allocation, the page table, and ``plan()`` of the prefill or decode wrapper; every layer then
+appends its keys and values (:meth:`PagedCache.update`) and runs the planned wrapper over its
+own pages (:meth:`PagedCache.attend`). Left padding is never written to the cache: a padded
+prompt's pad positions are dropped from the queries and keys, and their outputs are zeros.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kernforge.integrations.transformers import _kernels as kf
+
+_WORKSPACE_BYTES = 16 << 20  # the wrappers grow it when a plan needs more
+
+
+class KVCacheFullError(RuntimeError):
+    """The page pool has no free page left for a step."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What every layer's attention shares: the plan's parameters."""
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    sm_scale: float
+    window_lefts: tuple[int, ...]  # per layer; -1: full attention
+
+
+class PagePool:
+    """The KV pages of an optimized model (every layer's, one allocation) and their free list."""
+
+    def __init__(self, spec: AttentionSpec, num_pages: int, page_size: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"kv_cache_pages must be a positive int, got {num_pages!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.num_pages, self.page_size = num_pages, page_size
+        # torch.empty: the OS backs a page of memory when it is first written, so an unused part of a
+        # large pool costs address space only.
+        self.kv = torch.empty(spec.num_layers, num_pages, 2, page_size, spec.num_kv_heads, spec.head_dim,
+                              dtype=spec.dtype)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise KVCacheFullError(
+                f"the KV cache is out of pages: this step needs {count} more pages of {self.page_size} tokens, "
+                f"{len(self._free)} of kv_cache_pages={self.num_pages} are free; pass a larger kv_cache_pages to "
+                "kernforge.integrations.transformers.optimize()")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+def new_cache(model) -> "PagedCache":
+    """A fresh :class:`PagedCache` on ``model``'s page pool (``model`` optimized by ``optimize()``)."""
+    runtime = getattr(model, "_kernforge", None)
+    if runtime is None:
+        raise ValueError("new_cache(model) needs a model prepared by kernforge.integrations.transformers.optimize()")
+    return PagedCache(runtime.spec, runtime.pool)
+
+
+def _release_all(pool: PagePool, sequence_pages: list[list[int]]) -> None:
+    for pages in sequence_pages:
+        pool.release(pages)
+    sequence_pages.clear()
+
+
+@dataclass
+class _Step:
+    """One forward's plan, shared by every layer."""
+
+    batch: int
+    q_len: int
+    gather: torch.Tensor | None  # rows (of batch * q_len) that are real tokens; None: all of them
+    wrappers: dict  # window_left -> planned wrapper
+    batch_indices: torch.Tensor  # append_paged_kv_cache's arguments besides the keys, values and pages
+    positions: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's view of a :class:`PagedCache` (transformers' per-layer cache interface)."""
+
+    supports_early_init = False
+
+    def __init__(self, cache: "PagedCache", layer_idx: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)  # the cache owns its layers: no reference cycle
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to do: the pages exist from the start."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # its name before transformers 5.x renamed it
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` over kernforge's paged KV cache, for one batch of sequences.
+
+    ``get_seq_length()`` is the number of positions processed, padding included (as
+    ``DynamicCache`` counts them); :attr:`sequence_lengths` are the tokens each sequence has in
+    its pages. ``update()`` writes the new keys and values of the current step into the pages
+    and returns its arguments unchanged: attention reads the pages (:meth:`attend`), never a
+    concatenated tensor. Beam search (``reorder_cache``) and cache cropping are not supported.
+    """
+
+    def __init__(self, spec: AttentionSpec, pool: PagePool):
+        super().__init__(layers=[PagedLayer(self, i) for i in range(spec.num_layers)])
+        self.spec, self.pool = spec, pool
+        self._sequence_pages: list[list[int]] = []
+        self.sequence_lengths: list[int] = []
+        self._seen = 0
+        self._step: _Step | None = None
+        self._wrappers: dict = {}  # (decode, window_left) -> wrapper, reused step after step
+        weakref.finalize(self, _release_all, pool, self._sequence_pages)
+
+    # ------------------------------------------------------------------ transformers' Cache interface
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.x passes cache_position
+            query_length = query_length.shape[0]
+        return self._seen + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sequence_lengths) or -1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the step's new keys and values (``[batch, num_kv_heads, q_len, head_dim]``, after
+        RoPE) into layer ``layer_idx``'s pages; returns them unchanged."""
+        step = self._current_step()
+        keys, values = (_token_rows(t, step) for t in (key_states, value_states))
+        kf.append_paged_kv_cache(keys, values, step.batch_indices, step.positions, self.pool.kv[layer_idx],
+                                 step.kv_indices, step.kv_indptr, step.last_page_len)
+        return key_states, value_states
+
+    def reset(self) -> None:
+        _release_all(self.pool, self._sequence_pages)
+        self.sequence_lengths.clear()
+        self._seen, self._step = 0, None
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("kernforge's PagedCache does not support beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kernforge's PagedCache does not support crop() (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("kernforge's PagedCache does not support batch_repeat_interleave(); expand the "
+                                  "inputs before the first forward instead")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("kernforge's PagedCache does not support batch_select_indices()")
+
+    # ------------------------------------------------------------------ the step
+
+    def begin_step(self, batch: int, q_len: int, attention_mask: torch.Tensor | None) -> None:
+        """Plan this forward: which of the ``batch x q_len`` positions are tokens (the last
+        ``q_len`` columns of the 2-D padding mask, None: all), their pages, and the attention."""
+        if not self.sequence_lengths:
+            self._sequence_pages.extend([] for _ in range(batch))
+            self.sequence_lengths.extend([0] * batch)
+        elif batch != len(self.sequence_lengths):
+            raise ValueError(f"this PagedCache holds a batch of {len(self.sequence_lengths)} sequences but the input "
+                             f"has {batch}; start a new cache (past_key_values=None) for another batch")
+        self._step = None
+        counts, gather = _new_tokens(batch, q_len, attention_mask)
+        kv_indptr, kv_indices, last_page_len, seq_lens = self._grow(counts)
+        decode = q_len == 1 and gather is None
+        qo_indptr = torch.zeros(batch + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=qo_indptr[1:])
+        nnz = int(qo_indptr[-1])
+        batch_indices, positions = kf.get_batch_indices_positions(qo_indptr, seq_lens, nnz)
+        wrappers = {window: self._plan(decode, window, qo_indptr, kv_indptr, kv_indices, last_page_len)
+                    for window in dict.fromkeys(self.spec.window_lefts)}
+        self._step = _Step(batch, q_len, gather, wrappers, batch_indices, positions, kv_indices, kv_indptr,
+                           last_page_len)
+        self._seen += q_len
+
+    def attend(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+        """Attention of ``query`` (``[batch * q_len, num_qo_heads, head_dim]``, after RoPE) over
+        layer ``layer_idx``'s pages with the step's plan: ``[batch * q_len, num_qo_heads, head_dim]``."""
+        step = self._current_step()
+        wrapper = step.wrappers[self.spec.window_lefts[layer_idx]]
+        if step.gather is None:
+            return kf.attention_run(wrapper, query, self.pool.kv[layer_idx])
+        out = kf.attention_run(wrapper, query.index_select(0, step.gather), self.pool.kv[layer_idx])
+        full = out.new_zeros(query.shape)
+        return full.index_copy_(0, step.gather, out)
+
+    def _current_step(self) -> _Step:
+        step = self._step
+        if step is None:
+            raise RuntimeError("PagedCache: no step planned; the model's first attention layer plans each forward "
+                               "(begin_step) before layers append or attend")
+        return step
+
+    def _grow(self, counts: list[int]):
+        """Allocate the pages the new tokens need; the page table after this step."""
+        page_size = self.pool.page_size
+        lengths = [length + count for length, count in zip(self.sequence_lengths, counts)]
+        needed = [-(-length // page_size) - len(pages) for length, pages in zip(lengths, self._sequence_pages)]
+        fresh = self.pool.allocate(sum(needed))  # all or nothing: a failed step leaves the cache as it was
+        for pages, count in zip(self._sequence_pages, needed):
+            pages.extend(fresh[:count])
+            del fresh[:count]
+        self.sequence_lengths[:] = lengths
+        page_counts = [len(pages) for pages in self._sequence_pages]
+        kv_indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(page_counts, dtype=torch.int32), 0, out=kv_indptr[1:])
+        kv_indices = torch.tensor([page for pages in self._sequence_pages for page in pages] or [0], dtype=torch.int32)
+        last_page_len = torch.tensor([length - (pages - 1) * page_size if pages else 0
+                                      for length, pages in zip(lengths, page_counts)], dtype=torch.int32)
+        return kv_indptr, kv_indices, last_page_len, torch.tensor(lengths, dtype=torch.int32)
+
+    def _plan(self, decode: bool, window_left: int, qo_indptr, kv_indptr, kv_indices, last_page_len):
+        spec = self.spec
+        wrapper = self._wrappers.get((decode, window_left))
+        if wrapper is None:
+            make = kf.BatchDecodeWithPagedKVCacheWrapper if decode else kf.BatchPrefillWithPagedKVCacheWrapper
+            wrapper = self._wrappers[decode, window_left] = make(torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8))
+            wrapper._grows_workspace = True  # kernforge's own wrappers: let plan() size the workspace
+        common = dict(window_left=window_left, sm_scale=spec.sm_scale, q_data_type=spec.dtype,
+                      kv_data_type=spec.dtype)
+        if decode:
+            wrapper.plan(kv_indptr, kv_indices, last_page_len, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                         self.pool.page_size, **common)
+        else:
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, spec.num_qo_heads, spec.num_kv_heads,
+                         spec.head_dim, self.pool.page_size, causal=True, **common)
+        return wrapper
+
+
+def _new_tokens(batch: int, q_len: int, attention_mask: torch.Tensor | None):
+    """(tokens per sequence, rows to gather or None) from the 2-D padding mask's last q_len columns."""
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < q_len:
+            raise ValueError(f"kernforge attention takes a 2-D padding mask [batch, >= q_len] = [{batch}, >= {q_len}], "
+                             f"got shape {tuple(attention_mask.shape)}")
+        new = attention_mask[:, -q_len:].to(torch.bool)
+        if not bool(new.all()):
+            return new.sum(1).tolist(), new.reshape(-1).nonzero().squeeze(1)
+    return [q_len] * batch, None
+
+
+def _token_rows(states: torch.Tensor, step: _Step) -> torch.Tensor:
+    """``[batch, heads, q_len, head_dim]`` as the step's token rows ``[tokens, heads, head_dim]`` (a
+    view when the states are token-major underneath, as the optimized attention's are)."""
+    rows = states.transpose(1, 2).reshape(step.batch * step.q_len, states.shape[1], states.shape[3])
+    return rows if step.gather is None else rows.index_select(0, step.gather)
