@@ -95,7 +95,9 @@ def optimize(model: nn.Module, kv_cache_pages: int = 2048, quant: str | None = N
     model.eval()
     stock = []
     with torch.no_grad():
-        decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb)
+        # RoPE for every position the pool can hold (capped by the model's context length)
+        positions = min(pool.num_pages * pool.page_size, getattr(config, "max_position_embeddings", None) or 1 << 30)
+        decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb, positions)
         for layer in decoder.layers:
             _replace_layer(layer, config, spec, dtype, quant, stock)
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)

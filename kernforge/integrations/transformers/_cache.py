@@ -153,6 +153,7 @@ class PagedCache(Cache):
         self.sequence_lengths: list[int] = []
         self._seen = 0
         self._step: _Step | None = None
+        self._planned_ahead = False  # plan_step() planned the next forward
         self._wrappers: dict = {}  # (decode, window_left) -> wrapper, reused step after step
         weakref.finalize(self, _release_all, pool, self._sequence_pages)
 
@@ -187,7 +188,7 @@ class PagedCache(Cache):
     def reset(self) -> None:
         _release_all(self.pool, self._sequence_pages)
         self.sequence_lengths.clear()
-        self._seen, self._step = 0, None
+        self._seen, self._step, self._planned_ahead = 0, None, False
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kernforge's PagedCache does not support beam search (reorder_cache)")
@@ -203,6 +204,20 @@ class PagedCache(Cache):
         raise NotImplementedError("kernforge's PagedCache does not support batch_select_indices()")
 
     # ------------------------------------------------------------------ the step
+
+    def plan_step(self, batch: int, q_len: int, attention_mask: torch.Tensor | None = None) -> None:
+        """Plan the next forward ahead of it (what its first attention layer would do), so the
+        forward itself only reads the plan: how a ``torch.compile``-d model runs without a graph
+        break. ``attention_mask`` is the forward's 2-D padding mask (None: no padding)."""
+        self.begin_step(batch, q_len, attention_mask)
+        self._planned_ahead = True
+
+    def start_forward(self, batch: int, q_len: int, attention_mask: torch.Tensor | None) -> None:
+        """The first attention layer's call: plan this forward, unless plan_step() did."""
+        if self._planned_ahead:
+            self._planned_ahead = False
+            return
+        self.begin_step(batch, q_len, attention_mask)
 
     def begin_step(self, batch: int, q_len: int, attention_mask: torch.Tensor | None) -> None:
         """Plan this forward: which of the ``batch x q_len`` positions are tokens (the last

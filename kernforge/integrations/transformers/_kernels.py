@@ -1,20 +1,19 @@
 """Every kernforge call the transformers integration makes, in one place.
 
-The modules and the cache call these names only, so routing them elsewhere (for example through
-``torch.ops.kernforge`` custom ops, for ``torch.compile``) is a change to this file alone. The
-attention wrappers are planned once per step outside any compiled region; ``attention_run`` is
-the per-layer call.
+They go through ``kernforge.ops.torch_library``: eagerly each is kernforge's op, called directly;
+while ``torch.compile`` traces the model each is one ``torch.ops.kernforge`` node, so an optimized
+model compiles without graph breaks. The attention wrappers (torch_library's, whose ``run()`` is
+the traceable ``attention_run`` op) are planned once per step outside any compiled region;
+``attention_run`` is the per-layer call.
 """
 
 from __future__ import annotations
 
-from kernforge.ops.activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
-from kernforge.ops.decode import BatchDecodeWithPagedKVCacheWrapper
-from kernforge.ops.norm import rmsnorm
-from kernforge.ops.page import append_paged_kv_cache, get_batch_indices_positions
-from kernforge.ops.prefill import BatchPrefillWithPagedKVCacheWrapper
-from kernforge.ops.rope import apply_rope_with_cos_sin_cache_inplace
-from kernforge.ops.sampling import top_k_top_p_sampling_from_logits
+from kernforge.ops.page import get_batch_indices_positions
+from kernforge.ops.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
+                                         append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace,
+                                         gelu_and_mul, gelu_tanh_and_mul, rmsnorm, silu_and_mul,
+                                         top_k_top_p_sampling_from_logits)
 
 # Hugging Face ``hidden_act`` -> the gated kernel of ``act(gate) * up``.
 GATED_ACTIVATIONS = {

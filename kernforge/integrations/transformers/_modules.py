@@ -80,15 +80,16 @@ class RotaryEmbedding(nn.Module):
 
     The frequencies are the stock module's (``inv_freq``, which every static RoPE type, scaled or
     not, precomputes) and the angles are formed as it forms them (``position * inv_freq`` in
-    fp32); cos and sin stay fp32 instead of being rounded to the model's dtype. The cache grows
-    by doubling to cover the largest position seen.
+    fp32); cos and sin stay fp32 instead of being rounded to the model's dtype. The cache covers
+    ``positions`` rows from the start (the page pool's capacity: no sequence is longer), so a
+    compiled forward never resizes it; eagerly it still grows, by doubling, past a larger position.
     """
 
-    def __init__(self, rotary: nn.Module):
+    def __init__(self, rotary: nn.Module, positions: int = 4096):
         super().__init__()
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos_sin_cache = self._build(4096)
+        self.cos_sin_cache = self._build(positions)
 
     @property
     def rotary_dim(self) -> int:
@@ -103,9 +104,10 @@ class RotaryEmbedding(nn.Module):
         positions = position_ids.expand(batch, q_len).reshape(-1)
         if positions.dtype != torch.int64:
             positions = positions.long()
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos_sin_cache.shape[0]:
-            self.cos_sin_cache = self._build(1 << (needed - 1).bit_length())
+        if not torch.compiler.is_compiling():  # a compiled forward relies on the pool-sized cache
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+            if needed > self.cos_sin_cache.shape[0]:
+                self.cos_sin_cache = self._build(1 << (needed - 1).bit_length())
         return RopeInputs(self.cos_sin_cache, positions)
 
 
@@ -142,7 +144,7 @@ class Attention(nn.Module):
         kf.apply_rope_with_cos_sin_cache_inplace(position_embeddings.positions, q, k, head_dim,
                                                  position_embeddings.cos_sin_cache, is_neox=True)
         if self.layer_idx == 0:
-            cache.begin_step(batch, q_len, attention_mask)
+            cache.start_forward(batch, q_len, attention_mask)
         # transformers' shapes, [batch, heads, q_len, head_dim]: views of the token-major rows
         query, key, value = (t.view(batch, q_len, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         key, value = cache.update(key, value, self.layer_idx)
@@ -171,12 +173,10 @@ def kernforge_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
 
 def kernforge_mask(batch_size: int, *args, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs):
-    """The mask for kernforge attention: the 2-D padding mask (bool, its last ``kv_length``
-    columns), or None without padding. Causality and sliding windows are part of the plan."""
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    return None if bool(attention_mask.all()) else attention_mask
+    """The mask for kernforge attention: the 2-D padding mask (its last ``kv_length`` columns), or
+    None. Causality and sliding windows are part of the plan, which reads the padding from it
+    (no data-dependent test here: a compiled forward would break its graph on one)."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
 def register() -> None:
