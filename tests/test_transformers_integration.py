@@ -340,3 +340,43 @@ def test_example_runs_and_agrees(kernforge_cache_dir):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "TTFT (ms)" in result.stdout and "TPOT (ms)" in result.stdout
     assert "sequence 0: " in result.stdout
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+@torch.no_grad()
+def test_compiled_model_has_no_graph_breaks(llama):
+    """With each step planned ahead (PagedCache.plan_step), the optimized model's forward is one
+    graph under torch.compile: every kernforge call is a torch.ops.kernforge node. Prefill and
+    decode compile once each (decode steps with new plans reuse the graph), and the compiled model's
+    logits match eager's."""
+    _, _, model = llama
+    ids = prompt(17)
+    cache = kft.new_cache(model)
+    cache.plan_step(1, 17)
+    explanation = torch._dynamo.explain(model)(ids, past_key_values=cache)
+    assert (explanation.graph_break_count, explanation.graph_count) == (0, 1), explanation.break_reasons
+    cache.plan_step(1, 1)
+    explanation = torch._dynamo.explain(model)(ids[:, :1], past_key_values=cache)
+    assert (explanation.graph_break_count, explanation.graph_count) == (0, 1), explanation.break_reasons
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend)
+    compiled_cache, eager_cache = kft.new_cache(model), kft.new_cache(model)
+    compiled_cache.plan_step(1, 17)
+    ours, eager = compiled(ids, past_key_values=compiled_cache).logits, model(ids, past_key_values=eager_cache).logits
+    for step in range(4):
+        assert cosine(ours[0, -1], eager[0, -1]) > 0.9999
+        torch.testing.assert_close(ours.float(), eager.float(), atol=2e-2, rtol=2e-2)
+        token = eager[:, -1:].argmax(-1)
+        compiled_cache.plan_step(1, 1)
+        ours = compiled(token, past_key_values=compiled_cache).logits
+        eager = model(token, past_key_values=eager_cache).logits
+    assert len(graphs) == 2, f"compiled {len(graphs)} graphs for one prefill and 4 decode steps (expected 2)"

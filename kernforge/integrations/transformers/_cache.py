@@ -209,19 +209,23 @@ class PagedCache(Cache):
         """Plan the next forward ahead of it (what its first attention layer would do), so the
         forward itself only reads the plan: how a ``torch.compile``-d model runs without a graph
         break. ``attention_mask`` is the forward's 2-D padding mask (None: no padding)."""
-        self.begin_step(batch, q_len, attention_mask)
+        self.begin_step(batch, q_len, attention_mask, advance=False)
         self._planned_ahead = True
 
     def start_forward(self, batch: int, q_len: int, attention_mask: torch.Tensor | None) -> None:
-        """The first attention layer's call: plan this forward, unless plan_step() did."""
+        """The first attention layer's call: plan this forward, unless plan_step() did. Either way
+        the positions processed (get_seq_length) advance here, after the model read them for the
+        forward's own positions."""
         if self._planned_ahead:
             self._planned_ahead = False
+            self._seen += q_len
             return
         self.begin_step(batch, q_len, attention_mask)
 
-    def begin_step(self, batch: int, q_len: int, attention_mask: torch.Tensor | None) -> None:
+    def begin_step(self, batch: int, q_len: int, attention_mask: torch.Tensor | None, advance: bool = True) -> None:
         """Plan this forward: which of the ``batch x q_len`` positions are tokens (the last
-        ``q_len`` columns of the 2-D padding mask, None: all), their pages, and the attention."""
+        ``q_len`` columns of the 2-D padding mask, None: all), their pages, and the attention;
+        with ``advance``, count its positions as processed (else start_forward will)."""
         if not self.sequence_lengths:
             self._sequence_pages.extend([] for _ in range(batch))
             self.sequence_lengths.extend([0] * batch)
@@ -240,7 +244,8 @@ class PagedCache(Cache):
                     for window in dict.fromkeys(self.spec.window_lefts)}
         self._step = _Step(batch, q_len, gather, wrappers, batch_indices, positions, kv_indices, kv_indptr,
                            last_page_len)
-        self._seen += q_len
+        if advance:
+            self._seen += q_len
 
     def attend(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
         """Attention of ``query`` (``[batch * q_len, num_qo_heads, head_dim]``, after RoPE) over
