@@ -68,7 +68,7 @@ def _prewarm(args) -> int:
     for directory in args.template_dir:
         render.register_template_dir(directory)
     if args.model_config:
-        manifest = prewarm.manifest_from_model_config(args.model_config, tuple(args.kv_cache_dtype or ()))
+        manifest = prewarm.manifest_from_model_config(args.model_config, tuple(args.kv_cache_dtype or ()), args.quant)
     elif args.manifest:
         manifest = json.loads(open(args.manifest).read())
     elif args.op:
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-config", help="derive the manifest from a model's config.json")
     p.add_argument("--kv-cache-dtype", action="append",
                    help="with --model-config: also build decode for this KV cache dtype, e.g. float8_e4m3fn")
+    p.add_argument("--quant", choices=["int8"], help="with --model-config: also build the int8 w8a8 GEMM")
     p.add_argument("--op", action="append", help="an op to build (repeatable)")
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
     p.add_argument("--module", help="a kernel module to build (name or package.module:ATTR), with --param NAME=VALUE")

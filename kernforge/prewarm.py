@@ -21,9 +21,12 @@ prints every schema).
 The norm and activation kernels take the hidden size at run time (they are
 memory-bound, and a per-size build would only multiply compiles), so the
 model's sizes are recorded in the manifest's ``model`` section but select
-nothing. So are its linear layers' weight shapes (``linear_shapes``), which
+nothing. Its linear layers' weight shapes (``linear_shapes``: the fused q|k|v,
+o, the fused gate|up, down and lm_head, as kernforge's transformers integration
+runs them) select the GEMM variants dispatch picks for them at every row bucket
+(the tuned configuration where one is recorded, else the default), and are what
 ``tune_model_linears`` (``prewarm --model-config ... --tune``) hands to the GEMM
-tuner, so that dispatch finds a measured winner for each.
+tuner. With ``quant="int8"`` the w8a8 GEMM is built too.
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ _GATED_BY_HF_ACTIVATION = {
 }
 
 
-def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = ()) -> dict:
-    """Ops a decoder model needs, from its ``config.json`` (path or dict). Decode attention
-    is built for a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
-    ``"float8_e4m3fn"``)."""
+def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = (),
+                               quant: str | None = None) -> dict:
+    """Ops a decoder model needs, from its ``config.json`` (path or dict). Attention is built for
+    a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
+    ``"float8_e4m3fn"``); the linear layers' GEMMs for the model's dtype, and with ``quant="int8"``
+    the w8a8 GEMM as well."""
     if not isinstance(config, dict):
         config = json.loads(Path(config).read_text())
     config = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM
@@ -77,9 +82,12 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
     gemma = "gemma" in str(config.get("model_type", "")).lower()
     norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if gemma else ["rmsnorm", "fused_add_rmsnorm"]
     attention = _attention_shape(config, sizes["hidden_size"])
+    linear_shapes = _linear_shapes(sizes, attention, config.get("vocab_size"))
+    if quant not in (None, "int8"):
+        raise ValueError(f"quant must be None or 'int8', got {quant!r}")
     return {
         "model": {**sizes, **attention, "dtype": dtype, "activation": activation,
-                  "model_type": config.get("model_type"), "linear_shapes": _linear_shapes(sizes, attention)},
+                  "model_type": config.get("model_type"), "linear_shapes": linear_shapes},
         "kernels": [
             *({"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]),
             *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
@@ -88,8 +96,26 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
             *({"module": "prefill", "params": _prefill_params(dtype, kv_dtype, attention)} for kv_dtype in
               [dtype, *kv_cache_dtypes]),
             {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
+            {"op": "top_k_top_p_sampling_from_logits", "dtype": dtype},  # and on the model's logits
+            *_gemm_entries(dtype, linear_shapes.values()),
+            *([{"module": "gemm_int8", "params": {"dtype": dtype_name(dtype)}}] if quant == "int8" else []),
         ],
     }
+
+
+def _gemm_entries(dtype: str, shapes) -> list[dict]:
+    """The GEMM variants dispatch picks for these [N, K] weights over every row bucket."""
+    from kernforge.ops.gemm import TILE_CANDIDATES, m_bucket, tile_shape
+
+    x_dtype, tier = TORCH_DTYPES[dtype_name(dtype)], isa.selected_tier()
+    configs = {}
+    for n, k in shapes:
+        for m in sorted({m_bucket(1 << i) for i in range(11)}):
+            config = TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params
+            params = {"dtype": dtype_name(dtype), **{key: list(v) if isinstance(v, tuple) else v
+                                                     for key, v in config.items()}}
+            configs[json.dumps(params, sort_keys=True)] = params
+    return [{"module": "gemm", "params": params} for params in configs.values()]
 
 
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
@@ -110,13 +136,16 @@ def _attention_shape(config: dict, hidden_size: int) -> dict:
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
 
 
-def _linear_shapes(sizes: dict, attention: dict) -> dict[str, list[int]]:
-    """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's projections, gate and up as one."""
+def _linear_shapes(sizes: dict, attention: dict, vocab_size: int | None = None) -> dict[str, list[int]]:
+    """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's projections as kernforge's
+    transformers integration packs them (q, k and v as one; gate and up as one), and lm_head's."""
     hidden, q_width = sizes["hidden_size"], attention["num_attention_heads"] * attention["head_dim"]
     kv_width = attention["num_key_value_heads"] * attention["head_dim"]
-    return {"q_proj": [q_width, hidden], "k_proj": [kv_width, hidden], "v_proj": [kv_width, hidden],
-            "o_proj": [hidden, q_width], "gate_up_proj": [2 * sizes["intermediate_size"], hidden],
-            "down_proj": [hidden, sizes["intermediate_size"]]}
+    shapes = {"qkv_proj": [q_width + 2 * kv_width, hidden], "o_proj": [hidden, q_width],
+              "gate_up_proj": [2 * sizes["intermediate_size"], hidden], "down_proj": [hidden, sizes["intermediate_size"]]}
+    if isinstance(vocab_size, int) and vocab_size > 0:
+        shapes["lm_head"] = [vocab_size, hidden]
+    return shapes
 
 
 TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill

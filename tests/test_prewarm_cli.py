@@ -218,7 +218,9 @@ def test_manifest_from_llama_config():
                                    *ATTENTION_OPS,
                                    decode_entry("bf16", head_dim=128, group=4),  # hidden / heads, heads / KV heads
                                    prefill_entry("bf16", head_dim=128),
-                                   SAMPLER]
+                                   SAMPLER, {"op": "top_k_top_p_sampling_from_logits", "dtype": "bfloat16"},
+                                   *[k for k in manifest["kernels"] if k.get("module") == "gemm"]]
+    assert len([k for k in manifest["kernels"] if k.get("module") == "gemm"]) >= 1
     assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
 
 
@@ -239,7 +241,8 @@ def test_manifest_from_gemma2_config_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA2))
     manifest = prewarm.manifest_from_model_config(path)
-    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER and k not in ATTENTION_OPS and "op" in k]
+    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER and k not in ATTENTION_OPS and "op" in k
+                     and k["op"] != "top_k_top_p_sampling_from_logits"]
     assert {k["op"] for k in model_kernels} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"}
     assert {k["dtype"] for k in model_kernels} == {"bfloat16"}
     assert decode_entry("bf16", head_dim=256, group=2) in manifest["kernels"]  # config's head_dim wins
@@ -253,7 +256,7 @@ def test_manifest_from_multimodal_config_reads_the_text_config():
     config = {"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text"}}
     ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"] if "op" in k]
     assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul",
-                   *(k["op"] for k in ATTENTION_OPS), SAMPLER["op"]]
+                   *(k["op"] for k in ATTENTION_OPS), SAMPLER["op"], "top_k_top_p_sampling_from_logits"]
 
 
 @pytest.mark.parametrize("change, match", [
@@ -272,18 +275,31 @@ def test_bad_model_config_raises_value_error(change, match):
 
 
 def test_manifest_records_the_linear_shapes():
-    assert prewarm.manifest_from_model_config(LLAMA)["model"]["linear_shapes"] == {
-        "q_proj": [4096, 4096], "k_proj": [1024, 4096], "v_proj": [1024, 4096], "o_proj": [4096, 4096],
-        "gate_up_proj": [22016, 4096], "down_proj": [4096, 11008]}
+    assert prewarm.manifest_from_model_config({**LLAMA, "vocab_size": 32000})["model"]["linear_shapes"] == {
+        "qkv_proj": [6144, 4096], "o_proj": [4096, 4096], "gate_up_proj": [22016, 4096], "down_proj": [4096, 11008],
+        "lm_head": [32000, 4096]}
     shapes = prewarm.manifest_from_model_config(GEMMA2)["model"]["linear_shapes"]  # 8 heads x 256 != 2304
-    assert shapes["q_proj"] == [2048, 2304] and shapes["o_proj"] == [2304, 2048] and shapes["k_proj"] == [1024, 2304]
+    assert shapes["qkv_proj"] == [4096, 2304] and shapes["o_proj"] == [2304, 2048] and "lm_head" not in shapes
+
+
+def test_manifest_builds_the_gemm_variants_dispatch_picks(fresh_gemm_choices):
+    """For every linear shape and row bucket, the GEMM variant weight_packed_linear would run is in
+    the manifest (the default here; a tuned record changes it), and int8 adds the w8a8 module."""
+    gemm = fresh_gemm_choices
+    manifest = prewarm.manifest_from_model_config(TINY)
+    built = {s for s in prewarm.specs_from_manifest(manifest) if s.template == "gemm.cpp.jinja"}
+    for n, k in TINY_NK:
+        for m in (1, 2, 3, 16, 100, 1024, 5000):
+            assert gemm._chosen_variant(torch.bfloat16, m, n, k).spec(isa.selected_tier()) in built
+    modules = [k.get("module") for k in prewarm.manifest_from_model_config(TINY, quant="int8")["kernels"]]
+    assert "gemm_int8" in modules and "gemm_int8" not in [k.get("module") for k in manifest["kernels"]]
 
 
 # --------------------------------------------------------------------------- tuning a model's linear layers
 
 TINY = {"hidden_size": 64, "intermediate_size": 96, "hidden_act": "silu", "torch_dtype": "bfloat16",
         "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-TINY_NK = [(64, 64), (32, 64), (192, 64), (64, 96)]  # q and o, k and v, gate+up, down: each tuned once
+TINY_NK = [(128, 64), (64, 64), (192, 64), (64, 96)]  # q|k|v, o, gate+up, down: each tuned once
 
 
 @pytest.fixture

@@ -380,3 +380,44 @@ def test_compiled_model_has_no_graph_breaks(llama):
         ours = compiled(token, past_key_values=compiled_cache).logits
         eager = model(token, past_key_values=eager_cache).logits
     assert len(graphs) == 2, f"compiled {len(graphs)} graphs for one prefill and 4 decode steps (expected 2)"
+
+
+# --------------------------------------------------------------------------- pre-warm
+
+
+_FRESH_PROCESS = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from kernforge.integrations import transformers as kft
+config = LlamaConfig(**json.loads(sys.argv[1]))
+torch.manual_seed(0)
+model = kft.optimize(LlamaForCausalLM(config).to(torch.bfloat16).eval(), kv_cache_pages=64, quant=sys.argv[2] or None)
+ids = torch.randint(0, config.vocab_size, (2, 9))
+out = kft.generate(model, ids, max_new_tokens=3, do_sample=True, top_k=5, top_p=0.9)
+print("generated", tuple(out.shape))
+"""
+
+
+@pytest.mark.slow  # pre-warms a model's kernels, then two child processes (~20 s)
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_prewarm_from_the_model_config_leaves_nothing_to_compile(kernforge_cache_dir, tmp_path, quant):
+    """`python -m kernforge prewarm --model-config config.json` builds every kernel the optimized model
+    runs: a fresh process with the JIT off (KERNFORGE_JIT=0: a missing kernel is an error) then
+    optimizes the model and generates, prefill and decode, sampling included."""
+    import json
+    import subprocess
+    import sys
+
+    config = {**SHAPE, "model_type": "llama", "hidden_act": "silu"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(path)]
+    built = subprocess.run(command + (["--quant", quant] if quant else []), capture_output=True, text=True,
+                           timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    env = {**__import__("os").environ, "KERNFORGE_JIT": "0", "KERNFORGE_CACHE_DIR": str(kernforge_cache_dir)}
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, json.dumps(SHAPE), quant or ""], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "generated (2, 12)" in run.stdout
+    assert "compiling" not in run.stderr

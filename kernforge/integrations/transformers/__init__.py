@@ -89,7 +89,7 @@ def optimize(model: nn.Module, kv_cache_pages: int = 2048, quant: str | None = N
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
     spec = _attention_spec(config, decoder, dtype)
-    _check_kernels(config, spec)
+    _check_kernels(config, spec, quant)
     pool = PagePool(spec, kv_cache_pages, page_size)  # checks kv_cache_pages and page_size before any change
     _modules.register()
     model.eval()
@@ -158,7 +158,7 @@ def _window_left(attn, config) -> int:
     return window - 1 if window else -1
 
 
-def _check_kernels(config, spec: AttentionSpec) -> None:
+def _check_kernels(config, spec: AttentionSpec, quant: str | None) -> None:
     """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already."""
     from kernforge.jit import core
     from kernforge.prewarm import manifest_from_model_config, specs_from_manifest
@@ -166,7 +166,7 @@ def _check_kernels(config, spec: AttentionSpec) -> None:
     if core.jit_enabled():
         return
     manifest = manifest_from_model_config({**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."),
-                                           "head_dim": spec.head_dim})
+                                           "head_dim": spec.head_dim}, quant=quant)
     missing = []
     for kernel in specs_from_manifest(manifest):
         try:
@@ -176,7 +176,8 @@ def _check_kernels(config, spec: AttentionSpec) -> None:
     if missing:
         raise KernelNotCachedError(
             f"KERNFORGE_JIT=0 and {len(missing)} kernels this model needs are not cached: {'; '.join(missing)}. "
-            "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>")
+            "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>"
+            + (" --quant int8" if quant else ""))
 
 
 # --------------------------------------------------------------------------- replacement
