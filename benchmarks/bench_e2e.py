@@ -7,7 +7,8 @@ threads, greedy. Columns, measured in one run:
     stock    transformers' model.generate with sdpa attention (its DynamicCache, torch's GEMMs)
     kf       kernforge.integrations.transformers.optimize(copy) and its generate loop (paged KV,
              prefill/decode wrappers, packed bf16 linears)
-    int8     the same with optimize(..., quant="int8"): w8a8 decoder linears, lm_head bf16
+    int8     the same with optimize(..., quant="int8"): w8a8 decoder linears, lm_head bf16 (int8 too
+             with --int8-lm-head)
 
 Rows
     TTFT       one --prompt-token prompt (1024), batch 1: the generate call until its first token
@@ -53,11 +54,12 @@ IMPLS = ("stock", "kf", "int8")
 BATCH = 8
 
 
-def make(name: str, stock, pages: int):
+def make(name: str, stock, pages: int, int8_lm_head: bool = False):
     """(generate function, model) of one column."""
     if name == "stock":
         return stock_generate(stock), stock
-    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None)
+    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None,
+                         quant_lm_head=int8_lm_head)
     return kernforge_generate(model), model
 
 
@@ -107,7 +109,7 @@ def bounds(config, args, roof: dict) -> dict:
     bf16 = 2 * (decoder + lm_head)
     rows = config.num_hidden_layers * (heads * head_dim + 2 * kv_heads * head_dim + config.hidden_size +
                                        2 * config.intermediate_size + config.hidden_size)
-    int8 = decoder + 8 * rows + 2 * lm_head
+    int8 = decoder + 8 * rows + (lm_head + 8 * config.vocab_size if args.int8_lm_head else 2 * lm_head)
     return {
         "ttft": flops / peak, "flops": flops, "peak_gflops": peak / 1e9, "dram_gbs": dram / 1e9,
         "tpot_b1": {"bf16": step_bytes(bf16, 1, args.prompt) / dram, "int8": step_bytes(int8, 1, args.prompt) / dram},
@@ -160,6 +162,8 @@ def main() -> int:
     p.add_argument("--new", type=int, help="new tokens for TPOT (default 128; --quick 16)")
     p.add_argument("--reps", type=int, help="TTFT runs after the warm-up (default 3; --quick 1)")
     p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--int8-lm-head", action="store_true",
+                   help="the int8 column quantizes lm_head too (optimize(..., quant_lm_head=True))")
     args = p.parse_args()
     quick = args.quick
     args.layers = args.layers or (2 if quick else None)
@@ -186,7 +190,7 @@ def main() -> int:
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
     results, load = {}, {}
     for name in args.impls:
-        generate, model = make(name, stock, pages)
+        generate, model = make(name, stock, pages, args.int8_lm_head)
         with H.LoadMeter() as meter:
             results[name] = measure(generate, args, config.vocab_size)
         load[name] = meter.other
