@@ -16,7 +16,8 @@ The micro-kernel's register tile (MR, NR) and the blocking around it (``row_bloc
 ``depth_block`` K per block, and ``split``: whether threads split N or M first) are module
 parameters. ``TILE_CANDIDATES`` lists the combinations each tier may run; dispatch takes the winner
 that ``tune_gemm`` recorded for the problem's (dtype, M bucket, N, K) on this tier and CPU model,
-else the tier's default (the rank-0 candidate: ``kf::gemm::DefaultTile`` with ``DEFAULT_BLOCKING``).
+else the tier's default (the best-ranked candidate: ``kf::gemm::DefaultTile`` with ``DEFAULT_BLOCKING``,
+except bf16 on avx512 with K over one block, which takes the 512-deep K block).
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ TILE_CANDIDATES = Candidates(
         _tile(4, 32, _WIDE, 1, default_for=("fp16", "fp32")),
         _tile(6, 32, _WIDE, 2),
         _tile(16, 16, _WIDE, 3, dtypes=("bf16",)),
-        _blocking((8, 32), _WIDE, 4, _depth_spans_blocks, depth_block=512),
+        # bf16's untuned default where K spans blocks: 1.20-1.23x the 256-deep block at M = 16 and
+        # 0.98-1.10x elsewhere on Zen 5 (benchmarks/RESULTS.md, bench_gemm, tuned column)
+        _blocking((8, 32), ("avx512",), -1, _depth_spans_blocks, depth_block=512),
+        _blocking((8, 32), ("amx",), 4, _depth_spans_blocks, depth_block=512),
         _blocking((8, 32), _WIDE, 5, _rows_span_blocks, row_block=128),
         _blocking((8, 32), _WIDE, 6, _rows_span_blocks, split="m"),
         _tile(4, 16, _NARROW, 0, default_for=("bf16", "fp16", "fp32")),
@@ -184,7 +188,7 @@ export("convert_weight_packed", convert_weight_packed)
 
 
 # Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned choices compile on first use.
-@kernel_op(GEMM, **gemm_config((8, 32)))
+@kernel_op(GEMM, **gemm_config((8, 32), depth_block=512))  # pre-warm: avx512's bf16 default for K > 256
 def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias)`` -> ``[..., N]`` in ``x``'s dtype (fp32 accumulation);
