@@ -330,24 +330,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         _check_q(q, plan)
         _check_cache(cache, plan)
-        if out is None:
-            out = torch.empty(plan.q_shape, dtype=plan.out_dtype)
-        else:
-            _check_out(out, plan.q_shape, plan.out_dtype, "out")
-            writable_rows(out.shape, out.stride(), "out")
-        if return_lse:
-            if lse is None:
-                lse = torch.empty(plan.q_shape[:2], dtype=torch.float32)
-            else:
-                _check_out(lse, plan.q_shape[:2], torch.float32, "lse")
-                writable_rows(lse.shape, lse.stride(), "lse")
-        qk_scale = plan.sm_scale
-        if q_scale is not None:
-            qk_scale *= _scalar(q_scale, "q_scale")
-        if k_scale is not None:
-            qk_scale *= _scalar(k_scale, "k_scale")
-        if plan.soft_cap > 0:
-            qk_scale /= plan.soft_cap
+        out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
+        qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         io = plan.io  # filled field by field: half the cost of a new struct from a dict
         io.q, (io.q_stride_b, io.q_stride_h, _) = q.data_ptr(), q.stride()
         io.k, (io.k_stride_page, io.k_stride_token, io.k_stride_head) = cache.k_ptr, cache.k_strides
@@ -387,6 +371,34 @@ class _Plan:
 
     def __init__(self, **fields):
         self.__dict__.update(fields)
+
+
+def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_lse: bool):
+    """``out`` of ``shape`` (checked, or allocated) and, with ``return_lse``, ``lse`` of its first two
+    dimensions in fp32: the tensors an attention run() writes."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        _check_out(out, shape, dtype, "out")
+        writable_rows(out.shape, out.stride(), "out")
+    if return_lse:
+        if lse is None:
+            lse = torch.empty(shape[:2], dtype=torch.float32)
+        else:
+            _check_out(lse, shape[:2], torch.float32, "lse")
+            writable_rows(lse.shape, lse.stride(), "lse")
+    return out, lse
+
+
+def logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:
+    """What q.k is multiplied by: sm_scale * q_scale * k_scale, over the soft cap when there is one
+    (the kernels then take cap * tanh of it)."""
+    scale = sm_scale
+    if q_scale is not None:
+        scale *= _scalar(q_scale, "q_scale")
+    if k_scale is not None:
+        scale *= _scalar(k_scale, "k_scale")
+    return scale / soft_cap if soft_cap > 0 else scale
 
 
 def _check_workspace(buffer) -> None:

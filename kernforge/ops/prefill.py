@@ -29,10 +29,11 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import index_vector, num_threads, writable_rows
+from kernforge.ops._common import index_vector, num_threads
 from kernforge.ops._registry import export
-from kernforge.ops.decode import (KV_DTYPE_NAMES, PlanStateError, WorkspaceWrapper, _canonical_dtype, _check_out,
-                                  _check_pos_encoding_mode, _dtype_param, _scalar, _window)
+from kernforge.ops.decode import (KV_DTYPE_NAMES, PlanStateError, WorkspaceWrapper, _canonical_dtype,
+                                  _check_pos_encoding_mode, _dtype_param, _scalar, _window, attention_outputs,
+                                  logit_scale)
 from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
@@ -259,27 +260,12 @@ class _PrefillWrapper(WorkspaceWrapper):
         plan = self._plan
         q_shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_qk))
         _check_q(q, q_shape, plan)
-        out_shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo))
-        if out is None:
-            out = torch.empty(out_shape, dtype=plan.out_dtype)
-        else:
-            if out.dtype != plan.out_dtype and isinstance(out, torch.Tensor):
-                raise ValueError(f"The dtype of out {out.dtype} does not match the o_data_type {plan.out_dtype} "
-                                 "specified in plan function.")
-            _check_out(out, out_shape, plan.out_dtype, "out")
-            writable_rows(out.shape, out.stride(), "out")
-        if return_lse:
-            if lse is None:
-                lse = torch.empty(out_shape[:2], dtype=torch.float32)
-            else:
-                _check_out(lse, out_shape[:2], torch.float32, "lse")
-                writable_rows(lse.shape, lse.stride(), "lse")
-        qk_scale = plan.sm_scale
-        for name, value in (("q_scale", q_scale), ("k_scale", k_scale)):
-            if value is not None:
-                qk_scale *= _scalar(value, name)
-        if plan.soft_cap > 0:
-            qk_scale /= plan.soft_cap
+        if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
+            raise ValueError(f"The dtype of out {out.dtype} does not match the o_data_type {plan.out_dtype} "
+                             "specified in plan function.")
+        out, lse = attention_outputs(out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)),
+                                     plan.out_dtype, return_lse)
+        qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         io = plan.io
         io.q, (io.q_stride_token, io.q_stride_head, _) = q.data_ptr(), q.stride()
         io.k, (io.k_stride_page, io.k_stride_token, io.k_stride_head) = k_ptr, k_strides
