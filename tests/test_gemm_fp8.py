@@ -115,8 +115,9 @@ def test_dispatch_by_rows(tier):
 
 
 def test_large_m_tasks_and_deep_k_blocks(tier, path):
-    """Over 256 rows (several row tasks, a partial last one), a tail of columns, and K blocks deeper
-    than the converting path's 256-row conversion step (300 and all of K)."""
+    """Over 256 rows (several row tasks, a partial last one), a tail of columns, and K blocks that the
+    converting path's 512-deep conversion chunks hold several of (128), one of (300), or only part
+    of (600, in two pieces)."""
     for block in [(128, 128), (64, 300), (100, 600)]:
         w, scale = _weight(100, 600, block, key=("large",))
         x = _activation(300, 600, key=("large",))

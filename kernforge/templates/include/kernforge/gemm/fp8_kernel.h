@@ -274,7 +274,7 @@ struct DefaultTile {
 
 constexpr int64_t kRowBlock = 64;             // rows per micro-kernel pass over a B block: a multiple of every MR
 constexpr int64_t kConvertingRowBlock = 256;  // rows per task of the converting path, sharing its conversions
-constexpr int64_t kConvertDepth = 256;        // K rows converted at a time: 16 KB of pairs at NR 32
+constexpr int64_t kConvertDepth = 512;        // K rows converted at a time: 32 KB of pairs at NR 32
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 16;  // a fork/join (~1 us) buys this much work
 
 enum Status : int64_t { kOk = 0, kBadPanelWidth = 1, kBadBlockSize = 2 };
@@ -387,21 +387,29 @@ void scaled_mm_converting(const T* x, int64_t lda, const fp8_e4m3* packed, int64
     const int64_t columns = std::min<int64_t>(NR, n - n0);
     ColumnScales<NR> column_scales(scales, block_n, k_blocks, n0, columns);
     std::fill_n(s.tile, rows * NR, 0.0f);
-    for (int64_t block = 0; block < k_blocks; ++block) {
-      const int64_t block_begin = block * block_k, block_end = std::min(k, block_begin + block_k);
-      const float* column_scale = column_scales.of_block(block);
-      for (int64_t k0 = block_begin; k0 < block_end; k0 += kConvertDepth) {
-        const int64_t depth = std::min(kConvertDepth, block_end - k0);
-        convert_to_pairs<NR>(b + k0 * panel_width, panel_width, depth, s.pairs);
+    // Chunks of whole scale blocks up to kConvertDepth deep (a block deeper than that in pieces): a
+    // row block's visit then reads a chunk's worth of each x row contiguously, not one scale block's.
+    const int64_t blocks_per_chunk = block_k % 2 == 0 && block_k < kConvertDepth ? kConvertDepth / block_k : 1;
+    for (int64_t first = 0; first < k_blocks; first += blocks_per_chunk) {
+      const int64_t chunk_begin = first * block_k, chunk_end = std::min(k, (first + blocks_per_chunk) * block_k);
+      for (int64_t c0 = chunk_begin; c0 < chunk_end; c0 += kConvertDepth) {
+        const int64_t c1 = std::min(chunk_end, c0 + kConvertDepth);
+        convert_to_pairs<NR>(b + c0 * panel_width, panel_width, c1 - c0, s.pairs);
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int64_t block_rows = std::min(kRowBlock, rows - r0);
           float* block_tile = s.block_tile + r0 * NR;
-          if (k0 == block_begin) std::fill_n(block_tile, block_rows * NR, 0.0f);
-          for (int64_t r = 0; r < block_rows; r += MR) {
-            gemm::micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, block_rows - r), x + (m0 + r0 + r) * lda + k0, lda,
-                                            s.pairs, NR, depth, block_tile + r * NR, NR);
+          for (int64_t k0 = c0; k0 < c1;) {  // the scale blocks (or the piece of one) in [c0, c1)
+            const int64_t block = k0 / block_k, block_begin = block * block_k;
+            const int64_t block_end = std::min(k, block_begin + block_k), depth = std::min(block_end, c1) - k0;
+            if (k0 == block_begin) std::fill_n(block_tile, block_rows * NR, 0.0f);
+            for (int64_t r = 0; r < block_rows; r += MR) {
+              gemm::micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, block_rows - r), x + (m0 + r0 + r) * lda + k0,
+                                              lda, s.pairs + (k0 - c0) / 2 * NR, NR, depth, block_tile + r * NR, NR);
+            }
+            if (k0 + depth == block_end)
+              add_scaled_rows<NR>(s.tile + r0 * NR, block_tile, column_scales.of_block(block), block_rows);
+            k0 += depth;
           }
-          if (k0 + depth == block_end) add_scaled_rows<NR>(s.tile + r0 * NR, block_tile, column_scale, block_rows);
         }
       }
     }
