@@ -11,6 +11,8 @@ threads, greedy. Columns, measured in one run:
              with --int8-lm-head)
 
 Rows
+    The columns are measured interleaved (one run of each in turn, --reps / --rounds times), since
+    this VM's DRAM bandwidth moves over minutes; every figure is a median over its runs.
     TTFT       one --prompt-token prompt (1024), batch 1: the generate call until its first token
                (prefill + lm_head + the first token's selection); median of --reps runs after a
                warm-up run of the same shape.
@@ -39,7 +41,6 @@ Targets (issue 11): TTFT >= 1.8x stock and <= 1.5x the FLOP bound; TPOT b1 >= 2x
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 import sys
 
@@ -63,16 +64,24 @@ def make(name: str, stock, pages: int, int8_lm_head: bool = False):
     return kernforge_generate(model), model
 
 
-def measure(generate, args, vocab: int) -> dict:
+def measure(generates: dict, args, vocab: int) -> dict:
+    """Every column's TTFT, TPOT b1 and TPOT b8, the columns interleaved round by round (this VM's
+    DRAM bandwidth moves over minutes: a column measured after another would inherit the move)."""
     single, _ = random_prompts([args.prompt], vocab)
     batch, _ = random_prompts([args.batch_prompt] * BATCH, vocab, seed=2)
-    generate(single[:, :16], None, 2, _NullStreamer())  # first calls: compiles, allocations
-    ttfts = []
-    for _ in range(args.reps + 1):
-        ttfts.append(timed_generate(generate, single, None, 1)[1]["ttft"])
-    _, b1 = timed_generate(generate, single, None, args.new)
-    _, b8 = timed_generate(generate, batch, None, args.new)
-    return {"ttft": statistics.median(ttfts[1:]), "ttft_runs": ttfts, "tpot_b1": b1["tpot"], "tpot_b8": b8["tpot"]}
+    runs = {name: {"ttft": [], "tpot_b1": [], "tpot_b8": []} for name in generates}
+    for generate in generates.values():
+        generate(single[:, :16], None, 2, _NullStreamer())  # first calls: compiles, allocations
+        timed_generate(generate, single, None, 1)  # a warm-up of the TTFT shape
+    for _ in range(args.reps):
+        for name, generate in generates.items():
+            runs[name]["ttft"].append(timed_generate(generate, single, None, 1)[1]["ttft"])
+    for _ in range(args.rounds):
+        for name, generate in generates.items():
+            runs[name]["tpot_b1"].append(timed_generate(generate, single, None, args.new)[1]["tpot"])
+            runs[name]["tpot_b8"].append(timed_generate(generate, batch, None, args.new)[1]["tpot"])
+    return {name: {**{key: statistics.median(values) for key, values in r.items()}, "runs": r}
+            for name, r in runs.items()}
 
 
 class _NullStreamer:
@@ -160,7 +169,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, help="prompt tokens for TTFT and TPOT b1 (default 1024; --quick 128)")
     p.add_argument("--batch-prompt", type=int, help=f"tokens of each of the {BATCH} prompts (default 128; --quick 32)")
     p.add_argument("--new", type=int, help="new tokens for TPOT (default 128; --quick 16)")
-    p.add_argument("--reps", type=int, help="TTFT runs after the warm-up (default 3; --quick 1)")
+    p.add_argument("--reps", type=int, help="TTFT runs per column after the warm-up (default 3; --quick 1)")
+    p.add_argument("--rounds", type=int, help="TPOT runs per column, interleaved (default 2; --quick 1)")
     p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--int8-lm-head", action="store_true",
                    help="the int8 column quantizes lm_head too (optimize(..., quant_lm_head=True))")
@@ -171,6 +181,7 @@ def main() -> int:
     args.batch_prompt = args.batch_prompt or (32 if quick else 128)
     args.new = args.new or (16 if quick else 128)
     args.reps = args.reps or (1 if quick else 3)
+    args.rounds = args.rounds or (1 if quick else 2)
 
     H.setup_threads(args.threads)
     roof, roof_path = H.load_roof()
@@ -188,16 +199,12 @@ def main() -> int:
                  f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
     })
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
-    results, load = {}, {}
-    for name in args.impls:
-        generate, model = make(name, stock, pages, args.int8_lm_head)
-        with H.LoadMeter() as meter:
-            results[name] = measure(generate, args, config.vocab_size)
-        load[name] = meter.other
-        print(f"{name}: {results[name]} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
-        if model is not stock:
-            del generate, model
-            gc.collect()
+    generates = {name: make(name, stock, pages, args.int8_lm_head)[0] for name in args.impls}
+    with H.LoadMeter() as meter:
+        results = measure(generates, args, config.vocab_size)
+    load = {name: meter.other for name in args.impls}
+    for name, result in results.items():
+        print(f"{name}: {result} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
     lines = report(results, limit)
     if max(load.values(), default=0) > 0.10:
         print(f"\nnote: other processes used {100 * max(load.values()):.0f}% of the CPUs during a column: "
