@@ -7,6 +7,7 @@ Each check raises TypeError (type, dtype) or ValueError (device, shape, layout) 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,16 @@ from kernforge.ops._common import readable_rows
 
 # Status codes every GEMM entry returns besides 0 (op-specific ones are added by the op).
 STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
+
+
+def packed_weight(cls: type) -> type:
+    """A packed-weight class: a dataclass with ``n`` and ``k`` fields, given ``shape`` = ``(n, k)``
+    (the weight's) and registered with torch.load's safe globals, so it loads with the default
+    ``weights_only=True``."""
+    cls = dataclass(cls)
+    cls.shape = property(lambda self: (self.n, self.k), doc="The weight's shape, (N, K).")
+    torch.serialization.add_safe_globals([cls])
+    return cls
 
 
 def check_cpu_tensor(t: object, name: str) -> None:

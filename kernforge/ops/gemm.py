@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -34,7 +33,7 @@ from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
-from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, raise_for_status
+from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
@@ -155,7 +154,7 @@ def _chosen_variant(dtype: torch.dtype, m: int, n: int, k: int) -> Variant:
     return found
 
 
-@dataclass
+@packed_weight
 class PackedWeight:
     """A weight ``[n, k]`` packed for ``weight_packed_linear``; survives ``torch.save``/``torch.load``."""
 
@@ -165,13 +164,6 @@ class PackedWeight:
     dtype: torch.dtype = torch.bfloat16
     panel_width: int = PANEL_WIDTH
     layout_version: int = LAYOUT_VERSION
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.k)
-
-
-torch.serialization.add_safe_globals([PackedWeight])  # loads with torch.load's default weights_only=True
 
 
 def convert_weight_packed(weight: torch.Tensor) -> PackedWeight:

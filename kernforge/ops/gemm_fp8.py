@@ -33,7 +33,6 @@ weights to whole panels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +47,7 @@ from kernforge.ops._gemm import (
     checked_fp32_bias,
     checked_weight,
     matrix_rows,
+    packed_weight,
     raise_for_status,
 )
 
@@ -78,7 +78,7 @@ GEMM_FP8 = Module(
 _STATUS = {**STATUS, 2: "block_size must hold two positive sizes"}
 
 
-@dataclass
+@packed_weight
 class PackedFp8Weight:
     """An e4m3fn weight ``[n, k]`` packed for :func:`fp8_scaled_mm`, with the block scales and block
     size it was packed with (for callers such as ``kernforge.nn``); survives ``torch.save``/``torch.load``."""
@@ -90,13 +90,6 @@ class PackedFp8Weight:
     k: int
     panel_width: int = PANEL_WIDTH
     layout_version: int = LAYOUT_VERSION
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.k)
-
-
-torch.serialization.add_safe_globals([PackedFp8Weight])  # loads with torch.load's default weights_only=True
 
 
 def convert_weight_packed_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -19,7 +19,6 @@ W[n, k]`` undoes the activations' zero point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +30,7 @@ from kernforge.ops._gemm import (
     checked_fp32_bias,
     checked_weight,
     matrix_rows,
+    packed_weight,
     raise_for_status,
 )
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
@@ -59,7 +59,7 @@ GEMM_INT8 = Module(
 )
 
 
-@dataclass
+@packed_weight
 class PackedInt8Weight:
     """An int8 weight ``[n, k]`` with per-channel scales, packed for :func:`int8_scaled_mm`;
     survives ``torch.save``/``torch.load``."""
@@ -71,13 +71,6 @@ class PackedInt8Weight:
     k: int
     panel_width: int = PANEL_WIDTH
     layout_version: int = LAYOUT_VERSION
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.k)
-
-
-torch.serialization.add_safe_globals([PackedInt8Weight])  # loads with torch.load's default weights_only=True
 
 
 def convert_weight_packed_int8(weight: torch.Tensor, weight_scale: torch.Tensor) -> PackedInt8Weight:
