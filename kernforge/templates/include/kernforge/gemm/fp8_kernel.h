@@ -315,18 +315,6 @@ inline void add_scaled_rows(float* tile, const float* block, const float* scale,
     }
 }
 
-// Writes the first `columns` columns of a rows x NR fp32 tile (+ bias) to out.
-template <int NR, class Out>
-inline void store_tile(const float* tile, const float* bias, Out* out, int64_t ldo, int64_t rows, int64_t columns) {
-  constexpr int kWidth = VecF::kWidth;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < columns; j += kWidth) {
-      VecF v = VecF::load(tile + r * NR + j, columns - j);
-      if (bias != nullptr) v += VecF::load(bias + j, columns - j);
-      v.store(out + r * ldo + j, columns - j);
-    }
-}
-
 // Few rows: fp8 weights converted in registers.
 template <int MR, int NR, class T, class Out>
 void scaled_mm_in_registers(const T* x, int64_t lda, const fp8_e4m3* packed, int64_t panel_width,
@@ -352,7 +340,7 @@ void scaled_mm_in_registers(const T* x, int64_t lda, const fp8_e4m3* packed, int
       micro_kernel_rows<MR, NR>(row_count, x + (m0 + r0) * lda + k0, lda, b + k0 * panel_width, panel_width,
                                 column_scale, depth, tile + r0 * NR, NR);
     });
-    store_tile<NR>(tile, bias == nullptr ? nullptr : bias + n0, out + m0 * ldo + n0, ldo, rows, columns);
+    store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
   });
 }
 
@@ -413,7 +401,7 @@ void scaled_mm_converting(const T* x, int64_t lda, const fp8_e4m3* packed, int64
         }
       }
     }
-    store_tile<NR>(s.tile, bias == nullptr ? nullptr : bias + n0, out + m0 * ldo + n0, ldo, rows, columns);
+    store_tile<NR>(out + m0 * ldo + n0, ldo, s.tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
   });
 }
 

@@ -31,19 +31,6 @@ constexpr int64_t kMinMacsPerThread = 1 << 17;
 
 enum LinearStatus : int64_t { kOk = 0, kBadPanelWidth = 1 };
 
-// Adds bias (if any) to the rows x NR fp32 tile and writes its first `columns` columns.
-template <int NR, class T>
-inline void store_tile(T* out, int64_t ldo, const float* tile, const T* bias, int64_t rows, int64_t columns) {
-  constexpr int kWidth = VecF::kWidth;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < columns; j += kWidth) {
-      VecF v = VecF::load(tile + r * NR + j);
-      if (bias != nullptr) v += VecF::load(bias + j, columns - j);
-      v.store(out + r * ldo + j, columns - j);
-    }
-  }
-}
-
 template <int MR, int NR, int Rows = 64, int Depth = kDepthBlock, Split kSplit = Split::kN, class T>
 int64_t packed_linear(T* out, int64_t ldo, const T* x, int64_t ldx, const uint32_t* packed, int64_t panel_width,
                       const T* bias, int64_t m, int64_t n, int64_t k, int64_t num_threads) {

@@ -1,13 +1,14 @@
 // How a GEMM driver walks its output, shared by every element type (bf16 linear, int8 w8a8): tasks
 // of NR columns by row_block rows, one contiguous run of tasks per thread, by default column block
 // first, so a thread's columns, and its slice of the packed weight, are contiguous; within a task,
-// the tile is accumulated K block by K block, MR rows at a time.
+// the tile is accumulated K block by K block, MR rows at a time, and stored with store_tile.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "kernforge/parallel.h"
+#include "kernforge/vec.h"
 
 namespace kf::gemm {
 
@@ -40,6 +41,20 @@ inline void accumulate_tile(int64_t rows, int64_t k, int64_t depth_block, const 
   for (int64_t k0 = 0; k0 < k; k0 += depth_block) {
     const int64_t depth = std::min(depth_block, k - k0);
     for (int64_t r0 = 0; r0 < rows; r0 += MR) step(std::min<int64_t>(MR, rows - r0), r0, k0, depth);
+  }
+}
+
+// Adds bias (if any; any storage type) to a rows x NR fp32 tile and writes its first `columns`
+// columns to out (ldo elements between rows).
+template <int NR, class T, class Bias>
+inline void store_tile(T* out, int64_t ldo, const float* tile, const Bias* bias, int64_t rows, int64_t columns) {
+  constexpr int kWidth = VecF::kWidth;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < columns; j += kWidth) {
+      VecF v = VecF::load(tile + r * NR + j);
+      if (bias != nullptr) v += VecF::load(bias + j, columns - j);
+      v.store(out + r * ldo + j, columns - j);
+    }
   }
 }
 
