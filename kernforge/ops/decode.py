@@ -37,15 +37,17 @@ DECODE_PLAN = Struct("kf_decode_planned", (
     ("plan", _I64), ("indptr", _I64), ("indices", _I64), ("workspace", _I64), ("partials", _I64),
     ("units", _I64), ("group", _I64), ("page_size", _I64), ("soft_cap", "double"),
 ))
-# One layer's tensors: filled per run(). Strides in elements; head_dim is contiguous everywhere.
-DECODE_IO = Struct("kf_decode_layer", (
-    ("q", _I64), ("q_stride_b", _I64), ("q_stride_h", _I64),
+# One layer's tensors, filled per run() by fill_layer(); the same fields for decode (one query token
+# per request) and prefill. Strides in elements; head_dim is contiguous everywhere.
+LAYER_FIELDS = (
+    ("q", _I64), ("q_stride_token", _I64), ("q_stride_head", _I64),
     ("k", _I64), ("k_stride_page", _I64), ("k_stride_token", _I64), ("k_stride_head", _I64),
     ("v", _I64), ("v_stride_page", _I64), ("v_stride_token", _I64), ("v_stride_head", _I64),
-    ("out", _I64), ("out_stride_b", _I64), ("out_stride_h", _I64),
-    ("lse", _I64), ("lse_stride_b", _I64), ("lse_stride_h", _I64),
+    ("out", _I64), ("out_stride_token", _I64), ("out_stride_head", _I64),
+    ("lse", _I64), ("lse_stride_token", _I64), ("lse_stride_head", _I64),
     ("qk_scale", "double"), ("v_scale", "double"), ("num_threads", _I64),
-))
+)
+DECODE_IO = Struct("kf_decode_layer", LAYER_FIELDS)
 KV_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 MAX_GROUP = 8  # GQA groups up to this are compile-time constants; larger ones (MQA) use group 0
 
@@ -332,19 +334,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         _check_cache(cache, plan)
         out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
-        io = plan.io  # filled field by field: half the cost of a new struct from a dict
-        io.q, (io.q_stride_b, io.q_stride_h, _) = q.data_ptr(), q.stride()
-        io.k, (io.k_stride_page, io.k_stride_token, io.k_stride_head) = cache.k_ptr, cache.k_strides
-        io.v, (io.v_stride_page, io.v_stride_token, io.v_stride_head) = cache.v_ptr, cache.v_strides
-        io.out, (io.out_stride_b, io.out_stride_h, _) = out.data_ptr(), out.stride()
-        if return_lse:
-            io.lse, (io.lse_stride_b, io.lse_stride_h) = lse.data_ptr(), lse.stride()
-        else:
-            io.lse = 0
-        io.qk_scale = qk_scale
-        io.v_scale = 1.0 if v_scale is None else _scalar(v_scale, "v_scale")
-        io.num_threads = num_threads()
-        plan.kernel.run(plan.args, io)
+        fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out,
+                   lse if return_lse else None, qk_scale, v_scale)
+        plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
@@ -388,6 +380,23 @@ def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_ls
             _check_out(lse, shape[:2], torch.float32, "lse")
             writable_rows(lse.shape, lse.stride(), "lse")
     return out, lse
+
+
+def fill_layer(io, q: torch.Tensor, k_ptr: int, k_strides, v_ptr: int, v_strides, out: torch.Tensor,
+               lse: torch.Tensor | None, qk_scale: float, v_scale) -> None:
+    """One layer's LAYER_FIELDS struct, field by field (half the cost of a new struct from a dict):
+    q, out and lse as [tokens, heads, ...] views; K and V as addresses with (page, token, head) strides."""
+    io.q, (io.q_stride_token, io.q_stride_head, _) = q.data_ptr(), q.stride()
+    io.k, (io.k_stride_page, io.k_stride_token, io.k_stride_head) = k_ptr, k_strides
+    io.v, (io.v_stride_page, io.v_stride_token, io.v_stride_head) = v_ptr, v_strides
+    io.out, (io.out_stride_token, io.out_stride_head, _) = out.data_ptr(), out.stride()
+    if lse is not None:
+        io.lse, (io.lse_stride_token, io.lse_stride_head) = lse.data_ptr(), lse.stride()
+    else:
+        io.lse = 0
+    io.qk_scale = qk_scale
+    io.v_scale = 1.0 if v_scale is None else _scalar(v_scale, "v_scale")
+    io.num_threads = num_threads()
 
 
 def logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:

@@ -31,9 +31,9 @@ from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module,
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import index_vector, num_threads
 from kernforge.ops._registry import export
-from kernforge.ops.decode import (KV_DTYPE_NAMES, PlanStateError, WorkspaceWrapper, _canonical_dtype,
-                                  _check_pos_encoding_mode, _dtype_param, _scalar, _window, attention_outputs,
-                                  logit_scale)
+from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
+                                  _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
+                                  fill_layer, logit_scale)
 from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
@@ -44,14 +44,7 @@ PREFILL_PLAN = Struct("kf_prefill_planned", (
     ("max_threads", _I64), ("rows", _I64), ("group", _I64), ("queries_per_tile", _I64), ("page_size", _I64),
     ("ragged", _I64), ("causal", _I64), ("window_left", _I64), ("soft_cap", "double"), ("stats", _I64),
 ))
-PREFILL_IO = Struct("kf_prefill_layer", (
-    ("q", _I64), ("q_stride_token", _I64), ("q_stride_head", _I64),
-    ("k", _I64), ("k_stride_page", _I64), ("k_stride_token", _I64), ("k_stride_head", _I64),
-    ("v", _I64), ("v_stride_page", _I64), ("v_stride_token", _I64), ("v_stride_head", _I64),
-    ("out", _I64), ("out_stride_token", _I64), ("out_stride_head", _I64),
-    ("lse", _I64), ("lse_stride_token", _I64), ("lse_stride_head", _I64),
-    ("qk_scale", "double"), ("v_scale", "double"), ("num_threads", _I64),
-))
+PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS)
 # (query rows per work item, keys per block): the tuner's candidates, the default first (on this
 # Zen 5, causal 4096 tokens, 32/8 heads, head_dim 128: 128x64 65% of the bf16 peak, 64x64 60%,
 # 64x128 58%, 32x64 55%); rows are queries x GQA group.
@@ -136,11 +129,6 @@ def tile_shape(params: dict, group: int) -> dict:
     """The problem as the tile candidates see it."""
     return {"dtype": params["q_dtype"], "kv_dtype": params["kv_dtype"], "head_dim_qk": params["head_dim_qk"],
             "head_dim_vo": params["head_dim_vo"], "group": group}
-
-
-class _Plan:
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
 
 
 class _PrefillWrapper(WorkspaceWrapper):
@@ -266,19 +254,9 @@ class _PrefillWrapper(WorkspaceWrapper):
         out, lse = attention_outputs(out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)),
                                      plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
-        io = plan.io
-        io.q, (io.q_stride_token, io.q_stride_head, _) = q.data_ptr(), q.stride()
-        io.k, (io.k_stride_page, io.k_stride_token, io.k_stride_head) = k_ptr, k_strides
-        io.v, (io.v_stride_page, io.v_stride_token, io.v_stride_head) = v_ptr, v_strides
-        io.out, (io.out_stride_token, io.out_stride_head, _) = out.data_ptr(), out.stride()
-        if return_lse:
-            io.lse, (io.lse_stride_token, io.lse_stride_head) = lse.data_ptr(), lse.stride()
-        else:
-            io.lse = 0
-        io.qk_scale = qk_scale
-        io.v_scale = 1.0 if v_scale is None else _scalar(v_scale, "v_scale")
-        io.num_threads = num_threads()
-        plan.kernel.run(plan.args, io)
+        fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse if return_lse else None, qk_scale,
+                   v_scale)
+        plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
 
 

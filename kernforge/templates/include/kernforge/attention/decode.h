@@ -160,9 +160,9 @@ class DecodeKernel {
   // softmax state.
   void start_head(const kf_decode_layer& io, const WorkItem& w, int64_t h, const HeadState& st) const {
     const VecF scale = VecF::broadcast(kBf16Operands ? 1.0f : float(io.qk_scale));  // bf16 q: scaled after q.k
-    const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_b;
+    const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_token;
     for (int64_t g = 0; g < padded_group_; ++g) {
-      const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_h;
+      const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_head;
       for (int64_t d = 0; d < kHeadDim; d += kW) {
         const VecF row = g < group_ ? VecF::load(src + d) * scale : VecF::zero();
         if constexpr (kBf16Operands) {
@@ -450,17 +450,17 @@ class DecodeKernel {
         continue;
       }
       const int64_t head = (w.kv_head + h) * group_ + g;
-      OutT* out = reinterpret_cast<OutT*>(io.out) + w.request * io.out_stride_b + head * io.out_stride_h;
+      OutT* out = reinterpret_cast<OutT*>(io.out) + w.request * io.out_stride_token + head * io.out_stride_head;
       for (int64_t d = 0; d < kHeadDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
-      if (io.lse) reinterpret_cast<float*>(io.lse)[w.request * io.lse_stride_b + head * io.lse_stride_h] = lse;
+      if (io.lse) reinterpret_cast<float*>(io.lse)[w.request * io.lse_stride_token + head * io.lse_stride_head] = lse;
     }
   }
 
   void merge(const kf_decode_layer& io, const MergeItem& m) const {
     for (int64_t row = 0; row < m.num_heads * group_; ++row) {
       const int64_t head = m.kv_head * group_ + row;
-      OutT* out = reinterpret_cast<OutT*>(io.out) + m.request * io.out_stride_b + head * io.out_stride_h;
-      float* lse = io.lse ? reinterpret_cast<float*>(io.lse) + m.request * io.lse_stride_b + head * io.lse_stride_h
+      OutT* out = reinterpret_cast<OutT*>(io.out) + m.request * io.out_stride_token + head * io.out_stride_head;
+      float* lse = io.lse ? reinterpret_cast<float*>(io.lse) + m.request * io.lse_stride_token + head * io.lse_stride_head
                           : nullptr;
       merge_state_row<float, OutT>(m.num_slots, partial_out(m.first_slot) + row * kHeadDim, slot_rows_ * kHeadDim,
                                    partial_lse(m.first_slot) + row, slot_rows_, kHeadDim, out, lse);
