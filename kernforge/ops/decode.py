@@ -331,7 +331,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
             raise NotImplementedError("q_len_per_req > 1 (several queries per request) is not implemented")
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         _check_q(q, plan)
-        _check_cache(cache, plan)
+        check_paged_cache(cache, plan, plan.head_dim, "indices")
         out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out,
@@ -455,17 +455,19 @@ def _check_q(q, plan: _Plan) -> None:
     raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
 
 
-def _check_cache(cache: PagedKVCache, plan: _Plan) -> None:
+def check_paged_cache(cache: PagedKVCache, plan: _Plan, head_dim: int, indices_name: str) -> None:
+    """The paged cache run() got against what plan() was given: KV dtype, heads, head_dim, page size,
+    and the largest page the plan's ``indices_name`` names (the kernels read it unchecked)."""
     if cache.dtype != plan.kv_dtype:
         raise ValueError(f"The dtype of k {cache.dtype} does not match the kv_data_type {plan.kv_dtype} specified "
                          "in plan function.")
     for name, got, planned in (("num_kv_heads", cache.num_kv_heads, plan.num_kv_heads),
-                               ("head_dim", cache.head_dim, plan.head_dim),
+                               ("head_dim", cache.head_dim, head_dim),
                                ("page_size", cache.page_size, plan.page_size)):
         if got != planned:
             raise ValueError(f"paged_kv_cache has {name} {got} but plan() was given {planned}")
     if plan.max_page >= cache.num_pages:
-        raise ValueError(f"indices holds page {plan.max_page}, beyond paged_kv_cache's {cache.num_pages} pages")
+        raise ValueError(f"{indices_name} holds page {plan.max_page}, beyond paged_kv_cache's {cache.num_pages} pages")
 
 
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",

@@ -33,7 +33,7 @@ from kernforge.ops._common import index_vector, num_threads
 from kernforge.ops._registry import export
 from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
                                   _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
-                                  fill_layer, logit_scale)
+                                  check_paged_cache, fill_layer, logit_scale)
 from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
@@ -372,17 +372,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         if window_left is not None and _window(window_left) != plan.window_left:
             raise ValueError(f"window_left={window_left} differs from the planned {plan.window_left}; plan() again")
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        if cache.dtype != plan.kv_dtype:
-            raise ValueError(f"The dtype of k {cache.dtype} does not match the kv_data_type {plan.kv_dtype} "
-                             "specified in plan function.")
-        for name, got, planned in (("num_kv_heads", cache.num_kv_heads, plan.num_kv_heads),
-                                   ("head_dim", cache.head_dim, plan.head_dim_qk),
-                                   ("page_size", cache.page_size, plan.page_size)):
-            if got != planned:
-                raise ValueError(f"paged_kv_cache has {name} {got} but plan() was given {planned}")
-        if plan.max_page >= cache.num_pages:
-            raise ValueError(f"paged_kv_indices holds page {plan.max_page}, beyond paged_kv_cache's "
-                             f"{cache.num_pages} pages")
+        check_paged_cache(cache, plan, plan.head_dim_qk, "paged_kv_indices")
         return self._launch(q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, return_lse,
                             q_scale, k_scale, v_scale)
 
