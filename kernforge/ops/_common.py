@@ -150,6 +150,17 @@ _INT32 = torch.int32
 _INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
+MAX_HEAD_DIM = 512
+
+
+def check_head_dim(name: str, value) -> int:
+    """Head dims are compile-time constants of the attention, RoPE and append variants: any int in
+    [1, MAX_HEAD_DIM] (kernels take the last partial vector with masked loads)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HEAD_DIM:
+        raise ValueError(f"{name} must be an int in [1, {MAX_HEAD_DIM}], got {value!r}")
+    return value
+
+
 def index_vector(t, name: str, length: int | None = None, length_from: str | None = None) -> torch.Tensor:
     """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
     try:  # warm path: attribute reads

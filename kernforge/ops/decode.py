@@ -27,7 +27,7 @@ from numbers import Real
 import torch
 
 from kernforge.jit.module import DType, Entry, Int, Module, Struct
-from kernforge.ops._common import index_vector, num_threads, writable_rows
+from kernforge.ops._common import check_head_dim, index_vector, num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export
 from kernforge.ops.page import PagedKVCache, check_kv_layout, unpack_paged_kv_cache
 
@@ -117,8 +117,7 @@ def _dtype_param(dtype: torch.dtype, name: str, allowed) -> str:
 def decode_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int,
                           group: int) -> dict:
     """The DECODE variant serving these dtypes, head_dim and GQA group (plan() and pre-warm)."""
-    if head_dim % 16 or not 16 <= head_dim <= 512:
-        raise ValueError(f"head_dim must be a multiple of 16 up to 512, got {head_dim}")
+    check_head_dim("head_dim", head_dim)
     return {
         "q_dtype": _dtype_param(q_dtype, "q_data_type", DECODE.params["q_dtype"].choices),
         "kv_dtype": _dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
@@ -334,8 +333,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         check_paged_cache(cache, plan, plan.head_dim, "indices")
         out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
-        fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out,
-                   lse if return_lse else None, qk_scale, v_scale)
+        fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, qk_scale,
+                   v_scale)
         plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
 
@@ -366,19 +365,19 @@ class _Plan:
 
 
 def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_lse: bool):
-    """``out`` of ``shape`` (checked, or allocated) and, with ``return_lse``, ``lse`` of its first two
-    dimensions in fp32: the tensors an attention run() writes."""
+    """``out`` of ``shape`` (checked, or allocated) and ``lse`` of its first two dimensions in fp32:
+    the tensors an attention run() writes. A given ``lse`` is written whether or not ``return_lse``
+    is set, as FlashInfer does; one is allocated only for ``return_lse``."""
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     else:
         _check_out(out, shape, dtype, "out")
         writable_rows(out.shape, out.stride(), "out")
-    if return_lse:
-        if lse is None:
-            lse = torch.empty(shape[:2], dtype=torch.float32)
-        else:
-            _check_out(lse, shape[:2], torch.float32, "lse")
-            writable_rows(lse.shape, lse.stride(), "lse")
+    if lse is not None:
+        _check_out(lse, shape[:2], torch.float32, "lse")
+        writable_rows(lse.shape, lse.stride(), "lse")
+    elif return_lse:
+        lse = torch.empty(shape[:2], dtype=torch.float32)
     return out, lse
 
 

@@ -29,7 +29,7 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import index_vector, num_threads
+from kernforge.ops._common import check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
 from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
                                   _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
@@ -98,9 +98,8 @@ _MIN_SPLIT_BLOCKS = 2
 
 
 def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
-    for name, value in (("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
-        if isinstance(value, bool) or not isinstance(value, int) or value % 16 or not 16 <= value <= 512:
-            raise ValueError(f"{name} must be a multiple of 16 up to 512, got {value!r}")
+    check_head_dim("head_dim_qk", head_dim_qk)
+    check_head_dim("head_dim_vo", head_dim_vo)
 
 
 def _positive(name: str, value) -> int:
@@ -254,8 +253,7 @@ class _PrefillWrapper(WorkspaceWrapper):
         out, lse = attention_outputs(out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)),
                                      plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
-        fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse if return_lse else None, qk_scale,
-                   v_scale)
+        fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
 
