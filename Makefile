@@ -1,15 +1,20 @@
 # The two commands (see README): `make demo` and `make test`.
 # Both create .venv in the repo if missing and install kernforge with torch==2.13.0
-# (the CPU build; any other torch spec would pull gigabytes of CUDA packages).
+# (the CPU build; any other torch spec would pull gigabytes of CUDA packages), every
+# dependency at the version constraints.txt pins (the versions the suite passed with).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kernforge-installed
+CONSTRAINTS := constraints.txt
+# `make test-latest` / `make pins`: the newest releases, in an environment of their own.
+LATEST := .venv-latest
+LATEST_TESTS ?= tests
 
-.PHONY: demo test test-fast bench
+.PHONY: demo test test-fast bench test-latest pins test-transformers
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0 -e '.[test,transformers]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,3 +31,29 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_sampling.py
+
+# The newest release of every dependency (transformers past pyproject's tested bound too), in
+# .venv-latest, then the suite (LATEST_TESTS=tests/test_transformers_integration.py for a quick
+# look). It writes what it installed to .venv-latest/constraints.txt.
+test-latest:
+	test -x $(LATEST)/bin/python || python3 -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers]'
+	$(LATEST)/bin/python -m pip install --quiet --upgrade transformers
+	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^kernforge' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > $(LATEST)/pins.txt
+	$(LATEST)/bin/python -m pytest -q $(LATEST_TESTS)
+	head -3 $(CONSTRAINTS) | cat - $(LATEST)/pins.txt > $(LATEST)/constraints.txt
+
+# Moving the pins: the newest releases pass the whole suite, then constraints.txt takes them in
+# one diff. If transformers moved past pyproject.toml's bound, raise the bound in the same diff.
+pins: LATEST_TESTS = tests
+pins: test-latest
+	cp $(LATEST)/constraints.txt $(CONSTRAINTS)
+	@grep '^transformers==' $(CONSTRAINTS) | sed 's/^/pinned /; s/$$/: check the transformers bound in pyproject.toml covers it/'
+
+# One transformers release (TRANSFORMERS=5.0.0), in .venv-transformers-<version>: the
+# integration's tests, e.g. for the lowest release pyproject.toml declares.
+test-transformers:
+	test -n "$(TRANSFORMERS)" || { echo "usage: make test-transformers TRANSFORMERS=<version>"; exit 2; }
+	test -x .venv-transformers-$(TRANSFORMERS)/bin/python || python3 -m venv .venv-transformers-$(TRANSFORMERS)
+	.venv-transformers-$(TRANSFORMERS)/bin/python -m pip install --quiet torch==2.13.0 transformers==$(TRANSFORMERS) -e '.[test]'
+	.venv-transformers-$(TRANSFORMERS)/bin/python -m pytest -q tests/test_transformers_integration.py

@@ -7,13 +7,16 @@
   every call as sgl-kernel does when ``is_vnni`` is false, or a sequence of ``B`` :class:`PackedWeight`
   (``convert_weight_packed(b[i])`` done once: sgl-kernel's ``is_vnni=True``).
 * ``scale`` is sgl-kernel's per-tensor scale of the fp8 path (a 0-dim tensor; a Python float is also
-  taken, and for a bf16 ``b`` it scales the product the same way): ``out = a @ (b * scale).T``.
+  taken, and for a bf16 ``b`` it scales the product the same way): ``out = (a @ b.T) * scale``. The
+  scale multiplies the fp32 sums, which are rounded once to ``out``'s dtype: fp8 weights widen to
+  bf16 exactly, and no product is rounded on its own (folding the scale into bf16 weights would
+  round each one, an error that grows with K).
 
 This first version runs the bf16 micro-kernel once per batch entry (``weight_packed_linear`` on
 ``a[i]`` into ``out[i]``). Costs, stated plainly: an unpacked ``b`` is copied into the packed layout on
-every call (reads and writes B*N*K elements, as sgl-kernel's non-VNNI path also does), a scale or an
-fp8 ``b`` adds one fp32 pass over ``b`` (the scale is folded into the bf16 weight, one bf16 rounding per
-element), and the B kernel calls parallelize over each entry's M x N only, not over the batch.
+every call (reads and writes B*N*K elements, as sgl-kernel's non-VNNI path also does); with a scale,
+``a`` is widened to fp32 (so that the GEMM writes fp32 sums) and the sums take one more pass; the B
+kernel calls parallelize over each entry's M x N only, not over the batch.
 
 ``bmm_fp8(A, B, A_scale, B_scale, dtype, out=None, backend="cublas")``, FlashInfer's semantics:
 ``out[i] = (A[i] @ B[i]) * A_scale * B_scale`` for fp8 ``A [b, m, k]`` and ``B [b, k, n]`` (e4m3 or e5m2,
@@ -52,12 +55,16 @@ def bmm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor | Sequence[PackedWei
     if a.dim() != 3:
         raise ValueError(f"a must be 3-D [B, M, K], got shape {tuple(a.shape)}")
     batch, m, k = a.shape
-    packed, n = _packed_batch(b, batch, k, _scale_value(scale, b))
+    scale = _scale_value(scale, b)
+    packed, n = _packed_batch(b, batch, k, scale)
     if n is None:  # an empty list for an empty batch: N is out's to say
         n = out.shape[-1] if isinstance(out, torch.Tensor) and out.dim() == 3 else 0
     checked_out(out, (batch, m, n), a)
-    for a_i, packed_i, out_i in zip(a, packed, out):
-        weight_packed_linear(a_i, packed_i, out=out_i)
+    if scale is None:
+        for a_i, packed_i, out_i in zip(a, packed, out):
+            weight_packed_linear(a_i, packed_i, out=out_i)
+    else:
+        _scaled_products(a, packed, scale, out)
     return out
 
 
@@ -83,7 +90,9 @@ def _scale_value(scale: object, b: object) -> float | None:
 def _packed_batch(b: object, batch: int, k: int, scale: float | None) -> tuple[list[PackedWeight], int | None]:
     """The B packed weights and N (None for an empty list)."""
     if isinstance(b, torch.Tensor):
-        return _pack_tensor(b, batch, k, scale), b.shape[1]
+        if b.dtype not in _B_DTYPES:
+            raise TypeError(f"b has dtype {b.dtype}; bmm takes torch.bfloat16 or torch.float8_e4m3fn (with scale)")
+        return _pack_tensor(b, batch, k), b.shape[1]
     if not isinstance(b, (list, tuple)) or not all(isinstance(p, PackedWeight) for p in b):
         raise TypeError(f"b must be a [B, N, K] tensor or a list of PackedWeight, got {type(b).__name__}")
     if scale is not None:
@@ -94,16 +103,22 @@ def _packed_batch(b: object, batch: int, k: int, scale: float | None) -> tuple[l
     return list(b), (b[0].n if b else None)
 
 
-def _pack_tensor(b: torch.Tensor, batch: int, k: int, scale: float | None) -> list[PackedWeight]:
-    if b.dtype not in _B_DTYPES:
-        raise TypeError(f"b has dtype {b.dtype}; bmm takes torch.bfloat16 or torch.float8_e4m3fn (with scale)")
+def _pack_tensor(b: torch.Tensor, batch: int, k: int) -> list[PackedWeight]:
+    """``b [batch, N, k]`` (bf16 or fp8, any strides) packed per entry."""
     if not b.is_cpu:
         raise ValueError(f"b is on device {b.device}; kernforge kernels run on the CPU")
     if b.dim() != 3 or b.shape[0] != batch or b.shape[2] != k:
         raise ValueError(f"b must be [{batch}, N, {k}] to match a [B, M, K], got shape {tuple(b.shape)}")
-    if scale is not None:
-        b = (b.float() * scale).bfloat16()  # the scale in the weight: one rounding per element, none per output
-    return [convert_weight_packed(b_i) for b_i in b]
+    return [convert_weight_packed(b_i.to(torch.bfloat16)) for b_i in b]  # fp8 -> bf16 is exact
+
+
+def _scaled_products(a: torch.Tensor, packed: Sequence[PackedWeight], scale, out: torch.Tensor) -> None:
+    """``out[i] = (a[i] @ weight_i.T) * scale``, rounded once: ``a`` widened to fp32 (exact) makes the
+    GEMM write its fp32 sums, which the scale multiplies before the one rounding to ``out``'s dtype."""
+    sums = torch.empty(out.shape, dtype=torch.float32)
+    for x_i, packed_i, sums_i in zip(a.to(torch.float32), packed, sums):
+        weight_packed_linear(x_i, packed_i, out=sums_i)
+    out.copy_(sums.mul_(scale))
 
 
 def bmm_fp8(A: torch.Tensor, B: torch.Tensor, A_scale: torch.Tensor, B_scale: torch.Tensor, dtype: torch.dtype,
@@ -130,12 +145,7 @@ def bmm_fp8(A: torch.Tensor, B: torch.Tensor, A_scale: torch.Tensor, B_scale: to
     n = B.shape[2]
     scale = _per_tensor_scale(A_scale, "A_scale") * _per_tensor_scale(B_scale, "B_scale")
     out = _checked_fp8_out(out, (batch, m, n), dtype)
-    sums = torch.empty(batch, m, n, dtype=torch.float32)
-    x = A.to(torch.float32)  # exact; fp32 x makes the GEMM write fp32 sums
-    weights = B.transpose(1, 2).to(torch.bfloat16)  # [b, n, k], exact
-    for x_i, w_i, sums_i in zip(x, weights, sums):
-        weight_packed_linear(x_i, convert_weight_packed(w_i), out=sums_i)
-    out.copy_(sums.mul_(scale))
+    _scaled_products(A, _pack_tensor(B.transpose(1, 2), batch, k), scale, out)  # B as [b, n, k]
     return out
 
 

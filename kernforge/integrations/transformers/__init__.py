@@ -44,15 +44,19 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("kernforge.integrations.transformers needs Hugging Face transformers >= 5: "
                       "pip install 'kernforge[transformers]'") from exc
 
+import copy
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from kernforge.integrations.transformers import _kernels, _modules
+from kernforge.integrations.transformers import _compat, _kernels, _modules
 from kernforge.integrations.transformers._cache import AttentionSpec, KVCacheFullError, PagedCache, PagePool, new_cache
 from kernforge.integrations.transformers._generate import generate
 from kernforge.jit import KernelNotCachedError
 from kernforge.nn import Linear
+
+_compat.warn_if_untested(transformers.__version__)
 
 __all__ = ["KVCacheFullError", "PagedCache", "UnsupportedModelError", "generate", "new_cache", "optimize"]
 
@@ -104,8 +108,9 @@ def optimize(model: nn.Module, kv_cache_pages: int = 2048, quant: str | None = N
         if type(model.lm_head) is nn.Linear:
             model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=quant if quant_lm_head else None)
     runtime = model._kernforge = _Runtime(spec, pool, quant)
-    model.config._attn_implementation = _modules.ATTN_IMPLEMENTATION
-    decoder.register_forward_pre_hook(_paged_cache_hook(runtime), with_kwargs=True)
+    _own_config(model)._attn_implementation = _modules.ATTN_IMPLEMENTATION
+    decoder.register_forward_pre_hook(_paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)),
+                                      with_kwargs=True)
     _warn_stock_modules(model, stock)
     return model
 
@@ -216,19 +221,32 @@ def _warn_stock_modules(model, stock: list) -> None:
                       + "; ".join(filter(None, [shown, *kinds])), stacklevel=3)
 
 
-def _paged_cache_hook(runtime: _Runtime):
+def _own_config(model: nn.Module):
+    """Give ``model`` a config of its own, so that what optimize() sets on it (the attention
+    implementation) changes no other model: transformers hands one config object to every model
+    built from it, and every submodule that keeps it."""
+    shared = model.config
+    own = copy.deepcopy(shared)
+    for module in model.modules():
+        if module.__dict__.get("config") is shared:
+            module.config = own
+    return own
+
+
+def _paged_cache_hook(runtime: _Runtime, argument: str):
     """A forward pre-hook of the decoder that gives it a PagedCache where transformers would make
-    (or has just made, in ``generate``) an empty DynamicCache."""
+    (or has just made, in ``generate``) an empty DynamicCache. The cache comes under either of
+    transformers' names for it and goes on under ``argument``, the one the decoder takes."""
 
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, PagedCache):
-            return None
+        cache = _compat.take_cache(kwargs)
         if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-            kwargs["past_key_values"] = PagedCache(runtime.spec, runtime.pool)
-            return args, kwargs
-        raise TypeError(f"a kernforge-optimized model keeps its KV cache in a PagedCache; got past_key_values="
-                        f"{type(cache).__name__} holding {cache.get_seq_length()} tokens. Continue with the "
-                        "PagedCache the previous call returned, or start from past_key_values=None")
+            cache = PagedCache(runtime.spec, runtime.pool)
+        elif not isinstance(cache, PagedCache):
+            raise TypeError(f"a kernforge-optimized model keeps its KV cache in a PagedCache; got {argument}="
+                            f"{type(cache).__name__} holding {cache.get_seq_length()} tokens. Continue with the "
+                            f"PagedCache the previous call returned, or start from {argument}=None")
+        kwargs[argument] = cache
+        return args, kwargs
 
     return hook

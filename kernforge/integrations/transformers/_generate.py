@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernforge.integrations.transformers import _compat
 from kernforge.integrations.transformers import _kernels as kf
 from kernforge.integrations.transformers._cache import new_cache
 
@@ -46,14 +47,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if attention_mask is not None:
         attention_mask = attention_mask.to(torch.long)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
-    cache = new_cache(model)
+    cache, cache_argument = new_cache(model), _compat.cache_argument(model.forward)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     tokens, finished = [], torch.zeros(batch, dtype=torch.bool)
     step_ids = input_ids
     for step in range(max_new_tokens):
         outputs = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        use_cache=True, logits_to_keep=1, **{cache_argument: cache})
         next_tokens = sample(outputs.logits[:, -1])
         if eos is not None:
             next_tokens = next_tokens.masked_fill(finished, pad)

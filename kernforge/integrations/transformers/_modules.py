@@ -128,12 +128,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm.from_module(attn.k_norm, dtype) if has_qk_norm else None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: RopeInputs | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values: PagedCache | None = None, **kwargs):
+                attention_mask: torch.Tensor | None = None, cache: PagedCache | None = None,
+                past_key_values: PagedCache | None = None, **kwargs):
         if not isinstance(position_embeddings, RopeInputs):
             raise TypeError("kernforge Attention needs the RopeInputs of kernforge's RotaryEmbedding as "
                             f"position_embeddings, got {type(position_embeddings).__name__}: the model's rotary_emb "
                             "was not replaced (use kernforge.integrations.transformers.optimize)")
-        cache = _checked_cache(past_key_values)
+        cache = _checked_cache(cache if cache is not None else past_key_values)  # the name per release
         batch, q_len = hidden_states.shape[:2]
         tokens, heads, kv_heads, head_dim = batch * q_len, self.num_qo_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states).view(tokens, (heads + 2 * kv_heads) * head_dim)
