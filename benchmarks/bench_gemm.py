@@ -48,7 +48,7 @@ import _harness as H  # noqa: E402
 import kernforge  # noqa: E402
 import kernforge.nn  # noqa: E402,F401  (quantize_weight_fp8_block)
 from kernforge.jit import tuning  # noqa: E402
-from kernforge.ops import gemm  # noqa: E402
+from kernforge.ops.gemm import bf16  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 28672), (14336, 4096), (2048, 2048), (2048, 16384)]  # K x N
 ROWS = [1, 16, 128, 1024]
@@ -110,13 +110,13 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         if int8:
             fns["int8"] = lambda: kernforge.int8_scaled_mm_with_quant(x, int8[next(turn)], out_dtype=torch.bfloat16)
             fns["fp8"] = lambda: kernforge.fp8_scaled_mm(x, *fp8[next(turn)], out_dtype=torch.bfloat16)
-        shape = gemm.tile_shape(torch.bfloat16, m, n, k)
-        tier = gemm.GEMM.built_tier(kernforge.jit.isa.selected_tier())
-        recorded = tuning.TuningStore().lookup(gemm.TILE_CANDIDATES.kernel, gemm.TILE_CANDIDATES.bucket(shape), tier)
-        tuned = dict(gemm.TILE_CANDIDATES.choose(shape, tier=tier).params)
-        default = dict(gemm.TILE_CANDIDATES.default(shape, tier).params)
+        shape = bf16.tile_shape(torch.bfloat16, m, n, k)
+        tier = bf16.GEMM.built_tier(kernforge.jit.isa.selected_tier())
+        recorded = tuning.TuningStore().lookup(bf16.TILE_CANDIDATES.kernel, bf16.TILE_CANDIDATES.bucket(shape), tier)
+        tuned = dict(bf16.TILE_CANDIDATES.choose(shape, tier=tier).params)
+        default = dict(bf16.TILE_CANDIDATES.default(shape, tier).params)
         if tuned != default:
-            fns["kf default"] = lambda: gemm.linear_with_config(x, packed[next(turn)], default, out=out)
+            fns["kf default"] = lambda: bf16.linear_with_config(x, packed[next(turn)], default, out=out)
         t, bg = H.timed(fns, args)
         kf = t["kf"].median_ns
         gbs, gflops = weight_bytes / kf, 2 * m * n * k / kf
@@ -126,7 +126,7 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         row = [f"{k}x{n}", m, H.us(t["kf"]), other("F.linear"), other("compile"), ratio("F.linear"), ratio("compile"),
                H.fmt(gbs), f"{100 * gbs / dram_r:.0f}%", H.fmt(gflops, 0), f"{100 * gflops / peak:.0f}%",
                speedup("int8"), speedup("fp8"),
-               (f"{ratio('kf default')} ({gemm.config_name(tuned)})" if "kf default" in t
+               (f"{ratio('kf default')} ({bf16.config_name(tuned)})" if "kf default" in t
                 else "default won" if recorded else "no record"),
                f"{100 * bg:.0f}%"]
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)

@@ -102,7 +102,8 @@ def _shape_nk(text: str) -> tuple[int, int]:
 
 
 def _tune(args) -> int:
-    from kernforge.ops import gemm, prefill
+    from kernforge.ops import prefill
+    from kernforge.ops.gemm import bf16
 
     if args.threads:
         set_num_threads(args.threads)
@@ -113,7 +114,7 @@ def _tune(args) -> int:
         return 0
     if not args.m or not args.nk:
         raise ValueError("tune gemm needs --m and --nk")
-    _print_tuned(gemm.tune_gemm(args.m, args.nk, dtype))
+    _print_tuned(bf16.tune_gemm(args.m, args.nk, dtype))
     return 0
 
 
@@ -128,7 +129,7 @@ def _print_tuned_prefill(results: list[dict]) -> None:
 
 def _print_tuned(results: list[dict]) -> None:
     """One line per tuned shape: the winner, the default and every candidate's time."""
-    from kernforge.ops.gemm import config_name
+    from kernforge.ops.gemm.bf16 import config_name
 
     for r in results:
         timings = "  ".join(f"{name} {s * 1e6:.1f}us" for name, s in r["seconds"].items())

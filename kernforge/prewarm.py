@@ -105,7 +105,7 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
 
 def _gemm_entries(dtype: str, shapes) -> list[dict]:
     """The GEMM variants dispatch picks for these [N, K] weights over every row bucket."""
-    from kernforge.ops.gemm import TILE_CANDIDATES, m_bucket, tile_shape
+    from kernforge.ops.gemm.bf16 import TILE_CANDIDATES, m_bucket, tile_shape
 
     x_dtype, tier = TORCH_DTYPES[dtype_name(dtype)], isa.selected_tier()
     configs = {}
@@ -165,7 +165,7 @@ def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None
     """Run :func:`kernforge.tune_gemm` for each distinct linear shape of the model (``config.json``,
     path or dict) at each M of ``m_list``, x in the model's dtype, on the tier in use: the winners
     are recorded where ``weight_packed_linear``'s dispatch finds them. ``measure`` as tune_gemm's."""
-    from kernforge.ops.gemm import tune_gemm
+    from kernforge.ops.gemm.bf16 import tune_gemm
 
     model = manifest_from_model_config(config)["model"]
     shapes = list(dict.fromkeys(tuple(nk) for nk in model["linear_shapes"].values()))  # distinct, in order

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.bmm import bmm, bmm_fp8
-from kernforge.ops.gemm import convert_weight_packed
+from kernforge.ops.gemm.bmm import bmm, bmm_fp8
+from kernforge.ops.gemm.bf16 import convert_weight_packed
 from op_helpers import seeded
 
 RTOL = 1e-2  # bf16 output; atol scales with the magnitude of the product

@@ -18,8 +18,8 @@ import torch
 import kernforge
 from conftest import clean_env
 from kernforge.jit import tuning
-from kernforge.ops import gemm
-from kernforge.ops.gemm import (DEFAULT_BLOCKING, GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, config_name,
+from kernforge.ops.gemm import bf16
+from kernforge.ops.gemm.bf16 import (DEFAULT_BLOCKING, GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, config_name,
                                 convert_weight_packed, gemm_config, linear_with_config, linear_with_tile, tile_shape,
                                 weight_packed_linear)
 from op_helpers import seeded
@@ -198,14 +198,14 @@ def test_config_must_be_a_module_config():
 @pytest.fixture
 def tuning_cache(cache):
     """A fresh cache (so a fresh tuning store) and no remembered dispatch choices."""
-    gemm.reset_tile_choices()
+    bf16.reset_tile_choices()
     yield cache
-    gemm.reset_tile_choices()
+    bf16.reset_tile_choices()
 
 
 def _dispatched(m, n, k, dtype=torch.bfloat16):
     """The config weight_packed_linear runs for this shape (the variant's parameters but the dtype)."""
-    return {name: value for name, value in gemm._chosen_variant(dtype, m, n, k).params.items() if name != "dtype"}
+    return {name: value for name, value in bf16._chosen_variant(dtype, m, n, k).params.items() if name != "dtype"}
 
 
 def test_tuned_config_is_dispatched_for_its_bucket_only(tuning_cache):
@@ -256,7 +256,7 @@ def test_recorded_config_is_used_and_a_corrupt_record_is_ignored(tuning_cache, c
     assert _dispatched(m, n, k) == configs[-1]
 
     (tuning_cache / "tuning" / "weight_packed_linear.json").write_text("{not json")
-    gemm.reset_tile_choices()
+    bf16.reset_tile_choices()
     logger = logging.getLogger("kernforge")
     logger.addHandler(caplog.handler)  # kernforge's logger does not propagate to the root
     try:
@@ -288,6 +288,32 @@ def test_tune_gemm_rejects_bad_shapes():
 
 
 # --------------------------------------------------------------------------- the packed weight
+
+
+@pytest.mark.parametrize("module, cls", [("kernforge.ops.gemm", "PackedWeight"),
+                                         ("kernforge.ops.gemm_int8", "PackedInt8Weight"),
+                                         ("kernforge.ops.gemm_fp8", "PackedFp8Weight")])
+def test_weights_saved_under_the_flat_module_names_still_load(module, cls, monkeypatch):
+    """Files saved before the GEMM ops became a package name their classes kernforge.ops.gemm_int8...
+    (pickle writes a class's module and name): torch.load's default weights_only=True takes them."""
+    import sys
+    import types
+
+    import kernforge.ops.gemm as family
+
+    found = next(getattr(m, cls) for m in (family.bf16, family.int8, family.fp8) if hasattr(m, cls))
+    fields = {f: torch.zeros(1) if f in ("packed", "compensation", "scale") else 1
+              for f in found.__dataclass_fields__}
+    saved = found(**fields)
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{cls: found}))
+    monkeypatch.setattr(found, "__module__", module)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    monkeypatch.undo()
+    assert module.encode() in buffer.getvalue()
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert type(loaded) is found and loaded.n == saved.n
 
 
 def test_packed_weight_round_trips_through_torch_save():
@@ -327,7 +353,7 @@ def test_packed_weight_of_another_layout_is_refused():
                                          f"version {LAYOUT_VERSION}: pack the weight again"):
         weight_packed_linear(x, torch.load(buffer))
     # NR 16 tiles could read 16-column panels, NR 32 ones could not: refused whatever the tier and tile
-    narrow = PackedWeight(torch.zeros(gemm.packed_shape(8, 16, 16), dtype=torch.bfloat16), 8, 16, panel_width=16)
+    narrow = PackedWeight(torch.zeros(bf16.packed_shape(8, 16, 16), dtype=torch.bfloat16), 8, 16, panel_width=16)
     with pytest.raises(ValueError, match="packed.panel_width must be a multiple of 32"):
         weight_packed_linear(x, narrow)
 
@@ -380,4 +406,4 @@ def test_errors_name_the_argument():
 def test_ops_are_exported():
     assert kernforge.weight_packed_linear is weight_packed_linear
     assert kernforge.convert_weight_packed is convert_weight_packed
-    assert kernforge.tune_gemm is gemm.tune_gemm
+    assert kernforge.tune_gemm is bf16.tune_gemm

@@ -22,8 +22,8 @@ import kernforge
 from kernforge.cache import disk
 from kernforge.jit import core, isa
 from kernforge.jit.module import Entry, Module
-from kernforge.ops.gemm import GEMM, TILE_CANDIDATES, convert_weight_packed, tile_shape, weight_packed_linear
-from kernforge.ops.gemm_int8 import (GEMM_INT8, convert_weight_packed_int8, int8_accumulate, int8_scaled_mm,
+from kernforge.ops.gemm.bf16 import GEMM, TILE_CANDIDATES, convert_weight_packed, tile_shape, weight_packed_linear
+from kernforge.ops.gemm.int8 import (GEMM_INT8, convert_weight_packed_int8, int8_accumulate, int8_scaled_mm,
                                      per_token_quant_int8)
 from op_helpers import seeded
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops import gemm_fp8
-from kernforge.ops.gemm_fp8 import LAYOUT_VERSION, PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
+from kernforge.ops.gemm import fp8
+from kernforge.ops.gemm.fp8 import LAYOUT_VERSION, PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
 from op_helpers import seeded
 
 ROWS = [1, 2, 7, 33]
@@ -26,13 +26,13 @@ BLOCK = (128, 128)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
 
 
-PATHS = {"in_registers": gemm_fp8.NEVER, "converting": 1}  # a convert_from_rows that sends every M down it
+PATHS = {"in_registers": fp8.NEVER, "converting": 1}  # a convert_from_rows that sends every M down it
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
     """Run the test on one of the kernel's two paths, whatever M is."""
-    monkeypatch.setattr(gemm_fp8, "convert_from_rows", lambda dtype: PATHS[request.param])
+    monkeypatch.setattr(fp8, "convert_from_rows", lambda dtype: PATHS[request.param])
     return request.param
 
 
@@ -110,8 +110,8 @@ def test_every_e4m3_value_converts_exactly_in_every_position(tier, path, dtype):
 
 def test_dispatch_by_rows(tier):
     """AVX-512 converts per K block from a measured M on; AVX2 and generic always convert in registers."""
-    expected = 96 if tier in ("avx512", "amx") else gemm_fp8.NEVER
-    assert gemm_fp8.convert_from_rows(torch.bfloat16) == expected
+    expected = 96 if tier in ("avx512", "amx") else fp8.NEVER
+    assert fp8.convert_from_rows(torch.bfloat16) == expected
 
 
 def test_large_m_tasks_and_deep_k_blocks(tier, path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.gemm_int8 import (LAYOUT_VERSION, PackedInt8Weight, convert_weight_packed_int8, int8_accumulate,
+from kernforge.ops.gemm.int8 import (LAYOUT_VERSION, PackedInt8Weight, convert_weight_packed_int8, int8_accumulate,
                                      int8_scaled_mm, int8_scaled_mm_with_quant, per_token_quant_int8)
 from op_helpers import seeded
 

@@ -287,10 +287,10 @@ def test_manifest_builds_the_gemm_variants_dispatch_picks(fresh_gemm_choices):
     the manifest (the default here; a tuned record changes it), and int8 adds the w8a8 module."""
     gemm = fresh_gemm_choices
     manifest = prewarm.manifest_from_model_config(TINY)
-    built = {s for s in prewarm.specs_from_manifest(manifest) if s.template == "gemm.cpp.jinja"}
+    built = {s for s in prewarm.specs_from_manifest(manifest) if s.template == "bf16.cpp.jinja"}
     for n, k in TINY_NK:
         for m in (1, 2, 3, 16, 100, 1024, 5000):
-            assert gemm._chosen_variant(torch.bfloat16, m, n, k).spec(isa.selected_tier()) in built
+            assert bf16._chosen_variant(torch.bfloat16, m, n, k).spec(isa.selected_tier()) in built
     modules = [k.get("module") for k in prewarm.manifest_from_model_config(TINY, quant="int8")["kernels"]]
     assert "gemm_int8" in modules and "gemm_int8" not in [k.get("module") for k in manifest["kernels"]]
 
@@ -305,15 +305,15 @@ TINY_NK = [(128, 64), (64, 64), (192, 64), (64, 96)]  # q|k|v, o, gate+up, down:
 @pytest.fixture
 def fresh_gemm_choices(cache):
     """A fresh tuning store; dispatch forgets its choices before and after."""
-    from kernforge.ops import gemm
+    from kernforge.ops.gemm import bf16
 
-    gemm.reset_tile_choices()
-    yield gemm
-    gemm.reset_tile_choices()
+    bf16.reset_tile_choices()
+    yield bf16
+    bf16.reset_tile_choices()
 
 
 def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choices):
-    gemm, timed = fresh_gemm_choices, []
+    timed = []
 
     def fake_timer(config, run):  # no timing in tests: the one-row reference "wins"
         timed.append(config)
@@ -325,8 +325,8 @@ def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choic
     import torch
     for n, k in TINY_NK:
         for m in (1, 3):
-            assert gemm._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
-        assert gemm._chosen_variant(torch.bfloat16, 5, n, k).params["tile"] != (1, 16)  # bucket 8: not tuned
+            assert bf16._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
+        assert bf16._chosen_variant(torch.bfloat16, 5, n, k).params["tile"] != (1, 16)  # bucket 8: not tuned
 
 
 def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_path, monkeypatch, capsys):
@@ -334,7 +334,7 @@ def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_pa
     path.write_text(json.dumps(TINY))
     built = []
     monkeypatch.setattr(prewarm, "prewarm", lambda manifest, **kw: built.append(manifest))  # no compiles here
-    monkeypatch.setattr(fresh_gemm_choices, "_time_call", lambda run: 1.0)  # nor timing: the defaults win
+    monkeypatch.setattr(fresh_gemm_choices, "time_call", lambda run: 1.0)  # nor timing: the defaults win
     assert cli.main(["prewarm", "--model-config", str(path), "--tune", "--tune-m", "1", "16"]) == 0
     assert built == [prewarm.manifest_from_model_config(TINY)]
     out = capsys.readouterr().out

@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -159,3 +161,16 @@ class TuningStore:
             log.warning("ignoring the corrupt tuning file %s (not a JSON object)", path)
             return {}
         return records
+
+
+def time_call(run: Callable[[], object], min_seconds: float = 0.2, max_calls: int = 50) -> float:
+    """Median seconds of one ``run()`` after a warm-up call (which also compiles): at least 3 calls,
+    more until ``min_seconds`` have passed. What the tuners time candidates with by default."""
+    run()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < 3 or (len(samples) < max_calls and time.perf_counter() - started < min_seconds):
+        t0 = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

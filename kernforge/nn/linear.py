@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernforge.ops import gemm, gemm_fp8, gemm_int8, torch_library
+from kernforge.ops import torch_library
+from kernforge.ops.gemm import bf16, fp8, int8
 from kernforge.ops._registry import DTYPE_NAMES
 
 QUANTS = (None, "int8", "fp8_block")
@@ -43,15 +44,15 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.dtype, self.quant = int(in_features), int(out_features), dtype, quant
         n, k = self.out_features, self.in_features
         if quant is None:
-            self.register_buffer("weight_packed", torch.zeros(gemm.packed_shape(n, k), dtype=torch.bfloat16))
+            self.register_buffer("weight_packed", torch.zeros(bf16.packed_shape(n, k), dtype=torch.bfloat16))
         elif quant == "int8":
-            self.register_buffer("weight_packed", torch.zeros(gemm_int8.packed_shape(n, k), dtype=torch.int8))
+            self.register_buffer("weight_packed", torch.zeros(int8.packed_shape(n, k), dtype=torch.int8))
             self.register_buffer("weight_compensation", torch.zeros(n, dtype=torch.int32))
             self.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32))
         else:
-            self.register_buffer("weight_packed", torch.zeros(gemm_fp8.packed_shape(n, k),
+            self.register_buffer("weight_packed", torch.zeros(fp8.packed_shape(n, k),
                                                               dtype=torch.float8_e4m3fn))
-            self.register_buffer("weight_scale", torch.zeros(gemm_fp8.scale_shape(n, k, FP8_BLOCK)))
+            self.register_buffer("weight_scale", torch.zeros(fp8.scale_shape(n, k, FP8_BLOCK)))
         # the quantized GEMMs add the bias in fp32; weight_packed_linear takes it in x's dtype
         bias_dtype = dtype if quant is None else torch.float32
         self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype) if bias else None)
@@ -69,14 +70,14 @@ class Linear(nn.Module):
             raise TypeError(f"layer.weight has dtype {weight.dtype}; expected a floating dtype")
         module = cls(layer.in_features, layer.out_features, layer.bias is not None, dtype, quant)
         if quant is None:
-            module.weight_packed.copy_(gemm.convert_weight_packed(weight.to(torch.bfloat16)).packed)
+            module.weight_packed.copy_(bf16.convert_weight_packed(weight.to(torch.bfloat16)).packed)
         elif quant == "int8":
-            packed = gemm_int8.convert_weight_packed_int8(*quantize_weight_int8(weight))
+            packed = int8.convert_weight_packed_int8(*quantize_weight_int8(weight))
             module.weight_packed.copy_(packed.packed)
             module.weight_compensation.copy_(packed.compensation)
             module.weight_scale.copy_(packed.scale)
         else:
-            packed = gemm_fp8.convert_weight_packed_fp8(*quantize_weight_fp8_block(weight), FP8_BLOCK)
+            packed = fp8.convert_weight_packed_fp8(*quantize_weight_fp8_block(weight), FP8_BLOCK)
             module.weight_packed.copy_(packed.packed)
             module.weight_scale.copy_(packed.weight_scale)
         if layer.bias is not None:
@@ -88,13 +89,13 @@ class Linear(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but this Linear was built for {self.dtype} "
                             "(Linear.from_linear(..., dtype=...))")
         if self.quant is None:
-            packed = gemm.PackedWeight(self.weight_packed, self.out_features, self.in_features)
+            packed = bf16.PackedWeight(self.weight_packed, self.out_features, self.in_features)
             return torch_library.weight_packed_linear(x, packed, self.bias)  # a graph node under torch.compile
         if self.quant == "fp8_block":
-            packed = gemm_fp8.PackedFp8Weight(self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features,
+            packed = fp8.PackedFp8Weight(self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features,
                                               self.in_features)
-            return gemm_fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
-        packed = gemm_int8.PackedInt8Weight(self.weight_packed, self.weight_compensation, self.weight_scale,
+            return fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
+        packed = int8.PackedInt8Weight(self.weight_packed, self.weight_compensation, self.weight_scale,
                                             self.out_features, self.in_features)
         return torch_library.int8_scaled_mm_with_quant(x, packed, self.bias)
 
@@ -161,7 +162,7 @@ def _replaceable(layer: nn.Module) -> bool:
 
 
 def _layout_version(quant: str | None) -> int:
-    return {None: gemm.LAYOUT_VERSION, "int8": gemm_int8.LAYOUT_VERSION, "fp8_block": gemm_fp8.LAYOUT_VERSION}[quant]
+    return {None: bf16.LAYOUT_VERSION, "int8": int8.LAYOUT_VERSION, "fp8_block": fp8.LAYOUT_VERSION}[quant]
 
 
 def _check_config(dtype: object, quant: object) -> None:

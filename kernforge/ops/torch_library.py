@@ -58,7 +58,8 @@ from typing import Callable
 
 import torch
 
-from kernforge.ops import activation, decode, gemm, gemm_int8, norm, page, prefill, rope, sampling
+from kernforge.ops import activation, decode, norm, page, prefill, rope, sampling
+from kernforge.ops.gemm import bf16, int8
 from kernforge.ops.decode import PlanStateError
 
 NAMESPACE = "kernforge"
@@ -268,23 +269,23 @@ def _linear_fake(x, packed, n, k, panel_width, bias=None):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _packed_weight(packed, n, k, panel_width) -> gemm.PackedWeight:
-    return gemm.PackedWeight(packed, n, k, panel_width=panel_width)
+def _packed_weight(packed, n, k, panel_width) -> bf16.PackedWeight:
+    return bf16.PackedWeight(packed, n, k, panel_width=panel_width)
 
 
 _define("weight_packed_linear(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None) -> Tensor",
         lambda x, packed, n, k, panel_width, bias=None:
-            gemm.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias),
+            bf16.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias),
         _linear_fake)
 _define("weight_packed_linear_out(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None, *, "
         "Tensor(a!) out) -> ()",
         _writes_only(lambda x, packed, n, k, panel_width, bias=None, *, out:
-                     gemm.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias, out)),
+                     bf16.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias, out)),
         _no_output)
 _define("int8_scaled_mm_with_quant(Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, "
         "int panel_width, Tensor? bias=None) -> Tensor",
-        lambda x, packed, compensation, scale, n, k, panel_width, bias=None: gemm_int8.int8_scaled_mm_with_quant(
-            x, gemm_int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias),
+        lambda x, packed, compensation, scale, n, k, panel_width, bias=None: int8.int8_scaled_mm_with_quant(
+            x, int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias),
         lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)))
 
 
@@ -295,19 +296,19 @@ def _check_layout(packed, module) -> None:
                          f"{module.LAYOUT_VERSION} (pack the weight again)")
 
 
-@functools.wraps(gemm.weight_packed_linear)
+@functools.wraps(bf16.weight_packed_linear)
 def weight_packed_linear(x, packed, bias=None, out=None):
     if not torch.compiler.is_compiling():
-        return gemm.weight_packed_linear(x, packed, bias, out)
-    _check_layout(packed, gemm)
+        return bf16.weight_packed_linear(x, packed, bias, out)
+    _check_layout(packed, bf16)
     return _maybe_out("weight_packed_linear", out, x, packed.packed, packed.n, packed.k, packed.panel_width, bias)
 
 
-@functools.wraps(gemm_int8.int8_scaled_mm_with_quant)
+@functools.wraps(int8.int8_scaled_mm_with_quant)
 def int8_scaled_mm_with_quant(x, packed, bias=None, out_dtype=None):
     if not torch.compiler.is_compiling():
-        return gemm_int8.int8_scaled_mm_with_quant(x, packed, bias, out_dtype)
-    _check_layout(packed, gemm_int8)
+        return int8.int8_scaled_mm_with_quant(x, packed, bias, out_dtype)
+    _check_layout(packed, int8)
     if out_dtype is not None and out_dtype is not x.dtype:
         raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant "
                         "writes x's dtype")

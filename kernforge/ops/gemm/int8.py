@@ -24,7 +24,7 @@ import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Module
 from kernforge.ops._common import num_threads
-from kernforge.ops._gemm import (
+from kernforge.ops.gemm._common import (
     check_cpu_tensor,
     check_packed,
     checked_fp32_bias,
@@ -59,7 +59,7 @@ GEMM_INT8 = Module(
 )
 
 
-@packed_weight
+@packed_weight(saved_as="kernforge.ops.gemm_int8")
 class PackedInt8Weight:
     """An int8 weight ``[n, k]`` with per-channel scales, packed for :func:`int8_scaled_mm`;
     survives ``torch.save``/``torch.load``."""

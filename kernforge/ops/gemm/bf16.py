@@ -22,8 +22,6 @@ except bf16 on avx512 with K over one block, which takes the 512-deep K block).
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -31,9 +29,9 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
-from kernforge.jit.tuning import Candidate, Candidates
+from kernforge.jit.tuning import Candidate, Candidates, time_call
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
-from kernforge.ops._gemm import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
+from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
@@ -154,7 +152,7 @@ def _chosen_variant(dtype: torch.dtype, m: int, n: int, k: int) -> Variant:
     return found
 
 
-@packed_weight
+@packed_weight(saved_as="kernforge.ops.gemm")
 class PackedWeight:
     """A weight ``[n, k]`` packed for ``weight_packed_linear``; survives ``torch.save``/``torch.load``."""
 
@@ -261,19 +259,6 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
                          "dimensions cannot be merged into one row index without a copy") from None
 
 
-def _time_call(run: Callable[[], object], min_seconds: float = 0.2, max_calls: int = 50) -> float:
-    """Median seconds of one ``run()`` after a warm-up call (which also compiles): at least 3 calls,
-    more until ``min_seconds`` have passed."""
-    run()
-    samples: list[float] = []
-    started = time.perf_counter()
-    while len(samples) < 3 or (len(samples) < max_calls and time.perf_counter() - started < min_seconds):
-        t0 = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16,
               measure: Callable[[dict, Callable[[], object]], float] | None = None,
               min_gain: float = 0.03) -> list[dict]:
@@ -294,7 +279,7 @@ def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: 
     m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
     if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
         raise ValueError(f"tune_gemm needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
-    measure = measure or (lambda config, run: _time_call(run))
+    measure = measure or (lambda config, run: time_call(run))
     tier = GEMM.built_tier(isa.selected_tier())
     results = []
     generator = torch.Generator().manual_seed(0)

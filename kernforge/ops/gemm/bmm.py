@@ -37,9 +37,9 @@ from typing import Sequence
 import torch
 
 from kernforge.ops._common import checked_out, variant_for_input
-from kernforge.ops._gemm import check_cpu_tensor
+from kernforge.ops.gemm._common import check_cpu_tensor
 from kernforge.ops._registry import export
-from kernforge.ops.gemm import PackedWeight, convert_weight_packed, weight_packed_linear
+from kernforge.ops.gemm.bf16 import PackedWeight, convert_weight_packed, weight_packed_linear
 
 _B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -40,7 +40,7 @@ from kernforge.jit import isa
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import export, kernel_op
-from kernforge.ops._gemm import (
+from kernforge.ops.gemm._common import (
     STATUS,
     check_cpu_tensor,
     check_packed,
@@ -78,7 +78,7 @@ GEMM_FP8 = Module(
 _STATUS = {**STATUS, 2: "block_size must hold two positive sizes"}
 
 
-@packed_weight
+@packed_weight(saved_as="kernforge.ops.gemm_fp8")
 class PackedFp8Weight:
     """An e4m3fn weight ``[n, k]`` packed for :func:`fp8_scaled_mm`, with the block scales and block
     size it was packed with (for callers such as ``kernforge.nn``); survives ``torch.save``/``torch.load``."""

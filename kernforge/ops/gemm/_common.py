@@ -18,14 +18,19 @@ from kernforge.ops._common import readable_rows
 STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
 
 
-def packed_weight(cls: type) -> type:
+def packed_weight(saved_as: str):
     """A packed-weight class: a dataclass with ``n`` and ``k`` fields, given ``shape`` = ``(n, k)``
     (the weight's) and registered with torch.load's safe globals, so it loads with the default
-    ``weights_only=True``."""
-    cls = dataclass(cls)
-    cls.shape = property(lambda self: (self.n, self.k), doc="The weight's shape, (N, K).")
-    torch.serialization.add_safe_globals([cls])
-    return cls
+    ``weights_only=True``: under its module's name and under ``saved_as``, the name files saved
+    before the GEMM ops became a package (kernforge 0.x, ``kernforge.ops.gemm.int8``...) refer to."""
+
+    def register(cls: type) -> type:
+        cls = dataclass(cls)
+        cls.shape = property(lambda self: (self.n, self.k), doc="The weight's shape, (N, K).")
+        torch.serialization.add_safe_globals([cls, (cls, f"{saved_as}.{cls.__name__}")])
+        return cls
+
+    return register
 
 
 def check_cpu_tensor(t: object, name: str) -> None:
