@@ -118,7 +118,7 @@ def gather(cache, indptr, indices, kv_len, b, layout, which):
 
 def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=None, num_qo_heads=8,
               num_kv_heads=2, head_dim=128, page_size=16, layout="NHD", causal=True, window_left=-1,
-              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, **run_kwargs):
+              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, disable_split_kv=False, **run_kwargs):
     kv_dtype = kv_dtype or q_dtype
     g = g or seeded(tuple(qo_lens), tuple(kv_lens), str(q_dtype), page_size, layout)
     cache, qo_indptr, indptr, indices, last = paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size,
@@ -127,7 +127,7 @@ def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=N
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
     wrapper.plan(qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
                  window_left=window_left, logits_soft_cap=soft_cap, custom_mask=custom, packed_custom_mask=packed,
-                 q_data_type=q_dtype, kv_data_type=kv_dtype)
+                 q_data_type=q_dtype, kv_data_type=kv_dtype, disable_split_kv=disable_split_kv)
     result = wrapper.run(q, cache, return_lse=return_lse, **run_kwargs)
     return wrapper, q, cache, (qo_indptr, indptr, indices), result
 
@@ -211,6 +211,86 @@ def test_custom_mask_replaces_causal(tier, workspace, form):
     assert torch.equal(result[0][int(indices[0][1]) + 3], torch.zeros_like(result[0][0]))
 
 
+def check_rows_without_keys(out, lse, rows, what=""):
+    """Rows that see no key hold exactly 0 in out and -inf in lse (never NaN)."""
+    assert not out.isnan().any() and (lse is None or not lse.isnan().any()), f"{what}: NaN"
+    assert torch.equal(out[rows], torch.zeros_like(out[rows])), f"{what}: rows without keys are not 0"
+    if lse is not None:
+        assert (lse[rows] == -math.inf).all(), f"{what}: rows without keys have LSE {lse[rows]}"
+
+
+def keyless_causal_rows(qo_lens, kv_lens):
+    """Token indices of the queries that causal attention leaves without a key (qo_len > kv_len)."""
+    rows, start = [], 0
+    for qo_len, kv_len in zip(qo_lens, kv_lens):
+        rows += range(start, start + max(0, qo_len - kv_len))
+        start += qo_len
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize("threads_setting", [1, 2])
+@pytest.mark.parametrize("disable_split_kv", [False, True])
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
+                                              (torch.float16, torch.float16)])
+@pytest.mark.parametrize("qo,kv", [([34], [1]), ([34, 300, 7, 5, 64], [1, 260, 700, 0, 64])],
+                         ids=["flashinfer", "mixed"])
+def test_causal_rows_without_keys(tier, workspace, qo, kv, q_dtype, kv_dtype, disable_split_kv, threads_setting):
+    """FlashInfer's test_paged_prefill_fully_masked_rows (its issue #4452): causal with qo_len 34 >
+    kv_len 1, page_size 16: the first 33 rows give 0 and LSE -inf, the last attends normally; and the
+    same among ordinary requests (and one with no keys at all), split along the KV or not."""
+    try:
+        kernforge.set_num_threads(threads_setting)
+        _, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                                 num_qo_heads=4, num_kv_heads=1, disable_split_kv=disable_split_kv)
+    finally:
+        kernforge.set_num_threads(None)
+    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) else q_dtype
+    check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
+    check_rows_without_keys(*result, keyless_causal_rows(qo, kv), "causal qo_len > kv_len")
+    assert torch.isfinite(result[1][33]).all() and result[0][33].abs().sum() > 0
+
+
+@pytest.mark.parametrize("threads_setting", [2, 5])
+def test_split_kv_rows_without_keys(tier, workspace, threads_setting):
+    """A tile split along the KV whose custom mask leaves rows without any key (in every piece: the
+    merge of empty states is empty) or without keys in some pieces (weight 0 in the merge)."""
+    qo, kv = [16], [1100]  # one tile for every tile size: split across the threads
+    g = seeded("split-empty", threads_setting)
+    masks = random_masks(qo, kv, g)
+    masks[0][3] = False  # no key at all
+    masks[0][7, :600] = False  # none in the first pieces
+    masks[0][9, 200:] = False  # none in the last pieces
+    try:
+        kernforge.set_num_threads(threads_setting)
+        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, num_qo_heads=2, num_kv_heads=1, g=g,
+                                                       custom=masks[0].reshape(-1))
+    finally:
+        kernforge.set_num_threads(None)
+    assert wrapper._plan.args.num_merges > 0, "the tile was not split"
+    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, masks=masks)
+    check_rows_without_keys(*result, torch.tensor([3]), "split, masked row")
+
+
+def test_ragged_and_single_rows_without_keys(tier, workspace):
+    """Causal qo_len > kv_len (and a request with no keys) over ragged K/V and in single prefill."""
+    qo, kv = [50, 3, 20], [20, 0, 20]
+    g = seeded("ragged-empty")
+    q = rand((sum(qo), 4, 64), torch.float16, g)
+    k, v = (rand((sum(kv), 2, 64), torch.float16, g) for _ in range(2))
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=True, q_data_type=torch.float16)
+    out, lse = wrapper.run_return_lse(q, k, v)
+    for b in range(len(qo)):
+        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
+        check(out[rq], lse[rq], *reference(q[rq], k[rk], v[rk], causal=True), torch.float16, f"request {b}")
+    check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), "ragged")
+    out, lse = kernforge.single_prefill_with_kv_cache(q[:50], k[:20], v[:20], causal=True, return_lse=True)
+    check(out, lse, *reference(q[:50], k[:20], v[:20], causal=True), torch.float16, "single")
+    check_rows_without_keys(out, lse, torch.arange(30), "single")
+
+
 def test_qo_len_one_matches_decode(tier, workspace):
     lengths = [1, 77, 300]
     wrapper, q, cache, indices, (out, lse) = run_paged(workspace, [1, 1, 1], lengths)
@@ -241,6 +321,24 @@ def test_masked_blocks_are_skipped(workspace):
     tiles = length // 16
     assert counts[False] == tiles * (length // 64)
     assert counts[True] == sum((16 * t + 15) // 64 + 1 for t in range(tiles))
+
+
+def test_keyless_tiles_visit_no_block(workspace):
+    """Causal with qo_len 640 > kv_len 100: a tile whose last query sees no key visits no block (and
+    writes zeros, LSE -inf); the others visit the blocks up to their last query's last key."""
+    qo_len, kv_len, tile = 640, 100, (64, 64)
+    g = seeded("skip-keyless")
+    q, k, v = rand((qo_len, 4, 64), torch.bfloat16, g), rand((kv_len, 1, 64), torch.bfloat16, g), \
+        rand((kv_len, 1, 64), torch.bfloat16, g)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper._make_plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                       None, None, 4, 1, 64, None, 1, None, None, True, "NONE", -1, None, None, torch.bfloat16, None,
+                       None, tile)
+    out, lse = wrapper.run_return_lse(q, k, v)
+    check(out, lse, *reference(q, k, v, causal=True), torch.bfloat16)
+    check_rows_without_keys(out, lse, keyless_causal_rows([qo_len], [kv_len]))
+    last_keys = [min(kv_len, kv_len - qo_len + 16 * t + 16) for t in range(qo_len // 16)]  # hi of each last query
+    assert wrapper.computed_blocks() == sum(-(-hi // 64) for hi in last_keys if hi > 0)
 
 
 # --------------------------------------------------------------------------- ragged and single
@@ -320,7 +418,7 @@ def test_strided_q_out_lse(tier, workspace):
 
 def plan_paged(workspace, **overrides):
     args = dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32), paged_kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
-                paged_kv_indices=torch.tensor([0, 1], dtype=torch.int32),
+                paged_kv_indices=torch.tensor([1, 0], dtype=torch.int32),
                 paged_kv_last_page_len=torch.tensor([4, 9], dtype=torch.int32), num_qo_heads=4, num_kv_heads=2,
                 head_dim_qk=64, page_size=16, causal=True, q_data_type=torch.bfloat16)
     args.update(overrides)
@@ -331,11 +429,11 @@ def plan_paged(workspace, **overrides):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
-    ({"paged_kv_last_page_len": torch.tensor([3, 9], dtype=torch.int32)}, "more queries than keys"),
     ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
     ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
     ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
-    ({"head_dim_qk": 72}, "head_dim_qk"),
+    ({"head_dim_qk": 0}, "head_dim_qk"),
+    ({"head_dim_qk": 513}, "head_dim_qk"),
     ({"head_dim_vo": 32}, "head_dim_vo"),
     ({"num_kv_heads": 3}, "divisible"),
     ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),
@@ -403,10 +501,11 @@ def _amx_counters(kernel) -> dict:
 def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile):
     """The AMX products of the prefill kernel, with the tile instructions emulated (the same
     template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
-    blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks."""
+    blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks, queries that
+    see no key (qo_len > kv_len)."""
     if not kernforge.jit.isa.runnable("avx512"):
         pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
-    qo, kv = [45, 1, 70], [100, 33, 70]
+    qo, kv = [45, 1, 70, 40], [100, 33, 70, 7]
     g = seeded("amx", str(kv_dtype), num_qo_heads)
     q = rand((sum(qo), num_qo_heads, 64), torch.bfloat16, g)
     k, v = (rand((sum(kv), 2, 64), kv_dtype, g) for _ in range(2))
@@ -428,6 +527,7 @@ def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, ti
                 rk = slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
                 ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True, window_left=window)
                 check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}, window {window}")
+            check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), f"window {window}")
 
 
 def test_amx_build_compiles_with_the_tile_path(cache):

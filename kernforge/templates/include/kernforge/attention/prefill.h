@@ -47,7 +47,7 @@ enum PrefillPlanError : int64_t {
   kPrefillBadKvIndptr = 2,    // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
   kPrefillBadLastPage = 3,    // last_page_len outside [1, page_size] for a request with pages
   kPrefillNegativePage = 4,   // a negative page index
-  kPrefillQoExceedsKv = 5,    // causal request with qo_len > kv_len
+  // 5 was "causal request with qo_len > kv_len": such rows now see no key (zeros, LSE -inf)
   kPrefillTooManyItems = 6,   // the item buffer the caller sized is too small (a bug, not user input)
 };
 
@@ -77,7 +77,9 @@ struct PrefillPlanInput {
 };
 
 // Keys [lo, hi) that query `q` (0-based within its request) may see under causal and window_left,
-// before any custom mask. Causal is aligned bottom-right: the last query sees the last key.
+// before any custom mask. Causal is aligned bottom-right: the last query sees the last key, and
+// with qo_len > kv_len the first qo_len - kv_len queries see none (hi <= 0: FlashInfer gives such
+// rows zeros and LSE -inf, as for any row that its masks leave without a key).
 inline void visible_keys(int64_t q, int64_t qo_len, int64_t kv_len, bool causal, int64_t window_left, int64_t& lo,
                          int64_t& hi) {
   const int64_t position = kv_len - qo_len + q;  // the query's position among the keys
@@ -120,7 +122,6 @@ inline int64_t request_kv_len(const PrefillPlanInput& in, int64_t b) {
       return -prefill_error(kPrefillBadLastPage, b);
     kv_len = kv_span == 0 ? 0 : (kv_span - 1) * in.page_size + in.last_page_len[b];
   }
-  if (in.causal && !in.custom_mask && qo_len > kv_len) return -prefill_error(kPrefillQoExceedsKv, b);
   return kv_len;
 }
 
