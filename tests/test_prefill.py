@@ -16,7 +16,9 @@ pick) on one shape each. Every test runs on the best ISA tier and a slice on the
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import shutil
 import subprocess
 
@@ -91,6 +93,29 @@ def check(out, lse, ref_out, ref_lse, dtype, what="", v_scale=1.0):
         torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-3, rtol=1e-3)
 
 
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that ends where an inaccessible page begins: a kernel reading or writing one
+    byte past its last row faults (the last page of a cache may be the last bytes of a mapping)."""
+    nbytes, page = t.numel() * t.element_size(), mmap.PAGESIZE
+    size = -(-nbytes // page) * page + page
+    raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    guard = ctypes.c_void_p(raw.data_ptr() + size - page)
+    assert ctypes.CDLL(None).mprotect(guard, ctypes.c_size_t(page), 0) == 0, "mprotect(PROT_NONE) failed"
+    return raw[size - page - nbytes:size - page].view(t.dtype).view(t.shape).copy_(t)
+
+
+def indptr_of(lengths) -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
+
+
+def check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, what="", **ref_kwargs):
+    """Each request of a ragged batch (k/v NHD) against the reference; ``lse`` may be None."""
+    for b in range(qo_indptr.numel() - 1):
+        rq, rk = (slice(int(p[b]), int(p[b + 1])) for p in (qo_indptr, kv_indptr))
+        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], **ref_kwargs)
+        check(out[rq], None if lse is None else lse[rq], ref_out, ref_lse, dtype, f"{what} request {b}")
+
+
 # --------------------------------------------------------------------------- paged batches
 
 
@@ -99,13 +124,13 @@ def paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size, layout, kv_
     counts = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(counts) + 2
     pool = torch.randperm(num_pages, generator=g).to(torch.int32)
-    indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    indptr = indptr_of(counts)
     indices = pool[:sum(counts)].clone()
     last = torch.tensor([(n - 1) % page_size + 1 if n else 1 for n in kv_lens], dtype=torch.int32)
     shape = (num_pages, 2, page_size, num_kv_heads, head_dim) if layout == "NHD" else \
         (num_pages, 2, num_kv_heads, page_size, head_dim)
     cache = rand(shape, kv_dtype, g)
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32)
+    qo_indptr = indptr_of(qo_lens)
     return cache, qo_indptr, indptr, indices, last
 
 
@@ -277,14 +302,11 @@ def test_ragged_and_single_rows_without_keys(tier, workspace):
     g = seeded("ragged-empty")
     q = rand((sum(qo), 4, 64), torch.float16, g)
     k, v = (rand((sum(kv), 2, 64), torch.float16, g) for _ in range(2))
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
-    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     wrapper.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=True, q_data_type=torch.float16)
     out, lse = wrapper.run_return_lse(q, k, v)
-    for b in range(len(qo)):
-        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-        check(out[rq], lse[rq], *reference(q[rq], k[rk], v[rk], causal=True), torch.float16, f"request {b}")
+    check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.float16, causal=True)
     check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), "ragged")
     out, lse = kernforge.single_prefill_with_kv_cache(q[:50], k[:20], v[:20], causal=True, return_lse=True)
     check(out, lse, *reference(q[:50], k[:20], v[:20], causal=True), torch.float16, "single")
@@ -353,17 +375,56 @@ def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_hea
     q = rand((sum(qo), num_qo_heads, head_dim_qk), torch.bfloat16, g)
     k = rand((sum(kv), num_kv_heads, head_dim_qk), torch.bfloat16, g)
     v = rand((sum(kv), num_kv_heads, head_dim_vo), torch.bfloat16, g)
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
-    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal=True,
                  q_data_type=torch.bfloat16)
     out, lse = wrapper.run_return_lse(q, k, v)
     assert out.shape == (sum(qo), num_qo_heads, head_dim_vo) and lse.shape == (sum(qo), num_qo_heads)
-    for b in range(len(qo)):
-        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True)
-        check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}")
+    check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, causal=True)
+
+
+# (head_dim_qk, head_dim_vo, q dtype, KV dtype): dims that are no whole vector (nor pair) for each path
+# of the kernel (bf16 pairs, fp8 widened, fp32 for fp16/fp32), MLA's 192/128 among them.
+ANY_HEAD_DIMS = [
+    (1, 1, torch.bfloat16, torch.bfloat16), (13, 13, torch.float16, torch.float16),
+    (33, 33, torch.float32, torch.float32), (55, 55, torch.bfloat16, FP8), (72, 72, torch.bfloat16, torch.bfloat16),
+    (200, 200, torch.float16, torch.float16), (33, 17, torch.bfloat16, torch.bfloat16),
+    (33, 17, torch.float32, torch.float32), (192, 128, torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("head_dim_qk,head_dim_vo,q_dtype,kv_dtype", ANY_HEAD_DIMS)
+def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dtype):
+    """Paged (where K and V share a head_dim), ragged and single prefill at any head dim, NHD and
+    HND, causal or not, GQA 3, against the reference: the kernel pads its own packed copies and
+    never reads past a q, k or v row nor writes past an out row (the ragged tensors end at a guard page)."""
+    qo, kv = [1, 37, 0, 20, 9], [5, 80, 3, 20, 4]
+    g = seeded("head dims", head_dim_qk, head_dim_vo, str(q_dtype), str(kv_dtype))
+    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) else q_dtype
+    q = rand((sum(qo), 6, head_dim_qk), q_dtype, g)
+    k, v = (rand((sum(kv), 2, d), kv_dtype, g) for d in (head_dim_qk, head_dim_vo))
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
+    for layout in ("NHD", "HND"):
+        kk, vv = (guarded(t.transpose(0, 1) if layout == "HND" else t) for t in (k, v))
+        for causal in (True, False):
+            what = f"{layout}, causal={causal}"
+            if head_dim_qk == head_dim_vo:
+                _, pq, cache, indices, result = run_paged(
+                    workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=6, num_kv_heads=2,
+                    head_dim=head_dim_qk, page_size=7, layout=layout, causal=causal, g=g)
+                check_paged(pq, cache, indices, result, qo, kv, layout, dtype, causal=causal)
+            wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, layout)
+            wrapper.plan(qo_indptr, kv_indptr, 6, 2, head_dim_qk, head_dim_vo, causal=causal, q_data_type=q_dtype,
+                         kv_data_type=kv_dtype)
+            out, lse = wrapper.run(guarded(q), kk, vv, out=guarded(torch.empty(sum(qo), 6, head_dim_vo, dtype=q_dtype)),
+                                   lse=guarded(torch.empty(sum(qo), 6)), return_lse=True)
+            check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, f"ragged {what}", causal=causal)
+            rq, rk = slice(qo_indptr[-2], None), slice(kv_indptr[-2], None)  # the last request: at the guard
+            out, lse = kernforge.single_prefill_with_kv_cache(guarded(q)[rq], kk[:, rk] if layout == "HND" else kk[rk],
+                                                              vv[:, rk] if layout == "HND" else vv[rk], causal=causal,
+                                                              kv_layout=layout, return_lse=True)
+            check(out, lse, *reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
 
 
 @pytest.mark.parametrize("tile", prefill.TILES)
@@ -379,9 +440,7 @@ def test_every_tile(tier, workspace, tile):
     wrapper._make_plan(qo_indptr, kv_indptr, None, None, 12, 4, 64, None, 1, None, None, True, "NONE", -1, None, None,
                        torch.bfloat16, None, None, tile)
     out = wrapper.run(q, k, v)
-    for b in range(2):
-        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-        check(out[rq], None, reference(q[rq], k[rk], v[rk], causal=True)[0], None, torch.bfloat16, f"tile {tile}")
+    check_ragged(out, None, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"tile {tile}", causal=True)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -496,37 +555,36 @@ def _amx_counters(kernel) -> dict:
     return {"faults": faults, "last_fault": last, "dot_products": dots}
 
 
-@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile", [(torch.bfloat16, 12, (64, 64)), (FP8, 8, (32, 32)),
-                                                        (torch.bfloat16, 6, (128, 64))])
-def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile):
+@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile,head_dims", [
+    (torch.bfloat16, 12, (64, 64), (64, 64)), (FP8, 8, (32, 32), (64, 64)), (torch.bfloat16, 6, (128, 64), (64, 64)),
+    (torch.bfloat16, 6, (64, 64), (33, 17)),
+])
+def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile, head_dims):
     """The AMX products of the prefill kernel, with the tile instructions emulated (the same
     template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
     blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks, queries that
-    see no key (qo_len > kv_len)."""
+    see no key (qo_len > kv_len), head dims padded to whole pairs and 32-column blocks (33/17)."""
     if not kernforge.jit.isa.runnable("avx512"):
         pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
     qo, kv = [45, 1, 70, 40], [100, 33, 70, 7]
-    g = seeded("amx", str(kv_dtype), num_qo_heads)
-    q = rand((sum(qo), num_qo_heads, 64), torch.bfloat16, g)
-    k, v = (rand((sum(kv), 2, 64), kv_dtype, g) for _ in range(2))
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
-    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    head_dim_qk, head_dim_vo = head_dims
+    g = seeded("amx", str(kv_dtype), num_qo_heads, head_dims)
+    q = rand((sum(qo), num_qo_heads, head_dim_qk), torch.bfloat16, g)
+    k, v = (rand((sum(kv), 2, d), kv_dtype, g) for d in head_dims)
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     with kernforge.use_isa("avx512"):
         for window in (-1, 40):
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, 64, None, 1, None, None, True,
-                               "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
+            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, head_dim_qk, head_dim_vo, 1, None,
+                               None, True, "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
                                module=PREFILL_EMULATED)
             kernel = wrapper._plan.kernel
             _amx_counters(kernel)
             out, lse = wrapper.run_return_lse(q, k, v)
             counters = _amx_counters(kernel)
             assert counters["faults"] == 0 and counters["dot_products"] > 0, counters
-            for b in range(len(qo)):
-                rq = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-                rk = slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-                ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True, window_left=window)
-                check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}, window {window}")
+            check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"window {window}", causal=True,
+                         window_left=window)
             check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), f"window {window}")
 
 

@@ -29,7 +29,7 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import check_head_dim, index_vector, num_threads
+from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
 from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
                                   _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
@@ -54,7 +54,7 @@ PREFILL = Module(
     "prefill", "prefill.cpp.jinja",
     params={
         "q_dtype": DType(), "kv_dtype": DType(KV_DTYPE_NAMES), "out_dtype": DType(),
-        "head_dim_qk": Int(minimum=16, maximum=512), "head_dim_vo": Int(minimum=16, maximum=512),
+        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM), "head_dim_vo": Int(minimum=1, maximum=MAX_HEAD_DIM),
         "tile": IntTuple(2, choices=TILES),
     },
     tiers=ALL_TIERS,  # the amx build multiplies bf16 in AMX tiles (gemm/amx_kernel.h)
