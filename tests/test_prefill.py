@@ -472,6 +472,32 @@ def test_strided_q_out_lse(tier, workspace):
     assert (out_buffer[:, [0, 9]] == 7).all() and (lse_buffer[:, 8] == 7).all()
 
 
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_lse_buffer_without_return_lse(tier, workspace, kind):
+    """run(..., out=o, lse=buf) without return_lse fills buf as FlashInfer does, with the values
+    return_lse=True gives (-inf for the rows that see no key)."""
+    qo, kv = [5, 40], [60, 20]
+    out_buffer = torch.empty(sum(qo), 8, 64, dtype=torch.bfloat16)
+    lse_buffer = torch.full((sum(qo), 8), math.nan)
+    if kind == "paged":
+        wrapper, q, cache, indices, returned = run_paged(workspace, qo, kv, head_dim=64, return_lse=False,
+                                                         out=out_buffer, lse=lse_buffer)
+        args = (q, cache)
+    else:
+        g = seeded("lse buffer")
+        q = rand((sum(qo), 8, 64), torch.bfloat16, g)
+        k, v = (rand((sum(kv), 2, 64), torch.bfloat16, g) for _ in range(2))
+        wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper.plan(indptr_of(qo), indptr_of(kv), 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
+        args = (q, k, v)
+        returned = wrapper.run(*args, out=out_buffer, lse=lse_buffer)
+    assert returned is out_buffer
+    out, lse = wrapper.run(*args, return_lse=True)
+    assert torch.equal(lse_buffer, lse) and torch.equal(out_buffer, out)
+    keyless = keyless_causal_rows(qo, kv)  # tokens 5 .. 24
+    assert (lse_buffer[keyless] == -math.inf).all() and torch.isfinite(lse_buffer).sum() == (sum(qo) - 20) * 8
+
+
 # --------------------------------------------------------------------------- errors
 
 
