@@ -11,7 +11,8 @@ tolerance of the coarsest dtype (bf16 1e-2, fp16 1e-3, fp32 1e-5), cosine > 0.99
 
 Variants are keyed by (q, KV, out dtype, head dims, tile, tier); the scenario matrix runs on a few,
 the geometry tests (head dims 64/128/256 and MLA's 192/128, GQA 1/4/8, every tile the tuner may
-pick) on one shape each. Every test runs on the best ISA tier and a slice on the lower ones.
+pick) on one shape each, and test_any_head_dim runs head dims that are no whole vector (1, 13, 33,
+55, 72, 200, 33/17) once per dtype path, on q/k/v/out that end at an inaccessible page. Every test runs on the best ISA tier and a slice on the lower ones.
 """
 
 from __future__ import annotations
@@ -394,7 +395,8 @@ ANY_HEAD_DIMS = [
 ]
 
 
-@pytest.mark.parametrize("head_dim_qk,head_dim_vo,q_dtype,kv_dtype", ANY_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim_qk,head_dim_vo,q_dtype,kv_dtype", ANY_HEAD_DIMS,
+                         ids=[f"{qk}-{vo}-{str(q).split('.')[1]}-{str(kv).split('.')[1]}" for qk, vo, q, kv in ANY_HEAD_DIMS])
 def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dtype):
     """Paged (where K and V share a head_dim), ragged and single prefill at any head dim, NHD and
     HND, causal or not, GQA 3, against the reference: the kernel pads its own packed copies and

@@ -13,13 +13,18 @@
 //                  (bf16 path) or fp32 rows of head_dim (fp32 path);
 //   softmax       row by row: scale, soft cap, mask, running max/sum, P (bf16 or fp32);
 //   O += P . V    (rows x head_dim_vo): V's block as pairs of keys (bf16) or fp32 rows.
+// Head dims are any in [1, 512]: the packed copies (Q, K^T, V, the accumulators) are zero-padded
+// to what the micro-kernels take (kDepthQK, kVO below); q, k, v and out rows are read and written
+// only up to their real length.
 // The bf16 path (q bf16, KV bf16 or fp8: fp8 widens to bf16 exactly) multiplies with vdpbf16ps on
 // AVX512-BF16, and in AMX tiles (gemm/amx_kernel.h, 32 x 32 blocks) on the amx tier; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
 // the fp32 path so that nothing is rounded below the input precision.
 //
 // Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
 // every query sees whole takes the unmasked softmax; the others (the diagonal, the window's edge, a
-// custom mask, the request's last partial block) take the masked one.
+// custom mask, the request's last partial block) take the masked one. A row that sees no key at all
+// (causal with qo_len > kv_len, a mask row of zeros) keeps l = 0 and stores zeros and LSE -inf;
+// a split piece in which it sees none stores LSE -inf, which the merge weighs 0.
 #pragma once
 
 #include <algorithm>
