@@ -254,22 +254,26 @@ def keyless_causal_rows(qo_lens, kv_lens):
     return torch.tensor(rows, dtype=torch.long)
 
 
-@pytest.mark.parametrize("threads_setting", [1, 2])
+@pytest.mark.parametrize("threads_setting", [1, 2, 8])
 @pytest.mark.parametrize("disable_split_kv", [False, True])
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
                                               (torch.float16, torch.float16)])
-@pytest.mark.parametrize("qo,kv", [([34], [1]), ([34, 300, 7, 5, 64], [1, 260, 700, 0, 64])],
-                         ids=["flashinfer", "mixed"])
+@pytest.mark.parametrize("qo,kv", [([34], [1]), ([34, 5, 3], [1, 300, 0])], ids=["flashinfer", "mixed"])
 def test_causal_rows_without_keys(tier, workspace, qo, kv, q_dtype, kv_dtype, disable_split_kv, threads_setting):
     """FlashInfer's test_paged_prefill_fully_masked_rows (its issue #4452): causal with qo_len 34 >
     kv_len 1, page_size 16: the first 33 rows give 0 and LSE -inf, the last attends normally; and the
-    same among ordinary requests (and one with no keys at all), split along the KV or not."""
+    same beside an ordinary request and one with no keys at all. A tile is split along the KV when
+    the batch has fewer tiles than threads and the tile at least two blocks per piece: with 8 threads
+    the mixed batch's (at most 7 tiles) 300-key tile is, unless disable_split_kv."""
     try:
         kernforge.set_num_threads(threads_setting)
-        _, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                                                 num_qo_heads=4, num_kv_heads=1, disable_split_kv=disable_split_kv)
+        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                                       num_qo_heads=4, num_kv_heads=1,
+                                                       disable_split_kv=disable_split_kv)
     finally:
         kernforge.set_num_threads(None)
+    split = threads_setting == 8 and not disable_split_kv and len(qo) > 1
+    assert (wrapper._plan.args.num_merges > 0) == split
     dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) else q_dtype
     check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
     check_rows_without_keys(*result, keyless_causal_rows(qo, kv), "causal qo_len > kv_len")
