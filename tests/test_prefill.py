@@ -11,12 +11,15 @@ tolerance of the coarsest dtype (bf16 1e-2, fp16 1e-3, fp32 1e-5), cosine > 0.99
 
 Variants are keyed by (q, KV, out dtype, head dims, tile, tier); the scenario matrix runs on a few,
 the geometry tests (head dims 64/128/256 and MLA's 192/128, GQA 1/4/8, every tile the tuner may
-pick) on one shape each. Every test runs on the best ISA tier and a slice on the lower ones.
+pick) on one shape each, and test_any_head_dim runs head dims that are no whole vector (1, 13, 33,
+55, 72, 200, 33/17) once per dtype path, on q/k/v/out that end at an inaccessible page. Every test runs on the best ISA tier and a slice on the lower ones.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import shutil
 import subprocess
 
@@ -91,6 +94,29 @@ def check(out, lse, ref_out, ref_lse, dtype, what="", v_scale=1.0):
         torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-3, rtol=1e-3)
 
 
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that ends where an inaccessible page begins: a kernel reading or writing one
+    byte past its last row faults (the last page of a cache may be the last bytes of a mapping)."""
+    nbytes, page = t.numel() * t.element_size(), mmap.PAGESIZE
+    size = -(-nbytes // page) * page + page
+    raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    guard = ctypes.c_void_p(raw.data_ptr() + size - page)
+    assert ctypes.CDLL(None).mprotect(guard, ctypes.c_size_t(page), 0) == 0, "mprotect(PROT_NONE) failed"
+    return raw[size - page - nbytes:size - page].view(t.dtype).view(t.shape).copy_(t)
+
+
+def indptr_of(lengths) -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
+
+
+def check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, what="", **ref_kwargs):
+    """Each request of a ragged batch (k/v NHD) against the reference; ``lse`` may be None."""
+    for b in range(qo_indptr.numel() - 1):
+        rq, rk = (slice(int(p[b]), int(p[b + 1])) for p in (qo_indptr, kv_indptr))
+        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], **ref_kwargs)
+        check(out[rq], None if lse is None else lse[rq], ref_out, ref_lse, dtype, f"{what} request {b}")
+
+
 # --------------------------------------------------------------------------- paged batches
 
 
@@ -99,13 +125,13 @@ def paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size, layout, kv_
     counts = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(counts) + 2
     pool = torch.randperm(num_pages, generator=g).to(torch.int32)
-    indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    indptr = indptr_of(counts)
     indices = pool[:sum(counts)].clone()
     last = torch.tensor([(n - 1) % page_size + 1 if n else 1 for n in kv_lens], dtype=torch.int32)
     shape = (num_pages, 2, page_size, num_kv_heads, head_dim) if layout == "NHD" else \
         (num_pages, 2, num_kv_heads, page_size, head_dim)
     cache = rand(shape, kv_dtype, g)
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32)
+    qo_indptr = indptr_of(qo_lens)
     return cache, qo_indptr, indptr, indices, last
 
 
@@ -118,7 +144,7 @@ def gather(cache, indptr, indices, kv_len, b, layout, which):
 
 def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=None, num_qo_heads=8,
               num_kv_heads=2, head_dim=128, page_size=16, layout="NHD", causal=True, window_left=-1,
-              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, **run_kwargs):
+              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, disable_split_kv=False, **run_kwargs):
     kv_dtype = kv_dtype or q_dtype
     g = g or seeded(tuple(qo_lens), tuple(kv_lens), str(q_dtype), page_size, layout)
     cache, qo_indptr, indptr, indices, last = paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size,
@@ -127,7 +153,7 @@ def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=N
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
     wrapper.plan(qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
                  window_left=window_left, logits_soft_cap=soft_cap, custom_mask=custom, packed_custom_mask=packed,
-                 q_data_type=q_dtype, kv_data_type=kv_dtype)
+                 q_data_type=q_dtype, kv_data_type=kv_dtype, disable_split_kv=disable_split_kv)
     result = wrapper.run(q, cache, return_lse=return_lse, **run_kwargs)
     return wrapper, q, cache, (qo_indptr, indptr, indices), result
 
@@ -211,6 +237,87 @@ def test_custom_mask_replaces_causal(tier, workspace, form):
     assert torch.equal(result[0][int(indices[0][1]) + 3], torch.zeros_like(result[0][0]))
 
 
+def check_rows_without_keys(out, lse, rows, what=""):
+    """Rows that see no key hold exactly 0 in out and -inf in lse (never NaN)."""
+    assert not out.isnan().any() and (lse is None or not lse.isnan().any()), f"{what}: NaN"
+    assert torch.equal(out[rows], torch.zeros_like(out[rows])), f"{what}: rows without keys are not 0"
+    if lse is not None:
+        assert (lse[rows] == -math.inf).all(), f"{what}: rows without keys have LSE {lse[rows]}"
+
+
+def keyless_causal_rows(qo_lens, kv_lens):
+    """Token indices of the queries that causal attention leaves without a key (qo_len > kv_len)."""
+    rows, start = [], 0
+    for qo_len, kv_len in zip(qo_lens, kv_lens):
+        rows += range(start, start + max(0, qo_len - kv_len))
+        start += qo_len
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize("threads_setting", [1, 2, 8])
+@pytest.mark.parametrize("disable_split_kv", [False, True])
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
+                                              (torch.float16, torch.float16)])
+@pytest.mark.parametrize("qo,kv", [([34], [1]), ([34, 5, 3], [1, 300, 0])], ids=["flashinfer", "mixed"])
+def test_causal_rows_without_keys(tier, workspace, qo, kv, q_dtype, kv_dtype, disable_split_kv, threads_setting):
+    """FlashInfer's test_paged_prefill_fully_masked_rows (its issue #4452): causal with qo_len 34 >
+    kv_len 1, page_size 16: the first 33 rows give 0 and LSE -inf, the last attends normally; and the
+    same beside an ordinary request and one with no keys at all. A tile is split along the KV when
+    the batch has fewer tiles than threads and the tile at least two blocks per piece: with 8 threads
+    the mixed batch's (at most 7 tiles) 300-key tile is, unless disable_split_kv."""
+    try:
+        kernforge.set_num_threads(threads_setting)
+        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                                       num_qo_heads=4, num_kv_heads=1,
+                                                       disable_split_kv=disable_split_kv)
+    finally:
+        kernforge.set_num_threads(None)
+    split = threads_setting == 8 and not disable_split_kv and len(qo) > 1
+    assert (wrapper._plan.args.num_merges > 0) == split
+    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) else q_dtype
+    check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
+    check_rows_without_keys(*result, keyless_causal_rows(qo, kv), "causal qo_len > kv_len")
+    assert torch.isfinite(result[1][33]).all() and result[0][33].abs().sum() > 0
+
+
+@pytest.mark.parametrize("threads_setting", [2, 5])
+def test_split_kv_rows_without_keys(tier, workspace, threads_setting):
+    """A tile split along the KV whose custom mask leaves rows without any key (in every piece: the
+    merge of empty states is empty) or without keys in some pieces (weight 0 in the merge)."""
+    qo, kv = [16], [1100]  # one tile for every tile size: split across the threads
+    g = seeded("split-empty", threads_setting)
+    masks = random_masks(qo, kv, g)
+    masks[0][3] = False  # no key at all
+    masks[0][7, :600] = False  # none in the first pieces
+    masks[0][9, 200:] = False  # none in the last pieces
+    try:
+        kernforge.set_num_threads(threads_setting)
+        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, num_qo_heads=2, num_kv_heads=1, g=g,
+                                                       custom=masks[0].reshape(-1))
+    finally:
+        kernforge.set_num_threads(None)
+    assert wrapper._plan.args.num_merges > 0, "the tile was not split"
+    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, masks=masks)
+    check_rows_without_keys(*result, torch.tensor([3]), "split, masked row")
+
+
+def test_ragged_and_single_rows_without_keys(tier, workspace):
+    """Causal qo_len > kv_len (and a request with no keys) over ragged K/V and in single prefill."""
+    qo, kv = [50, 3, 20], [20, 0, 20]
+    g = seeded("ragged-empty")
+    q = rand((sum(qo), 4, 64), torch.float16, g)
+    k, v = (rand((sum(kv), 2, 64), torch.float16, g) for _ in range(2))
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=True, q_data_type=torch.float16)
+    out, lse = wrapper.run_return_lse(q, k, v)
+    check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.float16, causal=True)
+    check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), "ragged")
+    out, lse = kernforge.single_prefill_with_kv_cache(q[:50], k[:20], v[:20], causal=True, return_lse=True)
+    check(out, lse, *reference(q[:50], k[:20], v[:20], causal=True), torch.float16, "single")
+    check_rows_without_keys(out, lse, torch.arange(30), "single")
+
+
 def test_qo_len_one_matches_decode(tier, workspace):
     lengths = [1, 77, 300]
     wrapper, q, cache, indices, (out, lse) = run_paged(workspace, [1, 1, 1], lengths)
@@ -243,6 +350,24 @@ def test_masked_blocks_are_skipped(workspace):
     assert counts[True] == sum((16 * t + 15) // 64 + 1 for t in range(tiles))
 
 
+def test_keyless_tiles_visit_no_block(workspace):
+    """Causal with qo_len 640 > kv_len 100: a tile whose last query sees no key visits no block (and
+    writes zeros, LSE -inf); the others visit the blocks up to their last query's last key."""
+    qo_len, kv_len, tile = 640, 100, (64, 64)
+    g = seeded("skip-keyless")
+    q, k, v = rand((qo_len, 4, 64), torch.bfloat16, g), rand((kv_len, 1, 64), torch.bfloat16, g), \
+        rand((kv_len, 1, 64), torch.bfloat16, g)
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper._make_plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                       None, None, 4, 1, 64, None, 1, None, None, True, "NONE", -1, None, None, torch.bfloat16, None,
+                       None, tile)
+    out, lse = wrapper.run_return_lse(q, k, v)
+    check(out, lse, *reference(q, k, v, causal=True), torch.bfloat16)
+    check_rows_without_keys(out, lse, keyless_causal_rows([qo_len], [kv_len]))
+    last_keys = [min(kv_len, kv_len - qo_len + 16 * t + 16) for t in range(qo_len // 16)]  # hi of each last query
+    assert wrapper.computed_blocks() == sum(-(-hi // 64) for hi in last_keys if hi > 0)
+
+
 # --------------------------------------------------------------------------- ragged and single
 
 
@@ -255,17 +380,57 @@ def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_hea
     q = rand((sum(qo), num_qo_heads, head_dim_qk), torch.bfloat16, g)
     k = rand((sum(kv), num_kv_heads, head_dim_qk), torch.bfloat16, g)
     v = rand((sum(kv), num_kv_heads, head_dim_vo), torch.bfloat16, g)
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
-    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal=True,
                  q_data_type=torch.bfloat16)
     out, lse = wrapper.run_return_lse(q, k, v)
     assert out.shape == (sum(qo), num_qo_heads, head_dim_vo) and lse.shape == (sum(qo), num_qo_heads)
-    for b in range(len(qo)):
-        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True)
-        check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}")
+    check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, causal=True)
+
+
+# (head_dim_qk, head_dim_vo, q dtype, KV dtype): dims that are no whole vector (nor pair) for each path
+# of the kernel (bf16 pairs, fp8 widened, fp32 for fp16/fp32), MLA's 192/128 among them.
+ANY_HEAD_DIMS = [
+    (1, 1, torch.bfloat16, torch.bfloat16), (13, 13, torch.float16, torch.float16),
+    (33, 33, torch.float32, torch.float32), (55, 55, torch.bfloat16, FP8), (72, 72, torch.bfloat16, torch.bfloat16),
+    (200, 200, torch.float16, torch.float16), (33, 17, torch.bfloat16, torch.bfloat16),
+    (33, 17, torch.float32, torch.float32), (192, 128, torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("head_dim_qk,head_dim_vo,q_dtype,kv_dtype", ANY_HEAD_DIMS,
+                         ids=[f"{qk}-{vo}-{str(q).split('.')[1]}-{str(kv).split('.')[1]}" for qk, vo, q, kv in ANY_HEAD_DIMS])
+def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dtype):
+    """Paged (where K and V share a head_dim), ragged and single prefill at any head dim, NHD and
+    HND, causal or not, GQA 3, against the reference: the kernel pads its own packed copies and
+    never reads past a q, k or v row nor writes past an out row (the ragged tensors end at a guard page)."""
+    qo, kv = [1, 37, 0, 20, 9], [5, 80, 3, 20, 4]
+    g = seeded("head dims", head_dim_qk, head_dim_vo, str(q_dtype), str(kv_dtype))
+    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) else q_dtype
+    q = rand((sum(qo), 6, head_dim_qk), q_dtype, g)
+    k, v = (rand((sum(kv), 2, d), kv_dtype, g) for d in (head_dim_qk, head_dim_vo))
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
+    for layout in ("NHD", "HND"):
+        kk, vv = (guarded(t.transpose(0, 1) if layout == "HND" else t) for t in (k, v))
+        for causal in (True, False):
+            what = f"{layout}, causal={causal}"
+            if head_dim_qk == head_dim_vo:
+                _, pq, cache, indices, result = run_paged(
+                    workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=6, num_kv_heads=2,
+                    head_dim=head_dim_qk, page_size=7, layout=layout, causal=causal, g=g)
+                check_paged(pq, cache, indices, result, qo, kv, layout, dtype, causal=causal)
+            wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, layout)
+            wrapper.plan(qo_indptr, kv_indptr, 6, 2, head_dim_qk, head_dim_vo, causal=causal, q_data_type=q_dtype,
+                         kv_data_type=kv_dtype)
+            out, lse = wrapper.run(guarded(q), kk, vv, out=guarded(torch.empty(sum(qo), 6, head_dim_vo, dtype=q_dtype)),
+                                   lse=guarded(torch.empty(sum(qo), 6)), return_lse=True)
+            check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, f"ragged {what}", causal=causal)
+            rq, rk = slice(qo_indptr[-2], None), slice(kv_indptr[-2], None)  # the last request: at the guard
+            out, lse = kernforge.single_prefill_with_kv_cache(guarded(q)[rq], kk[:, rk] if layout == "HND" else kk[rk],
+                                                              vv[:, rk] if layout == "HND" else vv[rk], causal=causal,
+                                                              kv_layout=layout, return_lse=True)
+            check(out, lse, *reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
 
 
 @pytest.mark.parametrize("tile", prefill.TILES)
@@ -281,9 +446,7 @@ def test_every_tile(tier, workspace, tile):
     wrapper._make_plan(qo_indptr, kv_indptr, None, None, 12, 4, 64, None, 1, None, None, True, "NONE", -1, None, None,
                        torch.bfloat16, None, None, tile)
     out = wrapper.run(q, k, v)
-    for b in range(2):
-        rq, rk = slice(int(qo_indptr[b]), int(qo_indptr[b + 1])), slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-        check(out[rq], None, reference(q[rq], k[rk], v[rk], causal=True)[0], None, torch.bfloat16, f"tile {tile}")
+    check_ragged(out, None, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"tile {tile}", causal=True)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -315,12 +478,38 @@ def test_strided_q_out_lse(tier, workspace):
     assert (out_buffer[:, [0, 9]] == 7).all() and (lse_buffer[:, 8] == 7).all()
 
 
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_lse_buffer_without_return_lse(tier, workspace, kind):
+    """run(..., out=o, lse=buf) without return_lse fills buf as FlashInfer does, with the values
+    return_lse=True gives (-inf for the rows that see no key)."""
+    qo, kv = [5, 40], [60, 20]
+    out_buffer = torch.empty(sum(qo), 8, 64, dtype=torch.bfloat16)
+    lse_buffer = torch.full((sum(qo), 8), math.nan)
+    if kind == "paged":
+        wrapper, q, cache, indices, returned = run_paged(workspace, qo, kv, head_dim=64, return_lse=False,
+                                                         out=out_buffer, lse=lse_buffer)
+        args = (q, cache)
+    else:
+        g = seeded("lse buffer")
+        q = rand((sum(qo), 8, 64), torch.bfloat16, g)
+        k, v = (rand((sum(kv), 2, 64), torch.bfloat16, g) for _ in range(2))
+        wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper.plan(indptr_of(qo), indptr_of(kv), 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
+        args = (q, k, v)
+        returned = wrapper.run(*args, out=out_buffer, lse=lse_buffer)
+    assert returned is out_buffer
+    out, lse = wrapper.run(*args, return_lse=True)
+    assert torch.equal(lse_buffer, lse) and torch.equal(out_buffer, out)
+    keyless = keyless_causal_rows(qo, kv)  # tokens 5 .. 24
+    assert (lse_buffer[keyless] == -math.inf).all() and torch.isfinite(lse_buffer).sum() == (sum(qo) - 20) * 8
+
+
 # --------------------------------------------------------------------------- errors
 
 
 def plan_paged(workspace, **overrides):
     args = dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32), paged_kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
-                paged_kv_indices=torch.tensor([0, 1], dtype=torch.int32),
+                paged_kv_indices=torch.tensor([1, 0], dtype=torch.int32),
                 paged_kv_last_page_len=torch.tensor([4, 9], dtype=torch.int32), num_qo_heads=4, num_kv_heads=2,
                 head_dim_qk=64, page_size=16, causal=True, q_data_type=torch.bfloat16)
     args.update(overrides)
@@ -331,11 +520,11 @@ def plan_paged(workspace, **overrides):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
-    ({"paged_kv_last_page_len": torch.tensor([3, 9], dtype=torch.int32)}, "more queries than keys"),
     ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
     ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
     ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
-    ({"head_dim_qk": 72}, "head_dim_qk"),
+    ({"head_dim_qk": 0}, "head_dim_qk"),
+    ({"head_dim_qk": 513}, "head_dim_qk"),
     ({"head_dim_vo": 32}, "head_dim_vo"),
     ({"num_kv_heads": 3}, "divisible"),
     ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),
@@ -398,36 +587,37 @@ def _amx_counters(kernel) -> dict:
     return {"faults": faults, "last_fault": last, "dot_products": dots}
 
 
-@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile", [(torch.bfloat16, 12, (64, 64)), (FP8, 8, (32, 32)),
-                                                        (torch.bfloat16, 6, (128, 64))])
-def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile):
+@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile,head_dims", [
+    (torch.bfloat16, 12, (64, 64), (64, 64)), (FP8, 8, (32, 32), (64, 64)), (torch.bfloat16, 6, (128, 64), (64, 64)),
+    (torch.bfloat16, 6, (64, 64), (33, 17)),
+])
+def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile, head_dims):
     """The AMX products of the prefill kernel, with the tile instructions emulated (the same
     template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
-    blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks."""
+    blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks, queries that
+    see no key (qo_len > kv_len), head dims padded to whole pairs and 32-column blocks (33/17)."""
     if not kernforge.jit.isa.runnable("avx512"):
         pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
-    qo, kv = [45, 1, 70], [100, 33, 70]
-    g = seeded("amx", str(kv_dtype), num_qo_heads)
-    q = rand((sum(qo), num_qo_heads, 64), torch.bfloat16, g)
-    k, v = (rand((sum(kv), 2, 64), kv_dtype, g) for _ in range(2))
-    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0)), dtype=torch.int32)
-    kv_indptr = torch.tensor([0] + list(torch.tensor(kv).cumsum(0)), dtype=torch.int32)
+    qo, kv = [45, 1, 70, 40], [100, 33, 70, 7]
+    head_dim_qk, head_dim_vo = head_dims
+    g = seeded("amx", str(kv_dtype), num_qo_heads, head_dims)
+    q = rand((sum(qo), num_qo_heads, head_dim_qk), torch.bfloat16, g)
+    k, v = (rand((sum(kv), 2, d), kv_dtype, g) for d in head_dims)
+    qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     with kernforge.use_isa("avx512"):
         for window in (-1, 40):
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, 64, None, 1, None, None, True,
-                               "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
+            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, head_dim_qk, head_dim_vo, 1, None,
+                               None, True, "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
                                module=PREFILL_EMULATED)
             kernel = wrapper._plan.kernel
             _amx_counters(kernel)
             out, lse = wrapper.run_return_lse(q, k, v)
             counters = _amx_counters(kernel)
             assert counters["faults"] == 0 and counters["dot_products"] > 0, counters
-            for b in range(len(qo)):
-                rq = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-                rk = slice(int(kv_indptr[b]), int(kv_indptr[b + 1]))
-                ref_out, ref_lse = reference(q[rq], k[rk], v[rk], causal=True, window_left=window)
-                check(out[rq], lse[rq], ref_out, ref_lse, torch.bfloat16, f"request {b}, window {window}")
+            check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"window {window}", causal=True,
+                         window_left=window)
+            check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), f"window {window}")
 
 
 def test_amx_build_compiles_with_the_tile_path(cache):

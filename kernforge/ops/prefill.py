@@ -7,8 +7,8 @@ first, which run()'s threads take dynamically (``attention/prefill.h``). ``run()
 every layer of the step with one call.
 
 Semantics follow FlashInfer: causal is aligned bottom-right (query ``i`` of a request with
-``qo_len`` queries and ``kv_len`` keys sees keys ``j <= kv_len - qo_len + i``) and a request whose
-qo_len exceeds its kv_len under ``causal=True`` is an error; a custom mask (bool, each request's
+``qo_len`` queries and ``kv_len`` keys sees keys ``j <= kv_len - qo_len + i``, so with qo_len >
+kv_len the first qo_len - kv_len queries see none); a custom mask (bool, each request's
 ``[qo_len, kv_len]`` row-major, requests concatenated; or ``packed_custom_mask``, the same packed
 little-endian per request, each request starting on a byte, as ``segment_packbits`` makes it)
 replaces the causal mask; ``window_left = w >= 0`` keeps keys ``j >= kv_len - qo_len + i - w``
@@ -29,7 +29,7 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import check_head_dim, index_vector, num_threads
+from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
 from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
                                   _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
@@ -54,7 +54,7 @@ PREFILL = Module(
     "prefill", "prefill.cpp.jinja",
     params={
         "q_dtype": DType(), "kv_dtype": DType(KV_DTYPE_NAMES), "out_dtype": DType(),
-        "head_dim_qk": Int(minimum=16, maximum=512), "head_dim_vo": Int(minimum=16, maximum=512),
+        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM), "head_dim_vo": Int(minimum=1, maximum=MAX_HEAD_DIM),
         "tile": IntTuple(2, choices=TILES),
     },
     tiers=ALL_TIERS,  # the amx build multiplies bf16 in AMX tiles (gemm/amx_kernel.h)
@@ -88,7 +88,6 @@ _PLAN_ERRORS = {
     2: ("kv_indptr", "must start at 0, be non-decreasing and stay within the indices (request {i})"),
     3: ("paged_kv_last_page_len", "must be in [1, page_size] for a request with pages (request {i})"),
     4: ("paged_kv_indices", "holds a negative page index at position {i}"),
-    5: ("qo_indptr", "request {i} has more queries than keys (qo_len > kv_len), which causal=True does not allow"),
 }
 _ITEM_INTS = 6  # PrefillItem: request, kv_head, query_begin, kv_begin, kv_end, slot
 _MERGE_INTS = 5  # PrefillMerge: request, kv_head, query_begin, first_slot, parts

@@ -13,13 +13,18 @@
 //                  (bf16 path) or fp32 rows of head_dim (fp32 path);
 //   softmax       row by row: scale, soft cap, mask, running max/sum, P (bf16 or fp32);
 //   O += P . V    (rows x head_dim_vo): V's block as pairs of keys (bf16) or fp32 rows.
+// Head dims are any in [1, 512]: the packed copies (Q, K^T, V, the accumulators) are zero-padded
+// to what the micro-kernels take (kDepthQK, kVO below); q, k, v and out rows are read and written
+// only up to their real length.
 // The bf16 path (q bf16, KV bf16 or fp8: fp8 widens to bf16 exactly) multiplies with vdpbf16ps on
 // AVX512-BF16, and in AMX tiles (gemm/amx_kernel.h, 32 x 32 blocks) on the amx tier; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
 // the fp32 path so that nothing is rounded below the input precision.
 //
 // Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
 // every query sees whole takes the unmasked softmax; the others (the diagonal, the window's edge, a
-// custom mask, the request's last partial block) take the masked one.
+// custom mask, the request's last partial block) take the masked one. A row that sees no key at all
+// (causal with qo_len > kv_len, a mask row of zeros) keeps l = 0 and stores zeros and LSE -inf;
+// a split piece in which it sees none stores LSE -inf, which the merge weighs 0.
 #pragma once
 
 #include <algorithm>
@@ -47,7 +52,7 @@ enum PrefillPlanError : int64_t {
   kPrefillBadKvIndptr = 2,    // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
   kPrefillBadLastPage = 3,    // last_page_len outside [1, page_size] for a request with pages
   kPrefillNegativePage = 4,   // a negative page index
-  kPrefillQoExceedsKv = 5,    // causal request with qo_len > kv_len
+  // 5 was "causal request with qo_len > kv_len": such rows now see no key (zeros, LSE -inf)
   kPrefillTooManyItems = 6,   // the item buffer the caller sized is too small (a bug, not user input)
 };
 
@@ -77,7 +82,9 @@ struct PrefillPlanInput {
 };
 
 // Keys [lo, hi) that query `q` (0-based within its request) may see under causal and window_left,
-// before any custom mask. Causal is aligned bottom-right: the last query sees the last key.
+// before any custom mask. Causal is aligned bottom-right: the last query sees the last key, and
+// with qo_len > kv_len the first qo_len - kv_len queries see none (hi <= 0: FlashInfer gives such
+// rows zeros and LSE -inf, as for any row that its masks leave without a key).
 inline void visible_keys(int64_t q, int64_t qo_len, int64_t kv_len, bool causal, int64_t window_left, int64_t& lo,
                          int64_t& hi) {
   const int64_t position = kv_len - qo_len + q;  // the query's position among the keys
@@ -120,7 +127,6 @@ inline int64_t request_kv_len(const PrefillPlanInput& in, int64_t b) {
       return -prefill_error(kPrefillBadLastPage, b);
     kv_len = kv_span == 0 ? 0 : (kv_span - 1) * in.page_size + in.last_page_len[b];
   }
-  if (in.causal && !in.custom_mask && qo_len > kv_len) return -prefill_error(kPrefillQoExceedsKv, b);
   return kv_len;
 }
 
@@ -188,17 +194,26 @@ class PrefillKernel {
   static constexpr int kMR = Tile::kMR;
   static constexpr int kNR = Tile::kNR;
   static constexpr int kWidth = VecF::kWidth;
-  // Output columns per micro-kernel call: NR where head_dim_vo allows, else one vector.
-  static constexpr int kNRV = kHeadVO % kNR == 0 ? kNR : kWidth;
-  static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
 #if defined(KF_GEMM_HAS_AMX)
-  // AMX blocks are 32 columns wide: keys per block and head_dim_vo must be whole blocks.
-  static constexpr bool kAmx = kBf16 && kBlockN % gemm::amx::kBlockColumns == 0 &&
-                               kHeadVO % gemm::amx::kBlockColumns == 0;
+  // AMX blocks are 32 columns wide: keys per block and the (padded) value columns are whole blocks.
+  static constexpr int kAmxColumns = kBf16 && kBlockN % gemm::amx::kBlockColumns == 0 ? gemm::amx::kBlockColumns : 0;
 #else
-  static constexpr bool kAmx = false;
+  static constexpr int kAmxColumns = 0;
 #endif
-  static_assert(kHeadQK % 2 == 0 && kHeadVO % kWidth == 0, "head dims are multiples of the vector width");
+  // Any head dim runs on the micro-kernels through zero padding in the kernel's own packed copies
+  // (never by reading past a q/k/v row): Q.K^T's depth to whole bf16 pairs, P.V's columns to whole
+  // vectors, or to whole AMX blocks where tiles may run and head_dim_vo needs padding anyway.
+  // Dims that are whole units already keep their layout, and their fast paths, unchanged.
+  static constexpr int kDepthQK = kBf16 ? (kHeadQK + 1) / 2 * 2 : kHeadQK;
+  static constexpr int kColumnUnit = kHeadVO % kWidth == 0 || kAmxColumns == 0 ? kWidth : kAmxColumns;
+  static constexpr int kVO = (kHeadVO + kColumnUnit - 1) / kColumnUnit * kColumnUnit;  // accumulator columns
+  static constexpr bool kAmx = kAmxColumns != 0 && kVO % kAmxColumns == 0;
+  // Output columns per micro-kernel call: NR where the padded columns allow, else one vector.
+  static constexpr int kNRV = kVO % kNR == 0 ? kNR : kWidth;
+  // bf16 K rows are read in place as pair words, except an odd head_dim_qk's (its last pair would
+  // read past the row): those, and fp8 rows, are copied (widened) into zero-padded scratch rows.
+  static constexpr bool kCopiesKeys = kBf16 && (!std::is_same_v<KVT, bf16> || kHeadQK % 2 != 0);
+  static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
 
  public:
   explicit PrefillKernel(const kf_prefill_planned& p) : p_(p) {}
@@ -238,15 +253,15 @@ class PrefillKernel {
         at += (bytes + 63) / 64 * 64;
         return piece;
       };
-      s.q = reinterpret_cast<Compute*>(take(rows * kHeadQK * sizeof(Compute)));
-      s.k = reinterpret_cast<Compute*>(take(kHeadQK * kBlockN * sizeof(Compute)));
+      s.q = reinterpret_cast<Compute*>(take(rows * kDepthQK * sizeof(Compute)));
+      s.k = reinterpret_cast<Compute*>(take(kDepthQK * kBlockN * sizeof(Compute)));
       s.p = reinterpret_cast<Compute*>(take(rows * kBlockN * sizeof(Compute)));
-      s.v = reinterpret_cast<Compute*>(take(kBlockN * kHeadVO * sizeof(Compute)));
-      // fp8 K rows widened to bf16 before the transpose (bf16 KV is read in place)
-      s.convert = reinterpret_cast<Compute*>(take(std::is_same_v<KVT, bf16> || !kBf16 ? 0 : kBlockN * kHeadQK * sizeof(Compute)));
+      s.v = reinterpret_cast<Compute*>(take(kBlockN * kVO * sizeof(Compute)));
+      // K rows copied before the transpose (kCopiesKeys)
+      s.convert = reinterpret_cast<Compute*>(take(kCopiesKeys ? kBlockN * kDepthQK * sizeof(Compute) : 0));
       s.s = reinterpret_cast<float*>(take(rows * kBlockN * sizeof(float)));
-      s.o = reinterpret_cast<float*>(take(rows * kHeadVO * sizeof(float)));
-      s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kHeadVO * sizeof(float) : 0));  // P . V of one block
+      s.o = reinterpret_cast<float*>(take(rows * kVO * sizeof(float)));
+      s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kVO * sizeof(float) : 0));  // P . V of one block
       s.m = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.l = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.bytes = at;
@@ -294,7 +309,7 @@ class PrefillKernel {
           const int rows = int(std::min<int64_t>(gemm::amx::kBlockRows, t.rows - r0));
           state.shape_for(rows);
           for (int64_t j0 = 0; j0 < kBlockN; j0 += gemm::amx::kBlockColumns)
-            gemm::amx::block<gemm::amx::Bf16Product>(s.q + r0 * kHeadQK, kHeadQK, k + j0, kBlockN, kHeadQK, rows,
+            gemm::amx::block<gemm::amx::Bf16Product>(s.q + r0 * kDepthQK, kDepthQK, k + j0, kBlockN, kDepthQK, rows,
                                                      s.s + r0 * kBlockN + j0, kBlockN, tails);
         }
       }
@@ -309,11 +324,11 @@ class PrefillKernel {
         for (int64_t r0 = 0; r0 < t.rows; r0 += gemm::amx::kBlockRows) {
           const int rows = int(std::min<int64_t>(gemm::amx::kBlockRows, t.rows - r0));
           state.shape_for(rows);
-          for (int64_t d0 = 0; d0 < kHeadVO; d0 += gemm::amx::kBlockColumns)
-            gemm::amx::block<gemm::amx::Bf16Product>(s.p + r0 * kBlockN, kBlockN, v + d0, kHeadVO, kBlockN, rows,
-                                                     s.pv + r0 * kHeadVO + d0, kHeadVO, tails);
+          for (int64_t d0 = 0; d0 < kVO; d0 += gemm::amx::kBlockColumns)
+            gemm::amx::block<gemm::amx::Bf16Product>(s.p + r0 * kBlockN, kBlockN, v + d0, kVO, kBlockN, rows,
+                                                     s.pv + r0 * kVO + d0, kVO, tails);
         }
-        for (int64_t i = 0; i < t.rows * kHeadVO; i += kWidth) (VecF::load(s.o + i) + VecF::load(s.pv + i)).store(s.o + i);
+        for (int64_t i = 0; i < t.rows * kVO; i += kWidth) (VecF::load(s.o + i) + VecF::load(s.pv + i)).store(s.o + i);
       }
       return true;
     }
@@ -337,7 +352,7 @@ class PrefillKernel {
     t.queries = std::min<int64_t>(p_.queries_per_tile, t.qo_len - t.query_begin);
     t.rows = t.queries * p_.group;
     load_queries(io, t, s);
-    std::fill_n(s.o, t.rows * kHeadVO, 0.0f);
+    std::fill_n(s.o, t.rows * kVO, 0.0f);
     std::fill_n(s.m, t.rows, -std::numeric_limits<float>::infinity());
     std::fill_n(s.l, t.rows, 0.0f);
 
@@ -374,12 +389,13 @@ class PrefillKernel {
       const int64_t token = t.qo_begin + t.query_begin + r / p_.group;
       const int64_t head = t.kv_head * p_.group + r % p_.group;
       const QT* src = q + token * io.q_stride_token + head * io.q_stride_head;
-      Compute* dst = s.q + r * kHeadQK;
+      Compute* dst = s.q + r * kDepthQK;
       if constexpr (std::is_same_v<Compute, QT>) {
         std::memcpy(dst, src, kHeadQK * sizeof(QT));
       } else {
         for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(src + d, kHeadQK - d).store(dst + d, kHeadQK - d);
       }
+      if constexpr (kDepthQK > kHeadQK) dst[kHeadQK] = Compute{};  // the odd dim's pair: times K's zero
     }
   }
 
@@ -404,32 +420,36 @@ class PrefillKernel {
     }
   }
 
-  // Key `token`'s row as kHeadQK / 2 pair words: the cache row itself for bf16 KV; fp8 rows are
-  // widened (exactly) into row j of the conversion scratch.
+  // Key `token`'s row as kDepthQK / 2 pair words: the cache row itself for bf16 KV of an even
+  // head_dim_qk; else the row widened (exactly) into row j of the conversion scratch, zero-padded.
   const uint32_t* key_words(const kf_prefill_layer& io, const TileView& t, int64_t token, const Scratch& s,
                             int64_t j) const {
     const KVT* row = key_row(io, t.request, token, t.kv_head, false);
-    if constexpr (std::is_same_v<KVT, bf16>) {
+    if constexpr (!kCopiesKeys) {
       return reinterpret_cast<const uint32_t*>(row);
     } else {
-      bf16* widened = reinterpret_cast<bf16*>(s.convert) + j * kHeadQK;
+      bf16* widened = reinterpret_cast<bf16*>(s.convert) + j * kDepthQK;
       for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(row + d, kHeadQK - d).store(widened + d, kHeadQK - d);
+      if constexpr (kDepthQK > kHeadQK) widened[kHeadQK] = bf16{};
       return reinterpret_cast<const uint32_t*>(widened);
     }
   }
 
-  // words[p * kBlockN + j] = rows[j][p] for p < kHeadQK / 2, j < kBlockN (a null row reads as zeros).
+  // words[p * kBlockN + j] = rows[j][p] for p < kDepthQK / 2, j < kBlockN (a null row reads as zeros):
+  // whole 16 x 16 blocks in registers where the tier has them, the remaining pairs one by one.
   static void transpose_words(const uint32_t* const* rows, uint32_t* words) {
-    constexpr int64_t kPairs = kHeadQK / 2;
+    constexpr int64_t kPairs = kDepthQK / 2;
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
-    if constexpr (kPairs % 16 == 0 && kBlockN % 16 == 0) {
-      for (int64_t j0 = 0; j0 < kBlockN; j0 += 16)
-        for (int64_t p0 = 0; p0 < kPairs; p0 += 16) transpose_16x16(rows + j0, p0, words + p0 * kBlockN + j0);
-      return;
-    }
+    constexpr int64_t kBlocked = kBlockN % 16 == 0 ? kPairs / 16 * 16 : 0;
+    for (int64_t j0 = 0; j0 < kBlockN && kBlocked > 0; j0 += 16)
+      for (int64_t p0 = 0; p0 < kBlocked; p0 += 16) transpose_16x16(rows + j0, p0, words + p0 * kBlockN + j0);
+#else
+    constexpr int64_t kBlocked = 0;
 #endif
-    for (int64_t j = 0; j < kBlockN; ++j)
-      for (int64_t p = 0; p < kPairs; ++p) words[p * kBlockN + j] = rows[j] ? rows[j][p] : 0u;
+    if constexpr (kBlocked < kPairs) {
+      for (int64_t j = 0; j < kBlockN; ++j)
+        for (int64_t p = kBlocked; p < kPairs; ++p) words[p * kBlockN + j] = rows[j] ? rows[j][p] : 0u;
+    }
   }
 
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
@@ -460,33 +480,53 @@ class PrefillKernel {
 #endif
 
   // V block -> B of O += P . V: bf16 path, word (key pair p, column d) = (V[2p][d], V[2p + 1][d]) at
-  // v[p * kHeadVO + d]; fp32 path, v[j * kHeadVO + d] = V[j][d]. Keys past `count` are zero.
+  // v[p * kVO + d]; fp32 path, v[j * kVO + d] = V[j][d]. Keys past `count` and columns past
+  // head_dim_vo are zero.
   void load_values(const kf_prefill_layer& io, const TileView& t, int64_t k0, int64_t count, const Scratch& s) const {
     if constexpr (kBf16) {
       auto* words = reinterpret_cast<uint32_t*>(s.v);
       for (int64_t j = 0; j < kBlockN; j += 2) {
-        uint32_t* dst = words + j / 2 * kHeadVO;
+        uint32_t* dst = words + j / 2 * kVO;
         const KVT* even = j < count ? key_row(io, t.request, k0 + j, t.kv_head, true) : nullptr;
         const KVT* odd = j + 1 < count ? key_row(io, t.request, k0 + j + 1, t.kv_head, true) : nullptr;
-        for (int64_t d = 0; d < kHeadVO; d += kWidth) interleave_pairs(even, odd, d, dst + d);
+        for (int64_t d = 0; d < kVO; d += kWidth) interleave_pairs(even, odd, d, dst + d);
       }
     } else {
       for (int64_t j = 0; j < kBlockN; ++j) {
-        float* dst = s.v + j * kHeadVO;
+        float* dst = s.v + j * kVO;
         if (j >= count) {
-          std::fill_n(dst, kHeadVO, 0.0f);
+          std::fill_n(dst, kVO, 0.0f);
           continue;
         }
         const KVT* row = key_row(io, t.request, k0 + j, t.kv_head, true);
-        for (int64_t d = 0; d < kHeadVO; d += kWidth) VecF::load(row + d).store(dst + d);
+        for (int64_t d = 0; d < kVO; d += kWidth) value_lanes(row, d).store(dst + d);
       }
+    }
+  }
+
+  // Columns [d, d + kWidth) of a V row: those at or past head_dim_vo are zero and not read.
+  static VecF value_lanes(const KVT* row, int64_t d) {
+    if constexpr (kHeadVO % kWidth == 0) {
+      return VecF::load(row + d);
+    } else {
+      return d < kHeadVO ? VecF::load(row + d, kHeadVO - d) : VecF::zero();
+    }
+  }
+
+  // Stores columns [d, d + kWidth) of an output row of head_dim_vo values, not one past its end.
+  template <class T>
+  static void store_columns(VecF x, T* row, int64_t d) {
+    if constexpr (kHeadVO % kWidth == 0) {
+      x.store(row + d);
+    } else {
+      x.store(row + d, kHeadVO - d);
     }
   }
 
   // dst[i] = (even[d + i], odd[d + i]) as bf16 pair words, kWidth of them; a null row is zeros.
   // Every bf16 and fp8 value widens to an fp32 whose top half is its bf16.
   static void interleave_pairs(const KVT* even, const KVT* odd, int64_t d, uint32_t* dst) {
-    const VecF low = even ? VecF::load(even + d) : VecF::zero(), high = odd ? VecF::load(odd + d) : VecF::zero();
+    const VecF low = even ? value_lanes(even, d) : VecF::zero(), high = odd ? value_lanes(odd, d) : VecF::zero();
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
     const __m512i words = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(low.v), 16),
                                           _mm512_andnot_si512(_mm512_set1_epi32(0xffff), _mm512_castps_si512(high.v)));
@@ -502,12 +542,12 @@ class PrefillKernel {
   // s.s[rows x kBlockN] = Q . K^T.
   void scores(const TileView& t, const Scratch& s) const {
     std::fill_n(s.s, t.rows * kBlockN, 0.0f);
-    multiply<kNR>(t.rows, s.q, kHeadQK, s.k, kBlockN, kHeadQK, kBlockN, s.s);
+    multiply<kNR>(t.rows, s.q, kDepthQK, s.k, kBlockN, kDepthQK, kBlockN, s.s);
   }
 
-  // s.o[rows x kHeadVO] += P . V.
+  // s.o[rows x kVO] += P . V.
   void accumulate(const TileView& t, const Scratch& s) const {
-    multiply<kNRV>(t.rows, s.p, kBlockN, s.v, kHeadVO, kBlockN, kHeadVO, s.o);
+    multiply<kNRV>(t.rows, s.p, kBlockN, s.v, kVO, kBlockN, kVO, s.o);
   }
 
   // c[rows x columns] (`columns` floats apart) += a[rows x depth] . b on the micro-kernels, NR
@@ -570,9 +610,9 @@ class PrefillKernel {
       s.l[r] = s.l[r] * alpha + reduce_add(sum);
       s.m[r] = m_new;
       if (alpha != 1.0f) {
-        float* o = s.o + r * kHeadVO;
+        float* o = s.o + r * kVO;
         const VecF a = VecF::broadcast(alpha);
-        for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(o + d) * a).store(o + d);
+        for (int64_t d = 0; d < kVO; d += kWidth) (VecF::load(o + d) * a).store(o + d);
       }
     }
   }
@@ -607,8 +647,8 @@ class PrefillKernel {
       const float l = s.l[r];
       const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
       OutT* dst = out + token * io.out_stride_token + head * io.out_stride_head;
-      const float* o = s.o + r * kHeadVO;
-      for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(o + d) * factor).store(dst + d);
+      const float* o = s.o + r * kVO;
+      for (int64_t d = 0; d < kHeadVO; d += kWidth) store_columns(VecF::load(o + d) * factor, dst, d);
       if (lse != nullptr) lse[token * io.lse_stride_token + head * io.lse_stride_head] = segment_lse(s.m[r], l);
     }
   }
@@ -620,7 +660,7 @@ class PrefillKernel {
     for (int64_t r = 0; r < t.rows; ++r) {
       const float l = s.l[r];
       const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
-      for (int64_t d = 0; d < kHeadVO; d += kWidth) (VecF::load(s.o + r * kHeadVO + d) * factor).store(state + r * kHeadVO + d);
+      for (int64_t d = 0; d < kHeadVO; d += kWidth) store_columns(VecF::load(s.o + r * kVO + d) * factor, state + r * kHeadVO, d);
       state[p_.rows * kHeadVO + r] = segment_lse(s.m[r], l);
     }
   }
