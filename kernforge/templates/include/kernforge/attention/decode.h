@@ -176,14 +176,14 @@ class DecodeKernel {
     const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_token;
     for (int64_t g = 0; g < padded_group_; ++g) {
       const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_head;
-      for_row_vectors([&](int64_t d, auto count) {  // a partial vector's missing lanes load as 0
-        const VecF row = g < group_ ? load_part(src + d, count) * scale : VecF::zero();
+      for (int64_t d = 0; d < kPaddedDim; d += kW) {
+        const VecF row = g < group_ ? load_row(src, d) * scale : VecF::zero();
         if constexpr (kBf16Operands) {
           row.store(reinterpret_cast<bf16*>(st.q) + g * kPaddedDim + d);
         } else {
           row.store(st.q + g * kPaddedDim + d);
         }
-      });
+      }
 #if KF_HAS_FP8_DOT
       if constexpr (kFp8Dot) fp8_dot::arrange_q<kHeadDim>(reinterpret_cast<bf16*>(st.q) + g * kPaddedDim);
 #endif
@@ -298,15 +298,21 @@ class DecodeKernel {
     const float* q = st.q + g0 * kPaddedDim;
     VecF acc[kW];
     for (int i = 0; i < kW; ++i) acc[i] = VecF::zero();
-    for_row_vectors([&](int64_t d, auto count) {
-      VecF kv[kTokenTile];
-      for (int jj = 0; jj < kTokenTile; ++jj) kv[jj] = load_part(k[jj] + d, count);
-      for (int gg = 0; gg < kHeadTile; ++gg) {
-        const VecF qv = VecF::load(q + gg * kPaddedDim + d);
-        for (int jj = 0; jj < kTokenTile; ++jj) acc[gg * kTokenTile + jj] = fma(qv, kv[jj], acc[gg * kTokenTile + jj]);
-      }
-    });
+    for (int64_t d = 0; d < kFullDim; d += kW) score_step<kW>(q, k, d, acc);
+    if constexpr (kTail > 0) score_step<kTail>(q, k, kFullDim, acc);  // the K rows' last partial vector
     return reduce_lanes(acc);
+  }
+
+  // acc += q[gg][d..] * k[jj][d..] on kCount elements (kCount < kW: q's zero padding meets the
+  // zeros of K's partial load).
+  template <int kCount>
+  static void score_step(const float* q, const KVT* const (&k)[kTokenTile], int64_t d, VecF (&acc)[kW]) {
+    VecF kv[kTokenTile];
+    for (int jj = 0; jj < kTokenTile; ++jj) kv[jj] = load_part<kCount>(k[jj] + d);
+    for (int gg = 0; gg < kHeadTile; ++gg) {
+      const VecF qv = VecF::load(q + gg * kPaddedDim + d);
+      for (int jj = 0; jj < kTokenTile; ++jj) acc[gg * kTokenTile + jj] = fma(qv, kv[jj], acc[gg * kTokenTile + jj]);
+    }
   }
 
   // Online softmax: scores become probabilities relative to the new running max; alpha is what
@@ -441,7 +447,7 @@ class DecodeKernel {
       between();
       const KVT* v_row = rows.v[j] + head_offset + d;
       VecF v[kChunks];
-      for (int c = 0; c < kChunks; ++c) v[c] = load_part(v_row + c * kW, std::integral_constant<int, kCount>());
+      for (int c = 0; c < kChunks; ++c) v[c] = load_part<kCount>(v_row + c * kW);
       for (int gg = 0; gg < kHeadTile; ++gg) {
         const VecF p = VecF::broadcast(scores[(g0 + gg) * kDecodeBlock + j]);
         for (int c = 0; c < kChunks; ++c) acc[gg][c] = fma(p, v[c], acc[gg][c]);
@@ -487,27 +493,22 @@ class DecodeKernel {
   // out[0, kHeadDim) = acc * scale (acc padded to whole vectors; out is not).
   template <class T>
   static void write_row(const float* acc, const VecF& scale, T* out) {
-    for_row_vectors([&](int64_t d, auto count) { store_part(VecF::load(acc + d) * scale, out + d, count); });
+    for (int64_t d = 0; d < kFullDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+    if constexpr (kTail > 0) (VecF::load(acc + kFullDim) * scale).store(out + kFullDim, kTail);
   }
 
-  // Calls op(d, count) for the vectors of a row of kHeadDim elements: the whole ones with count kW,
-  // then the partial last one (if any) with count kTail. count is a std::integral_constant, so a
-  // head_dim of whole vectors compiles to the plain loop of full loads and stores.
-  template <class Op>
-  static void for_row_vectors(const Op& op) {
-    for (int64_t d = 0; d < kFullDim; d += kW) op(d, std::integral_constant<int, kW>());
-    if constexpr (kTail > 0) op(kFullDim, std::integral_constant<int, kTail>());
+  // Elements [d, d + kW) of a row of kHeadDim; in the last partial vector, those before kHeadDim
+  // (zeros after it: nothing past the row is read).
+  template <class T>
+  static VecF load_row(const T* row, int64_t d) {
+    if constexpr (kTail == 0) return VecF::load(row + d);
+    return VecF::load(row + d, kHeadDim - d);
   }
-  // count elements from p: a full load, or a partial one (zeros past count, nothing past it read).
-  template <class T, int kCount>
-  static VecF load_part(const T* p, std::integral_constant<int, kCount>) {
+  // kCount elements from p: a full load, or a partial one (zeros after kCount, nothing past it read).
+  template <int kCount, class T>
+  static VecF load_part(const T* p) {
     if constexpr (kCount == kW) return VecF::load(p);
     return VecF::load(p, kCount);
-  }
-  template <class T, int kCount>
-  static void store_part(const VecF& v, T* p, std::integral_constant<int, kCount>) {
-    if constexpr (kCount == kW) return v.store(p);
-    v.store(p, kCount);
   }
 
   void merge(const kf_decode_layer& io, const MergeItem& m) const {
