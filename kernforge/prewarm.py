@@ -130,7 +130,9 @@ def _attention_shape(config: dict, hidden_size: int) -> dict:
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(f"config.json needs a positive integer num_attention_heads, got {heads!r}")
     kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden_size // heads
+    head_dim = config.get("head_dim")
+    if head_dim is None:  # absent: the split of hidden_size; a given one is checked as it is (0 too)
+        head_dim = hidden_size // heads
     if not isinstance(kv_heads, int) or heads % kv_heads:
         raise ValueError(f"config.json num_key_value_heads {kv_heads!r} must divide num_attention_heads {heads}")
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}

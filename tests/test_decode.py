@@ -98,7 +98,9 @@ def as_cache(k, v, form, layout, g):
     with padded rows starting one element in (rows not vector-aligned), V every other page of a
     buffer laid out in the other layout, so K and V have different strides. squeezed: page size 1
     without its token dimension ([pages, 2, H, D] tensor); squeezed_tuple: the same as a pair of
-    [pages, H, D] tensors."""
+    [pages, H, D] tensors. nan_padded: K and V rows each followed by NaNs (rows of an odd head_dim
+    start anywhere): a kernel that reads a full vector past a row's end gets NaN into its output
+    (q's zero padding times NaN is NaN)."""
     def plane(x):  # NHD [P, ps, H, D] -> the layout's [P, ps, H, D] / [P, H, ps, D]
         return x if layout == "NHD" else x.transpose(1, 2).contiguous()
 
@@ -114,6 +116,12 @@ def as_cache(k, v, form, layout, g):
         v_buf = randn(v[:, 0].shape[:-1] + (v.shape[-1] + 3,), g).to(v.dtype)
         v_buf[..., :v.shape[-1]] = v[:, 0]
         return k[:, 0].contiguous(), v_buf[..., :v.shape[-1]]
+    if form == "nan_padded":
+        def padded(x):
+            buf = torch.full(x.shape[:-1] + (x.shape[-1] + 7,), math.nan).to(x.dtype)
+            buf[..., :x.shape[-1]] = x
+            return buf[..., :x.shape[-1]]
+        return padded(plane(k)), padded(plane(v))
     assert form == "strided"
     pk = plane(k)
     k_buf = randn(pk.shape[:-1] + (pk.shape[-1] + 5,), g).to(k.dtype)
@@ -319,6 +327,50 @@ def test_decode_variants(name, layout, tier, workspace, assert_close_ref):
     run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close_ref, name)
 
 
+# --------------------------------------------------------------------------- any head_dim
+
+# head_dim: (q dtype, KV dtype, out dtype, case) for each head_dim class: below one vector (1, 13),
+# one partial vector after whole ones (33, 55, 200, 264 on AVX-512; 72 and 200 are whole on AVX2),
+# a multiple of 16 not 32 (48: no bf16 dot product), of 32 not 64 (96: no fp8 dot product), above
+# 256 (264). The dims share out one GQA geometry each (groups 1, 4, 8, MQA on the runtime group)
+# and one dtype combination, so every q, KV and out dtype meets a tail; rows are NaN-padded (a read
+# past a row shows) or strided; windows and soft caps at two dims.
+BATCH_SHAPES = {"batch1": (200,), "uneven": (1, 7, 300, 0, 1029)}
+ODD_DIMS = {
+    1: (torch.float32, torch.float32, torch.float32, Case((), num_qo_heads=4, num_kv_heads=4, form="nan_padded")),
+    13: (torch.bfloat16, torch.bfloat16, torch.bfloat16,
+         Case((), num_qo_heads=8, num_kv_heads=2, page_size=7, form="nan_padded")),
+    33: (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16,
+         Case((), num_qo_heads=16, num_kv_heads=2, form="nan_padded", window_left=150, soft_cap=4.0,
+              q_magnitude=3.0, k_scale=0.5, v_scale=1.5)),
+    48: (torch.bfloat16, torch.bfloat16, torch.float32, Case((), num_qo_heads=8, num_kv_heads=2, form="strided")),
+    55: (torch.float16, torch.float8_e5m2, torch.float16,
+         Case((), num_qo_heads=16, num_kv_heads=1, form="nan_padded", io="views")),
+    72: (torch.float16, torch.float16, torch.float16, Case((), num_qo_heads=8, num_kv_heads=1, form="nan_padded")),
+    96: (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16,
+         Case((), num_qo_heads=4, num_kv_heads=4, form="nan_padded")),
+    200: (torch.bfloat16, torch.bfloat16, torch.bfloat16,
+          Case((), num_qo_heads=32, num_kv_heads=4, page_size=13, form="nan_padded", window_left=40, soft_cap=10.0)),
+    264: (torch.float32, torch.float32, torch.float32, Case((), num_qo_heads=8, num_kv_heads=2, form="nan_padded")),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", list(BATCH_SHAPES))
+@pytest.mark.parametrize("head_dim", list(ODD_DIMS))
+def test_decode_any_head_dim(head_dim, shape, layout, tier, workspace, threads, assert_close_ref):
+    """Head dims that are not whole vectors, against the float64 reference, on 3 threads: the
+    uneven batch's long request is split (unless a window shortens it) and its partial states
+    (head_dim floats) merged."""
+    q_dtype, kv_dtype, out_dtype, case = ODD_DIMS[head_dim]
+    threads(3)
+    case = replace(case, lengths=BATCH_SHAPES[shape], head_dim=head_dim)
+    wrapper = run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close_ref,
+                       (f"D{head_dim}", shape))
+    if shape == "uneven" and case.window_left < 0:
+        assert _split_units(wrapper), "the uneven batch should split its long request across 3 threads"
+
+
 # --------------------------------------------------------------------------- plan reuse, splitting, threads
 
 
@@ -381,22 +433,24 @@ def test_disable_split_kv(layout, tier, workspace, threads, assert_close_ref):
     torch.testing.assert_close(results[False][1], results[True][1], atol=1e-5, rtol=1e-6)
 
 
-def test_lse_buffer_ignored_without_return_lse(tier, workspace, assert_close_ref):
-    """FlashInfer passes lse= to the kernel only with return_lse=True: without it, lse stays untouched."""
-    g = seeded("lse_ignored")
-    batch = make_batch((5, 40), 16, g)
+def test_lse_buffer_written_without_return_lse(tier, workspace, assert_close_ref):
+    """A given lse= is written whether or not return_lse is set (FlashInfer's behaviour): run()
+    returns out alone and fills lse with what return_lse=True returns."""
+    g = seeded("lse_written")
+    batch = make_batch((5, 40, 0), 16, g)
     k, v = cache_values(batch, 2, 128, torch.bfloat16, g)
-    q = randn((2, 8, 128), g).to(torch.bfloat16)
+    q = randn((3, 8, 128), g).to(torch.bfloat16)
     wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace)
     _main_plan(wrapper, batch)
-    lse = torch.full((2, 8), SENTINEL)
+    lse = torch.full((3, 8), math.nan)
     out = wrapper.run(q, (k, v), lse=lse)
     assert isinstance(out, torch.Tensor)
-    assert torch.all(lse == SENTINEL)
-    ref_out, _ = reference(q, k, v, batch, sm_scale=1 / math.sqrt(128))
-    check_against_reference(out, None, ref_out, None, torch.bfloat16, batch.lengths, "lse ignored", assert_close_ref)
-    out, lse2 = wrapper.run_return_lse(q, (k, v))
-    assert lse2.shape == (2, 8)
+    assert not torch.isnan(lse).any(), "run(lse=...) without return_lse left lse unwritten"
+    expected_out, expected_lse = wrapper.run(q, (k, v), return_lse=True)
+    assert torch.equal(lse, expected_lse) and torch.equal(out, expected_out)
+    ref_out, ref_lse = reference(q, k, v, batch, sm_scale=1 / math.sqrt(128))
+    check_against_reference(out, lse, ref_out, ref_lse, torch.bfloat16, batch.lengths, "lse without return_lse",
+                            assert_close_ref)
 
 
 def test_workspace_exact_size(tier, threads, assert_close_ref):
@@ -432,6 +486,7 @@ SINGLE_CASES = {
     "empty": dict(kv_len=0),
     "window": dict(kv_len=200, window_left=31),
     "soft_cap_scales": dict(kv_len=90, logits_soft_cap=3.0, sm_scale=0.2, k_scale=0.8, v_scale=1.5),
+    "head_dim_33": dict(kv_len=150, head_dim=33, window_left=100),
 }
 
 
@@ -439,23 +494,23 @@ SINGLE_CASES = {
 @pytest.mark.parametrize("case", list(SINGLE_CASES))
 def test_single_decode(case, layout, tier, assert_close_ref):
     opts = dict(SINGLE_CASES[case])
-    kv_len = opts.pop("kv_len")
+    kv_len, D = opts.pop("kv_len"), opts.pop("head_dim", 128)
     g = seeded("single", case, layout)
-    q = randn((8, 128), g).to(torch.bfloat16)
-    k_nhd, v_nhd = (randn((kv_len, 2, 128), g).to(torch.bfloat16) for _ in range(2))
+    q = randn((8, D), g).to(torch.bfloat16)
+    k_nhd, v_nhd = (randn((kv_len, 2, D), g).to(torch.bfloat16) for _ in range(2))
     if layout == "NHD":
         k, v = k_nhd, v_nhd
     else:  # HND views of NHD storage: strided k and v
         k, v = k_nhd.transpose(0, 1), v_nhd.transpose(0, 1)
     out, lse = kernforge.single_decode_with_kv_cache(q, k, v, layout, return_lse=True, **opts)
-    assert out.shape == (8, 128) and out.dtype == torch.bfloat16 and lse.shape == (8,)
+    assert out.shape == (8, D) and out.dtype == torch.bfloat16 and lse.shape == (8,)
     batch = make_batch((kv_len,), max(kv_len, 1), g)  # one page holding the whole request
-    pages = torch.zeros(batch.num_pages, max(kv_len, 1), 2, 128, dtype=torch.bfloat16)
+    pages = torch.zeros(batch.num_pages, max(kv_len, 1), 2, D, dtype=torch.bfloat16)
     k_pages, v_pages = pages.clone(), pages.clone()
     if kv_len:
         k_pages[batch.pages(0)[0]], v_pages[batch.pages(0)[0]] = k_nhd, v_nhd
     ref_out, ref_lse = reference(q[None], k_pages, v_pages, batch,
-                                 sm_scale=opts.get("sm_scale", 1 / math.sqrt(128)) * opts.get("k_scale", 1.0),
+                                 sm_scale=opts.get("sm_scale", 1 / math.sqrt(D)) * opts.get("k_scale", 1.0),
                                  window_left=opts.get("window_left", -1), soft_cap=opts.get("logits_soft_cap", 0.0),
                                  v_scale=opts.get("v_scale", 1.0))
     check_against_reference(out[None], lse[None], ref_out, ref_lse, torch.bfloat16, (kv_len,), f"single {case}",
@@ -600,7 +655,8 @@ PLAN_ERRORS = {
     "last_page_len_big": (dict(last_page_len=_i32(5, 17)), ValueError, r"last_page_len"),
     "heads_not_divisible": (dict(num_qo_heads=6, num_kv_heads=4), ValueError,
                             r"num_qo_heads\(6\) must be divisible by num_kv_heads\(4\)"),
-    "head_dim_72": (dict(head_dim=72), ValueError, r"head_dim"),
+    "head_dim_0": (dict(head_dim=0), ValueError, r"head_dim"),
+    "head_dim_513": (dict(head_dim=513), ValueError, r"head_dim must be an int in \[1, 512\], got 513"),
     "page_size_0": (dict(page_size=0), ValueError, r"page_size"),
     "rope_llama": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, r"ROPE_LLAMA"),
     "alibi": (dict(pos_encoding_mode="ALIBI"), NotImplementedError, r"ALIBI"),

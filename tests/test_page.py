@@ -167,13 +167,18 @@ def test_append_page_size_1_squeezed(layout, form, tier):
     run_append(form, layout, random_batch(37, 1, g, torch.bfloat16), torch.bfloat16)
 
 
-# Row bytes below one 16-byte move, between moves, and several 64-byte vectors plus a tail.
-@pytest.mark.parametrize("head_dim", [1, 3, 17, 100, 256])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8_e4m3"])
-def test_append_head_dims(dtype, head_dim, tier):
-    g = seeded("head_dim", dtype, head_dim)
+# Row bytes below one 16-byte move, between moves, and several 64-byte vectors plus a tail; the odd
+# head dims of SGLang's tests (13, 33, 55) and one above 128 (200). Pages in shuffled order (Batch).
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [1, 3, 13, 17, 33, 55, 100, 200, 256])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=CACHE_DTYPE_IDS)
+def test_append_head_dims(dtype, head_dim, layout, tier):
+    g = seeded("head_dim", dtype, head_dim, layout)
     dims = dict(heads=2, head_dim=head_dim)
-    run_append("tuple", "NHD", random_batch(37, 16, g, dtype, **dims), dtype, **dims)
+    form = "tuple" if head_dim % 2 else "tensor"  # tuple: K every other page, V rows padded
+    batch = random_batch(37, 16, g, dtype, **dims)
+    assert not torch.equal(batch.kv_indices, torch.arange(len(batch.kv_indices), dtype=torch.int32))
+    run_append(form, layout, batch, dtype, **dims)
 
 
 @pytest.mark.parametrize("append_layout", ["packed_kv", "padded_heads", "strided_head_dim"])

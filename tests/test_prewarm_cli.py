@@ -233,8 +233,15 @@ def test_manifest_builds_decode_for_each_kv_cache_dtype_and_mqa():
     assert [dict(s.params)["kv_dtype"] for s in specs] == ["bf16", "fp8_e4m3"]
     assert decodes == [k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"]
                        if k.get("module") == "decode"]
-    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
-        prewarm.manifest_from_model_config({**LLAMA, "head_dim": 72})
+    for head_dim in (0, 513, 7.5):
+        with pytest.raises(ValueError, match=r"head_dim must be an int in \[1, 512\]"):
+            prewarm.manifest_from_model_config({**LLAMA, "head_dim": head_dim})
+    for head_dim in (1, 13, 72):  # any head_dim decode has a kernel for
+        decodes = [k for k in prewarm.manifest_from_model_config({**LLAMA, "head_dim": head_dim})["kernels"]
+                   if k.get("module") == "decode"]
+        assert decodes == [decode_entry("bf16", head_dim, group=4)]
+        assert [dict(s.params)["head_dim"] for s in prewarm.specs_from_manifest({"kernels": decodes},
+                                                                                tier="generic")] == [head_dim]
 
 
 def test_manifest_from_gemma2_config_file(tmp_path):

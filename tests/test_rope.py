@@ -236,6 +236,68 @@ def test_defaults_match_flashinfer():
     torch.testing.assert_close(q_rope, ref_rotate(q, cos, sin, 64, False), atol=1e-5, rtol=1e-5)
 
 
+# --------------------------------------------------------------------------- any head_dim
+
+
+# (head_dim, rotary_dim): odd head dims with an unrotated tail, and odd rotary halves (1, 3, 13, 17)
+# whose vectors end partway (neox: at half and at rotary_dim; interleaved: pairs across a tail).
+ANY_HEAD_DIMS = [(13, 12), (33, 32), (33, 2), (55, 6), (55, 26), (200, 34), (511, 510), (1, None)]
+FORMS = ["pos_ids", "pos_ids_inplace", "ragged", "llama31_inplace", "cache", "cache_inplace"]
+
+
+def _rope_any_dim(form, q, k, rotary_dim, interleave, g):
+    """Runs ``form`` on q and k; returns (result, cos, sin) with the reference's angles."""
+    nnz = q.shape[0]
+    if form.startswith("cache"):
+        cache = ref_cache(4096, rotary_dim)
+        positions = positions_for(nnz, g, torch.int64, high=4096)
+        op = kernforge.apply_rope_with_cos_sin_cache_inplace if form == "cache_inplace" else \
+            kernforge.apply_rope_with_cos_sin_cache
+        head_dim = q.shape[-1]
+        result = op(positions, q.flatten(1), k.flatten(1), head_dim, cache, is_neox=not interleave)
+        result = result and tuple(r.view(nnz, -1, head_dim) for r in result)
+        half = rotary_dim // 2
+        return result, cache[positions, :half], cache[positions, half:]
+    if form == "ragged":
+        indptr, offsets = torch.tensor([0, 2, nnz], dtype=torch.int32), torch.tensor([5, 300], dtype=torch.int32)
+        positions = torch.cat([torch.arange(2) + 5, torch.arange(nnz - 2) + 300])
+        return (kernforge.apply_rope(q, k, indptr, offsets, rotary_dim=rotary_dim, interleave=interleave),
+                *ref_cos_sin(positions, ref_frequencies(rotary_dim)))
+    pos_ids = positions_for(nnz, g)
+    if form == "llama31_inplace":
+        kernforge.apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave)
+        freq = ref_frequencies(rotary_dim, 8.0, 5e5, llama31=(1.0, 4.0, 8192.0))
+        return None, *ref_cos_sin(pos_ids, freq)
+    op = kernforge.apply_rope_pos_ids_inplace if form == "pos_ids_inplace" else kernforge.apply_rope_pos_ids
+    return op(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave), *ref_cos_sin(pos_ids,
+                                                                                          ref_frequencies(rotary_dim))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleave"])
+@pytest.mark.parametrize("dims", ANY_HEAD_DIMS, ids=lambda d: f"D{d[0]}r{d[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_any_head_dim(dtype, dims, interleave, form, tier, assert_close_ref):
+    """Every form at head dims that are not vector multiples, with an even rotary_dim <= head_dim:
+    the rotated part against the reference, the tail bit-exact, nothing past the heads written
+    (q and k packed in one qkv row). head_dim 1 has no even rotary_dim: a ValueError naming it."""
+    head_dim, rotary_dim = dims
+    g = seeded("any_dim", dtype, dims, interleave, form)
+    q, k, backing = make_qk(9, 3, 2, head_dim, dtype, "packed", g)
+    if rotary_dim is None:
+        with pytest.raises(ValueError, match="rotary_dim"):
+            kernforge.apply_rope_pos_ids(q, k, positions_for(9, g), interleave=interleave)
+        return
+    q_in, k_in, before = q.clone(), k.clone(), snapshot(backing)
+    result, cos, sin = _rope_any_dim(form, q, k, rotary_dim, interleave, g)
+    in_place = form.endswith("inplace")
+    ctx = f"{form} dtype={dtype} interleave={interleave} D={head_dim} rot={rotary_dim} tier={tier}"
+    check_result(result, q, k, q_in, k_in, ref_rotate(q_in, cos, sin, rotary_dim, interleave),
+                 ref_rotate(k_in, cos, sin, rotary_dim, interleave), rotary_dim, in_place, dtype, ctx,
+                 assert_close_ref)
+    assert_only_views_written(backing, before, (q, k) if in_place else (), ctx)
+
+
 # --------------------------------------------------------------------------- Llama 3.1
 
 
@@ -377,7 +439,8 @@ def _pos(nnz=4, dtype=torch.int32):
     (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(5)), ValueError, "pos_ids"),
     (lambda: kernforge.apply_rope_pos_ids(*_qk(), [0, 1, 2, 3]), TypeError, "pos_ids"),
     (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos().to("meta")), ValueError, "pos_ids.*device"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos()), ValueError, "rotary_dim"),
+    (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos()), ValueError, "rotary_dim=None.*head_dim 63 is odd"),
+    (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos(), rotary_dim=63), ValueError, "rotary_dim must be even"),
     (lambda: kernforge.apply_llama31_rope_pos_ids(*_qk(), _pos(), low_freq_factor=2, high_freq_factor=2),
      ValueError, "high_freq_factor"),
     (lambda: kernforge.apply_rope(*_qk(), torch.tensor([0, 4]), torch.tensor([0], dtype=torch.int32)),

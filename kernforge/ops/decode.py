@@ -55,7 +55,7 @@ DECODE = Module(
     "decode", "decode.cpp.jinja",
     params={
         "q_dtype": DType(), "kv_dtype": DType(KV_DTYPE_NAMES), "out_dtype": DType(),
-        "head_dim": Int(minimum=16, maximum=512), "group": Int(minimum=0, maximum=MAX_GROUP),
+        "head_dim": Int(minimum=1, maximum=512), "group": Int(minimum=0, maximum=MAX_GROUP),
     },
     structs=[DECODE_PLAN, DECODE_IO],
     entries=[

@@ -267,7 +267,10 @@ def _checked_qk(kernels, q, k, rotary_dim):
 
 def _checked_rotary_dim(rotary_dim, head_dim: int) -> int:
     if rotary_dim is None:
-        rotary_dim = head_dim  # FlashInfer: q.size(-1)
+        if head_dim % 2:  # FlashInfer takes q.size(-1), and rotates pairs
+            raise ValueError(f"rotary_dim=None rotates the whole head, but head_dim {head_dim} is odd: pass an "
+                             f"even rotary_dim <= {head_dim}")
+        rotary_dim = head_dim
     else:
         try:
             rotary_dim = operator.index(rotary_dim)

@@ -44,11 +44,18 @@ constexpr int decode_head_tile(int group) {
   return tile;
 }
 
+// head_dim rounded up to whole vectors: the row length of q and of the accumulators in scratch, so
+// that their last partial vector is loaded and stored whole (q's padding lanes are zero).
+constexpr int64_t decode_padded_dim(int64_t head_dim) {
+  return (head_dim + VecF::kWidth - 1) / VecF::kWidth * VecF::kWidth;
+}
+
 // Per-thread scratch, in floats: for each KV head of a unit, its group's q and accumulators (padded
-// to whole head tiles) and their softmax state; one block of scores shared by the heads.
+// to whole head tiles and whole vectors) and their softmax state; one block of scores shared by the
+// heads.
 inline int64_t decode_head_floats(int64_t group, int64_t head_dim, int64_t head_tile) {
   const int64_t padded = (group + head_tile - 1) / head_tile * head_tile;
-  return padded * (2 * head_dim + 3);
+  return padded * (2 * decode_padded_dim(head_dim) + 3);
 }
 inline int64_t decode_scratch_floats(int64_t heads, int64_t group, int64_t head_dim, int64_t head_tile) {
   const int64_t padded = (group + head_tile - 1) / head_tile * head_tile;
@@ -60,7 +67,13 @@ class DecodeKernel {
   static constexpr int kW = VecF::kWidth;
   static constexpr int kHeadTile = decode_head_tile(kGroup);
   static constexpr int kTokenTile = kW / kHeadTile;  // tokens per score tile: kHeadTile * kTokenTile = kW
-  static_assert(kHeadDim % kW == 0, "head_dim must be a multiple of the vector width");
+  // K, V and output rows hold kHeadDim elements: kFullDim in whole vectors, then kTail (0: none) in a
+  // partial one, read and written with the vector layer's partial loads and stores (a row may end
+  // the allocation). q and the accumulators are padded to kPaddedDim in scratch.
+  static constexpr int kPaddedDim = int(decode_padded_dim(kHeadDim));
+  static constexpr int kFullDim = kHeadDim / kW * kW;
+  static constexpr int kTail = kHeadDim - kFullDim;
+  static_assert(kHeadDim >= 1, "head_dim must be positive");
   static_assert(kDecodeBlock % kTokenTile == 0 && kDecodeBlock % kW == 0, "whole tiles per block");
   // bf16 q and KV: dot products on bf16 pairs (bf16_dot.h), q kept unscaled in bf16.
   static constexpr bool kBf16Dot = KF_HAS_BF16_DOT && std::is_same<QT, bf16>::value &&
@@ -108,8 +121,8 @@ class DecodeKernel {
   HeadState head_state(float* scratch, int64_t head) const {
     float* q = scratch + head * decode_head_floats(group_, kHeadDim, kHeadTile);
     const int64_t g = padded_group_;
-    float* acc = q + g * kHeadDim;
-    float* m = acc + g * kHeadDim;
+    float* acc = q + g * kPaddedDim;
+    float* m = acc + g * kPaddedDim;
     return {q, acc, m, m + g, m + 2 * g};
   }
   float* block_scores(float* scratch) const {
@@ -163,18 +176,18 @@ class DecodeKernel {
     const QT* q = reinterpret_cast<const QT*>(io.q) + w.request * io.q_stride_token;
     for (int64_t g = 0; g < padded_group_; ++g) {
       const QT* src = q + ((w.kv_head + h) * group_ + g) * io.q_stride_head;
-      for (int64_t d = 0; d < kHeadDim; d += kW) {
-        const VecF row = g < group_ ? VecF::load(src + d) * scale : VecF::zero();
+      for (int64_t d = 0; d < kPaddedDim; d += kW) {
+        const VecF row = g < group_ ? load_row(src, d) * scale : VecF::zero();
         if constexpr (kBf16Operands) {
-          row.store(reinterpret_cast<bf16*>(st.q) + g * kHeadDim + d);
+          row.store(reinterpret_cast<bf16*>(st.q) + g * kPaddedDim + d);
         } else {
-          row.store(st.q + g * kHeadDim + d);
+          row.store(st.q + g * kPaddedDim + d);
         }
       }
 #if KF_HAS_FP8_DOT
-      if constexpr (kFp8Dot) fp8_dot::arrange_q<kHeadDim>(reinterpret_cast<bf16*>(st.q) + g * kHeadDim);
+      if constexpr (kFp8Dot) fp8_dot::arrange_q<kHeadDim>(reinterpret_cast<bf16*>(st.q) + g * kPaddedDim);
 #endif
-      std::fill(st.acc + g * kHeadDim, st.acc + (g + 1) * kHeadDim, 0.0f);
+      std::fill(st.acc + g * kPaddedDim, st.acc + (g + 1) * kPaddedDim, 0.0f);
       st.m[g] = -std::numeric_limits<float>::infinity();
       st.l[g] = 0.0f;
     }
@@ -215,8 +228,8 @@ class DecodeKernel {
     void step() {
       for (int64_t n = 0; n < lines_per_step_ && outer_ < outer_end_; ++n) {
         const int64_t token = token_major_ ? outer_ : inner_, head = token_major_ ? inner_ : outer_;
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + 64 * line_);
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + 64 * line_);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + line_offset(line_));
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + line_offset(line_));
         if (++line_ < kRowLines) continue;
         line_ = 0;
         if (++inner_ == inner_end_) inner_ = 0, ++outer_;
@@ -228,7 +241,16 @@ class DecodeKernel {
     }
 
    private:
-    static constexpr int64_t kRowLines = (kHeadDim * int64_t(sizeof(KVT)) + 63) / 64;
+    // Rows of a head_dim that is a multiple of 16 start on a multiple of their size (up to a line),
+    // so they span ceil(bytes / 64) lines. Others start anywhere in a line and may touch one line
+    // more: the last fetch is of the row's last byte (no fetch lands past the row).
+    static constexpr bool kMisaligned = kHeadDim % 16 != 0;
+    static constexpr int64_t kRowBytes = kHeadDim * int64_t(sizeof(KVT));
+    static constexpr int64_t kRowLines = (kRowBytes + 63) / 64 + (kMisaligned ? 1 : 0);
+    static int64_t line_offset(int64_t line) {
+      if constexpr (kMisaligned) return std::min<int64_t>(64 * line, kRowBytes - 1);
+      return 64 * line;
+    }
     const Rows& rows_;
     const int64_t k_head_, v_head_;
     const bool token_major_;
@@ -263,28 +285,34 @@ class DecodeKernel {
 #if KF_HAS_BF16_DOT
     if constexpr (kBf16Dot) {
       return bf16_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
-                 reinterpret_cast<const bf16*>(st.q) + g0 * kHeadDim, k) * scale;
+                 reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) * scale;
     }
 #endif
 #if KF_HAS_FP8_DOT
     if constexpr (kFp8Dot) {
       return fp8_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
-                 reinterpret_cast<const bf16*>(st.q) + g0 * kHeadDim, k) * scale;
+                 reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) * scale;
     }
 #endif
     (void)scale;  // q is pre-scaled on this path
-    const float* q = st.q + g0 * kHeadDim;
+    const float* q = st.q + g0 * kPaddedDim;
     VecF acc[kW];
     for (int i = 0; i < kW; ++i) acc[i] = VecF::zero();
-    for (int64_t d = 0; d < kHeadDim; d += kW) {
-      VecF kv[kTokenTile];
-      for (int jj = 0; jj < kTokenTile; ++jj) kv[jj] = VecF::load(k[jj] + d);
-      for (int gg = 0; gg < kHeadTile; ++gg) {
-        const VecF qv = VecF::load(q + gg * kHeadDim + d);
-        for (int jj = 0; jj < kTokenTile; ++jj) acc[gg * kTokenTile + jj] = fma(qv, kv[jj], acc[gg * kTokenTile + jj]);
-      }
-    }
+    for (int64_t d = 0; d < kFullDim; d += kW) score_step<kW>(q, k, d, acc);
+    if constexpr (kTail > 0) score_step<kTail>(q, k, kFullDim, acc);  // the K rows' last partial vector
     return reduce_lanes(acc);
+  }
+
+  // acc += q[gg][d..] * k[jj][d..] on kCount elements (kCount < kW: q's zero padding meets the
+  // zeros of K's partial load).
+  template <int kCount>
+  static void score_step(const float* q, const KVT* const (&k)[kTokenTile], int64_t d, VecF (&acc)[kW]) {
+    VecF kv[kTokenTile];
+    for (int jj = 0; jj < kTokenTile; ++jj) kv[jj] = load_part<kCount>(k[jj] + d);
+    for (int gg = 0; gg < kHeadTile; ++gg) {
+      const VecF qv = VecF::load(q + gg * kPaddedDim + d);
+      for (int jj = 0; jj < kTokenTile; ++jj) acc[gg * kTokenTile + jj] = fma(qv, kv[jj], acc[gg * kTokenTile + jj]);
+    }
   }
 
   // Online softmax: scores become probabilities relative to the new running max; alpha is what
@@ -356,7 +384,12 @@ class DecodeKernel {
           value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, between);
         });
       }
-      for (; d < kHeadDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, [] {});
+      for (; d < kFullDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, [] {});
+      if constexpr (kTail > 0) {  // the rows' last partial vector (all of them when head_dim < kW)
+        paced(g0 == 0 && kFullDim == 0, prefetch, [&](const auto& between) {
+          value_step<1, kTail>(rows, head_offset, count, st, scores, g0, kFullDim, between);
+        });
+      }
     }
   }
 
@@ -386,7 +419,7 @@ class DecodeKernel {
       float* acc[kHeads];
       for (int gg = 0; gg < kHeads; ++gg) pairs[gg] = probability_pairs(scores, g0 + gg);
       const auto call = [&](auto chunks, int64_t d, const auto& between) {
-        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kHeadDim + d;
+        for (int gg = 0; gg < kHeads; ++gg) acc[gg] = st.acc + (g0 + gg) * kPaddedDim + d;
         Pairs::template accumulate<kHeads, decltype(chunks)::value>(rows.v, head_offset + d, kZeros, count, pairs,
                                                                     st.alpha + g0, acc, between);
       };
@@ -400,26 +433,28 @@ class DecodeKernel {
     }
   }
 
-  template <int kChunks, class Between>
+  // kChunks vectors of kCount elements (kCount < kW: the rows' last partial vector, one chunk).
+  template <int kChunks, int kCount = kW, class Between>
   static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
                          const float* scores, int64_t g0, int64_t d, const Between& between) {
+    static_assert(kCount == kW || kChunks == 1, "only the last vector is partial");
     VecF acc[kHeadTile][kChunks];
     for (int gg = 0; gg < kHeadTile; ++gg) {
       const VecF alpha = VecF::broadcast(st.alpha[g0 + gg]);
-      for (int c = 0; c < kChunks; ++c) acc[gg][c] = VecF::load(st.acc + (g0 + gg) * kHeadDim + d + c * kW) * alpha;
+      for (int c = 0; c < kChunks; ++c) acc[gg][c] = VecF::load(st.acc + (g0 + gg) * kPaddedDim + d + c * kW) * alpha;
     }
     for (int64_t j = 0; j < count; ++j) {
       between();
       const KVT* v_row = rows.v[j] + head_offset + d;
       VecF v[kChunks];
-      for (int c = 0; c < kChunks; ++c) v[c] = VecF::load(v_row + c * kW);
+      for (int c = 0; c < kChunks; ++c) v[c] = load_part<kCount>(v_row + c * kW);
       for (int gg = 0; gg < kHeadTile; ++gg) {
         const VecF p = VecF::broadcast(scores[(g0 + gg) * kDecodeBlock + j]);
         for (int c = 0; c < kChunks; ++c) acc[gg][c] = fma(p, v[c], acc[gg][c]);
       }
     }
     for (int gg = 0; gg < kHeadTile; ++gg) {
-      for (int c = 0; c < kChunks; ++c) acc[gg][c].store(st.acc + (g0 + gg) * kHeadDim + d + c * kW);
+      for (int c = 0; c < kChunks; ++c) acc[gg][c].store(st.acc + (g0 + gg) * kPaddedDim + d + c * kW);
     }
   }
 
@@ -428,9 +463,9 @@ class DecodeKernel {
     for (int64_t g = 0; g < group_; ++g) {
       const float l = st.l[g], lse = segment_lse(st.m[g], l);
       const VecF scale = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
-      const float* acc = st.acc + g * kHeadDim;
+      const float* acc = st.acc + g * kPaddedDim;
 #if KF_HAS_BF16_DOT
-      alignas(64) float ordered[kHeadDim];
+      alignas(64) float ordered[kPaddedDim];
       if constexpr (kBf16Dot) {
         for (int64_t d = 0; d < kHeadDim; d += bf16_dot::kChunk) bf16_dot::unscramble_chunk(acc + d, ordered + d);
         acc = ordered;
@@ -444,16 +479,36 @@ class DecodeKernel {
 #endif
       if (w.slot >= 0) {
         const int64_t row = h * group_ + g;
-        float* out = partial_out(w.slot) + row * kHeadDim;
-        for (int64_t d = 0; d < kHeadDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+        write_row(acc, scale, partial_out(w.slot) + row * kHeadDim);
         partial_lse(w.slot)[row] = lse;
         continue;
       }
       const int64_t head = (w.kv_head + h) * group_ + g;
       OutT* out = reinterpret_cast<OutT*>(io.out) + w.request * io.out_stride_token + head * io.out_stride_head;
-      for (int64_t d = 0; d < kHeadDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+      write_row(acc, scale, out);
       if (io.lse) reinterpret_cast<float*>(io.lse)[w.request * io.lse_stride_token + head * io.lse_stride_head] = lse;
     }
+  }
+
+  // out[0, kHeadDim) = acc * scale (acc padded to whole vectors; out is not).
+  template <class T>
+  static void write_row(const float* acc, const VecF& scale, T* out) {
+    for (int64_t d = 0; d < kFullDim; d += kW) (VecF::load(acc + d) * scale).store(out + d);
+    if constexpr (kTail > 0) (VecF::load(acc + kFullDim) * scale).store(out + kFullDim, kTail);
+  }
+
+  // Elements [d, d + kW) of a row of kHeadDim; in the last partial vector, those before kHeadDim
+  // (zeros after it: nothing past the row is read).
+  template <class T>
+  static VecF load_row(const T* row, int64_t d) {
+    if constexpr (kTail == 0) return VecF::load(row + d);
+    return VecF::load(row + d, kHeadDim - d);
+  }
+  // kCount elements from p: a full load, or a partial one (zeros after kCount, nothing past it read).
+  template <int kCount, class T>
+  static VecF load_part(const T* p) {
+    if constexpr (kCount == kW) return VecF::load(p);
+    return VecF::load(p, kCount);
   }
 
   void merge(const kf_decode_layer& io, const MergeItem& m) const {
