@@ -268,9 +268,21 @@ def test_unsupported_model_kind_raises():
         kft.optimize(model)
 
 
+@pytest.mark.parametrize("head_dim", [72, 36])  # not a multiple of 32 (16): the kernels' vector tails
+def test_head_dims_off_the_vector_width_match_stock(head_dim):
+    stock, reference, ours = build(LlamaForCausalLM, LlamaConfig, hidden_size=4 * head_dim, head_dim=head_dim)
+    ids = prompt(19)
+    with torch.no_grad():
+        assert_logits_close(ours(ids).logits[0, -1], stock(ids).logits[0, -1], reference(ids).logits[0, -1])
+        sequence = torch.cat([ids, prompt(4, seed=2)], dim=1)
+        ours_steps = teacher_forced_decode(ours, sequence, 19)
+        stock_steps = stock(sequence[:, :-1]).logits[0, 18:]
+    assert cosine(ours_steps.float(), stock_steps.float()) > 0.999
+
+
 def test_head_dim_without_kernels_raises():
-    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 288, "head_dim": 72}))
-    with pytest.raises(kft.UnsupportedModelError, match="head_dim 72 has no kernforge attention kernel"):
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 4 * 520, "head_dim": 520}))
+    with pytest.raises(kft.UnsupportedModelError, match="head_dim 520 has no kernforge attention kernel"):
         kft.optimize(model)
 
 

@@ -55,6 +55,7 @@ from kernforge.integrations.transformers._cache import AttentionSpec, KVCacheFul
 from kernforge.integrations.transformers._generate import generate
 from kernforge.jit import KernelNotCachedError
 from kernforge.nn import Linear
+from kernforge.ops._common import MAX_HEAD_DIM
 
 _compat.warn_if_untested(transformers.__version__)
 
@@ -147,9 +148,9 @@ def _attention_spec(config, decoder, dtype) -> AttentionSpec:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     first = decoder.layers[0].self_attn
     head_dim = first.head_dim
-    if head_dim % 16 or not 16 <= head_dim <= 512:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise UnsupportedModelError(f"head_dim {head_dim} has no kernforge attention kernel: decode and prefill take "
-                                    "head dims that are multiples of 16, up to 512")
+                                    f"head dims from 1 to {MAX_HEAD_DIM}")
     if 2 * rotary.inv_freq.numel() != head_dim:
         raise UnsupportedModelError(f"partial rotary embedding (rotary dim {2 * rotary.inv_freq.numel()} of head_dim "
                                     f"{head_dim}) is not supported")
