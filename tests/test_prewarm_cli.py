@@ -27,7 +27,7 @@ from conftest import TEST_TEMPLATES, clean_env
 from kernels import AXPY
 from kernforge import cli
 from kernforge.cache import disk
-from kernforge.jit import core, isa, render
+from kernforge.jit import core, isa, render, tuning
 
 prewarm = importlib.import_module("kernforge.prewarm")  # the module (``kernforge.prewarm`` is the function)
 TESTS_DIR = Path(__file__).resolve().parent
@@ -294,10 +294,10 @@ def test_manifest_builds_the_gemm_variants_dispatch_picks(fresh_gemm_choices):
     the manifest (the default here; a tuned record changes it), and int8 adds the w8a8 module."""
     gemm = fresh_gemm_choices
     manifest = prewarm.manifest_from_model_config(TINY)
-    built = {s for s in prewarm.specs_from_manifest(manifest) if s.template == "bf16.cpp.jinja"}
+    built = {s for s in prewarm.specs_from_manifest(manifest) if s.template == "gemm.cpp.jinja"}
     for n, k in TINY_NK:
         for m in (1, 2, 3, 16, 100, 1024, 5000):
-            assert bf16._chosen_variant(torch.bfloat16, m, n, k).spec(isa.selected_tier()) in built
+            assert gemm._chosen_variant(torch.bfloat16, m, n, k).spec(isa.selected_tier()) in built
     modules = [k.get("module") for k in prewarm.manifest_from_model_config(TINY, quant="int8")["kernels"]]
     assert "gemm_int8" in modules and "gemm_int8" not in [k.get("module") for k in manifest["kernels"]]
 
@@ -320,7 +320,7 @@ def fresh_gemm_choices(cache):
 
 
 def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choices):
-    timed = []
+    gemm, timed = fresh_gemm_choices, []
 
     def fake_timer(config, run):  # no timing in tests: the one-row reference "wins"
         timed.append(config)
@@ -332,8 +332,8 @@ def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choic
     import torch
     for n, k in TINY_NK:
         for m in (1, 3):
-            assert bf16._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
-        assert bf16._chosen_variant(torch.bfloat16, 5, n, k).params["tile"] != (1, 16)  # bucket 8: not tuned
+            assert gemm._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
+        assert gemm._chosen_variant(torch.bfloat16, 5, n, k).params["tile"] != (1, 16)  # bucket 8: not tuned
 
 
 def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_path, monkeypatch, capsys):
@@ -341,7 +341,7 @@ def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_pa
     path.write_text(json.dumps(TINY))
     built = []
     monkeypatch.setattr(prewarm, "prewarm", lambda manifest, **kw: built.append(manifest))  # no compiles here
-    monkeypatch.setattr(fresh_gemm_choices, "time_call", lambda run: 1.0)  # nor timing: the defaults win
+    monkeypatch.setattr(tuning, "time_call", lambda run: 1.0)  # nor timing (GEMM and prefill): the defaults win
     assert cli.main(["prewarm", "--model-config", str(path), "--tune", "--tune-m", "1", "16"]) == 0
     assert built == [prewarm.manifest_from_model_config(TINY)]
     out = capsys.readouterr().out

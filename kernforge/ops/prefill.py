@@ -528,10 +528,10 @@ def tune_prefill(head_dims=((128, 128),), groups=(4,), dtype: torch.dtype = torc
     plan() finds it. The default is always timed and is displaced only by a candidate more than
     3% faster, so the record is never slower than the default as measured. ``measure(tile, run)``
     returns seconds (default: the median wall time of ``run()``). Returns one dict per shape."""
-    from kernforge.jit.tuning import time_call
+    from kernforge.jit import tuning
 
     kv_dtype = kv_dtype or dtype
-    measure = measure or (lambda tile, run: time_call(run))
+    measure = measure or (lambda tile, run: tuning.time_call(run))
     tier, results = isa.selected_tier(), []
     generator = torch.Generator().manual_seed(0)
     workspace = torch.empty(64 << 20, dtype=torch.uint8)

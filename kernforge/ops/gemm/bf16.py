@@ -29,7 +29,8 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
-from kernforge.jit.tuning import Candidate, Candidates, time_call
+from kernforge.jit import tuning
+from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
 from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
@@ -279,7 +280,7 @@ def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: 
     m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
     if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
         raise ValueError(f"tune_gemm needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
-    measure = measure or (lambda config, run: time_call(run))
+    measure = measure or (lambda config, run: tuning.time_call(run))
     tier = GEMM.built_tier(isa.selected_tier())
     results = []
     generator = torch.Generator().manual_seed(0)
