@@ -21,7 +21,7 @@ import torch
 import _harness as H
 import kernforge
 from kernforge.ops import num_threads
-from kernforge.ops.page import unpack_paged_kv_cache
+from kernforge.ops.attention.page import unpack_paged_kv_cache
 
 HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 8, 128, 16, torch.bfloat16
 CONTEXT = (500, 1500)  # tokens already in each request's pages, drawn uniformly

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
 import kernforge  # noqa: E402
-from kernforge.ops import prefill  # noqa: E402
+from kernforge.ops.attention import prefill  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 LENGTHS, QUICK_LENGTHS = [1024, 4096, 8192], [1024, 4096]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
-from kernforge.ops.prefill import prefill_variant_params
+from kernforge.ops.attention.prefill import prefill_variant_params
 
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 11008
 EPS = 1e-6

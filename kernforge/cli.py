@@ -102,7 +102,7 @@ def _shape_nk(text: str) -> tuple[int, int]:
 
 
 def _tune(args) -> int:
-    from kernforge.ops import prefill
+    from kernforge.ops.attention import prefill
     from kernforge.ops.gemm import bf16
 
     if args.threads:

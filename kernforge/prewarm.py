@@ -155,7 +155,7 @@ TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
 
 def tune_model_attention(config: dict | str | Path, measure=None) -> list[dict]:
     """Run :func:`kernforge.tune_prefill` for the model's head_dim and GQA group, in its dtype."""
-    from kernforge.ops.prefill import tune_prefill
+    from kernforge.ops.attention.prefill import tune_prefill
 
     model = manifest_from_model_config(config)["model"]
     group = model["num_attention_heads"] // model["num_key_value_heads"]
@@ -175,7 +175,7 @@ def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None
 
 
 def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
-    from kernforge.ops.decode import decode_variant_params  # the one rule plan() uses
+    from kernforge.ops.attention.decode import decode_variant_params  # the one rule plan() uses
 
     q = TORCH_DTYPES[dtype_name(dtype)]
     kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
@@ -184,7 +184,7 @@ def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
 
 
 def _prefill_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
-    from kernforge.ops.prefill import prefill_variant_params  # the one rule plan() uses
+    from kernforge.ops.attention.prefill import prefill_variant_params  # the one rule plan() uses
 
     q = TORCH_DTYPES[dtype_name(dtype)]
     kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]

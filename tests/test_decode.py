@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.decode import PlanStateError
+from kernforge.ops.attention.decode import PlanStateError
 from op_helpers import assert_outside_untouched, make_rows, randn, seeded
 
 LOG2E = 1.0 / math.log(2.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.page import KVCacheTypeError, KVLayoutError, PagedKVCache, check_kv_layout, unpack_paged_kv_cache
+from kernforge.ops.attention.page import KVCacheTypeError, KVLayoutError, PagedKVCache, check_kv_layout, unpack_paged_kv_cache
 from op_helpers import seeded
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -30,8 +30,8 @@ import kernforge
 from kernforge.cache import disk
 from kernforge.jit import core
 from kernforge.jit.module import Entry, Module
-from kernforge.ops import prefill
-from kernforge.ops.decode import PlanStateError
+from kernforge.ops.attention import prefill
+from kernforge.ops.attention.decode import PlanStateError
 
 LOG2E = 1.0 / math.log(2.0)
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}

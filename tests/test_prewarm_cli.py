@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops import prefill
+from kernforge.ops.attention import prefill
 from conftest import TEST_TEMPLATES, clean_env
 from kernels import AXPY
 from kernforge import cli

@@ -28,7 +28,7 @@ import torch
 import torch._dynamo.testing
 
 import kernforge
-from kernforge.ops import decode, prefill
+from kernforge.ops.attention import decode, prefill
 from kernforge.ops.gemm import bf16 as gemm, int8 as gemm_int8
 from kernforge.ops import torch_library as tl
 from op_helpers import randn, seeded

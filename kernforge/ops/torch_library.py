@@ -58,9 +58,10 @@ from typing import Callable
 
 import torch
 
-from kernforge.ops import activation, decode, norm, page, prefill, rope, sampling
+from kernforge.ops import activation, norm, rope, sampling
+from kernforge.ops.attention import decode, page, prefill
 from kernforge.ops.gemm import bf16, int8
-from kernforge.ops.decode import PlanStateError
+from kernforge.ops.attention.decode import PlanStateError
 
 NAMESPACE = "kernforge"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace

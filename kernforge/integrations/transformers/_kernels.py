@@ -9,7 +9,7 @@ the traceable ``attention_run`` op) are planned once per step outside any compil
 
 from __future__ import annotations
 
-from kernforge.ops.page import get_batch_indices_positions
+from kernforge.ops.attention.page import get_batch_indices_positions
 from kernforge.ops.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
                                          append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace,
                                          gelu_and_mul, gelu_tanh_and_mul, rmsnorm, silu_and_mul,

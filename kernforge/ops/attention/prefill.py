@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 
 import torch
 
@@ -31,10 +30,13 @@ from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module,
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
-from kernforge.ops.decode import (KV_DTYPE_NAMES, LAYER_FIELDS, PlanStateError, WorkspaceWrapper, _canonical_dtype,
-                                  _check_pos_encoding_mode, _dtype_param, _Plan, _window, attention_outputs,
-                                  check_paged_cache, fill_layer, logit_scale)
-from kernforge.ops.page import check_kv_layout, unpack_paged_kv_cache
+from kernforge.ops.attention._wrapper import (KV_DTYPE_NAMES, LAYER_FIELDS, AttentionPlan, PlanStateError,
+                                              WorkspaceWrapper, attention_outputs, check_heads, check_paged_cache,
+                                              check_pos_encoding_mode, check_positive, check_q, checked_soft_cap,
+                                              checked_window, dtype_param, fill_layer, keep_workspace, logit_scale,
+                                              plan_dtypes, raise_plan_error, reject_gpu_options,
+                                              single_request_wrapper)
+from kernforge.ops.attention.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
 PREFILL_PLAN = Struct("kf_prefill_planned", (
@@ -101,20 +103,14 @@ def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
     check_head_dim("head_dim_vo", head_dim_vo)
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def prefill_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim_qk: int,
                            head_dim_vo: int, group: int, tile: tuple[int, int] | None = None) -> dict:
     """The PREFILL variant for these dtypes and head dims: the tuned tile, else the default."""
     _check_head_dims(head_dim_qk, head_dim_vo)
     params = {
-        "q_dtype": _dtype_param(q_dtype, "q_data_type", PREFILL.params["q_dtype"].choices),
-        "kv_dtype": _dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
-        "out_dtype": _dtype_param(out_dtype, "o_data_type", PREFILL.params["out_dtype"].choices),
+        "q_dtype": dtype_param(q_dtype, "q_data_type", PREFILL.params["q_dtype"].choices),
+        "kv_dtype": dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
+        "out_dtype": dtype_param(out_dtype, "o_data_type", PREFILL.params["out_dtype"].choices),
         "head_dim_qk": head_dim_qk, "head_dim_vo": head_dim_vo,
     }
     if tile is None:
@@ -146,20 +142,13 @@ class _PrefillWrapper(WorkspaceWrapper):
                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type, tile=None,
                    module: Module = PREFILL, disable_split_kv: bool = False) -> None:
         self._plan = None
-        _check_pos_encoding_mode(pos_encoding_mode)
-        _positive("num_qo_heads", num_qo_heads)
-        _positive("num_kv_heads", num_kv_heads)
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads({num_qo_heads}) must be divisible by num_kv_heads({num_kv_heads})")
+        check_pos_encoding_mode(pos_encoding_mode)
+        group = check_heads(num_qo_heads, num_kv_heads)
         head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
         _check_head_dims(head_dim_qk, head_dim_vo)
-        q_dtype = _canonical_dtype(q_data_type, "q_data_type")
-        kv_dtype = _canonical_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type")
-        out_dtype = _canonical_dtype(o_data_type if o_data_type is not None else q_dtype, "o_data_type")
-        soft_cap = float(logits_soft_cap or 0.0)
-        if not math.isfinite(soft_cap) or soft_cap < 0:
-            raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None disables it), got {logits_soft_cap}")
-        window_left = _window(window_left)
+        q_dtype, kv_dtype, out_dtype = plan_dtypes(q_data_type, kv_data_type, o_data_type)
+        soft_cap = checked_soft_cap(logits_soft_cap)
+        window_left = checked_window(window_left)
 
         qo_indptr = index_vector(qo_indptr, "qo_indptr").clone()
         kv_name = "kv_indptr" if self._ragged else "paged_kv_indptr"
@@ -177,9 +166,8 @@ class _PrefillWrapper(WorkspaceWrapper):
             indices = index_vector(indices, "paged_kv_indices").clone()
             last_page_len = index_vector(last_page_len, "paged_kv_last_page_len", batch, "qo_indptr - 1").clone()
             num_indices = indices.numel()
-            _positive("page_size", page_size)
+            check_positive("page_size", page_size)
 
-        group = num_qo_heads // num_kv_heads
         params = prefill_variant_params(q_dtype, kv_dtype, out_dtype, head_dim_qk, head_dim_vo, group, tile)
         kernel = module.variant(**params).kernel()  # module: PREFILL, or a test build of its template
         rows_per_item = params["tile"][0]
@@ -198,10 +186,7 @@ class _PrefillWrapper(WorkspaceWrapper):
                             1 if disable_split_kv else threads, _MIN_SPLIT_BLOCKS, kv_lens.data_ptr(),
                             items.data_ptr(), tiles + threads, merges.data_ptr(), max(tiles, 1), counts.data_ptr())
         if error:
-            name, what = _PLAN_ERRORS[error >> 32]
-            if name == "kv_indptr":
-                name = kv_name
-            raise ValueError(f"{name} {what.format(i=error & 0xFFFFFFFF)}")
+            raise_plan_error(error, _PLAN_ERRORS, {"kv_indptr": kv_name})
         num_items, num_merges, slots = counts.tolist()
 
         mask = mask_offsets = None
@@ -211,13 +196,7 @@ class _PrefillWrapper(WorkspaceWrapper):
         rows = queries_per_tile * group
         scratch = kernel.scratch_bytes(rows)
         partial_bytes = slots * rows * (head_dim_vo + 1) * 4
-        workspace = self._float_workspace_buffer
-        needed = threads * scratch + partial_bytes + 64
-        if workspace.numel() * workspace.element_size() < needed and self._grows_workspace:
-            workspace = self._float_workspace_buffer = torch.empty(needed, dtype=torch.uint8)
-        if workspace.numel() * workspace.element_size() < needed:
-            raise ValueError(f"float_workspace_buffer is too small for this plan: it has "
-                             f"{workspace.numel() * workspace.element_size()} bytes, the plan needs {needed}")
+        workspace = self._workspace(threads * scratch + partial_bytes + 64)
         stats = torch.zeros(1, dtype=torch.int64)
         base = (workspace.data_ptr() + 63) // 64 * 64
         plan_args = kernel.new("kf_prefill_planned", {
@@ -231,7 +210,7 @@ class _PrefillWrapper(WorkspaceWrapper):
             "ragged": int(self._ragged), "causal": int(bool(causal)), "window_left": window_left,
             "soft_cap": soft_cap, "stats": stats.data_ptr(),
         })
-        self._plan = _Plan(
+        self._plan = AttentionPlan(
             kernel=kernel, args=plan_args, io=kernel.new("kf_prefill_layer"),
             keep=(items, merges, qo_indptr, kv_indptr, indices, last_page_len, kv_lens, mask, mask_offsets, workspace),
             stats=stats, batch=batch, total_q=total_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -245,7 +224,7 @@ class _PrefillWrapper(WorkspaceWrapper):
     def _launch(self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale):
         plan = self._plan
         q_shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_qk))
-        _check_q(q, q_shape, plan)
+        check_q(q, plan, q_shape, "[qo_indptr[-1], num_qo_heads, head_dim_qk]", rows_name="qo_indptr[-1]")
         if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
             raise ValueError(f"The dtype of out {out.dtype} does not match the o_data_type {plan.out_dtype} "
                              "specified in plan function.")
@@ -292,33 +271,6 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens):
     return packed, byte_offsets * 8
 
 
-def _check_q(q, shape: torch.Size, plan: _Plan) -> None:
-    try:
-        if q.dtype is plan.q_dtype and q.shape == shape and q.is_cpu and q.stride(-1) == 1:
-            return
-    except AttributeError:
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}") from None
-    if q.dtype != plan.q_dtype:
-        raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {plan.q_dtype} specified in "
-                         "plan function.")
-    if q.device.type != "cpu":
-        raise ValueError(f"q must be on the CPU, got device {q.device}")
-    if q.dim() == 3 and q.shape[0] != shape[0]:
-        raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({shape[0]}). q must have shape "
-                         "[total_tokens, num_heads, head_dim] where total_tokens = qo_indptr[-1].")
-    if q.shape != shape:
-        raise ValueError(f"q must have shape [qo_indptr[-1], num_qo_heads, head_dim_qk] = {tuple(shape)} as planned, "
-                         f"got {tuple(q.shape)}")
-    raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
-
-
-def _reject(**values) -> None:
-    for name, value in values.items():
-        if value is not None and value is not False and not (isinstance(value, int) and value == 0):
-            raise NotImplementedError(f"{name}={value!r} is not supported by kernforge's prefill (a GPU-backend "
-                                      "option)")
-
-
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's batch prefill over a paged KV cache: ``plan()`` once per batch, ``run()`` per layer."""
 
@@ -340,7 +292,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
              disable_split_kv: bool = False) -> None:
         """Check and copy the batch's indices, pick the kernel and list the work items."""
-        _reject(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+        reject_gpu_options("prefill", prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                 max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
                 block_tables=block_tables, fixed_split_size=fixed_split_size)
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
@@ -364,9 +316,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             raise PlanStateError("run() called before plan(): plan the batch first")
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally, got {len(args)} more positional arguments")
-        _reject(sinks=sinks, kv_cache_sf=kv_cache_sf,
+        reject_gpu_options("prefill", sinks=sinks, kv_cache_sf=kv_cache_sf,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
-        if window_left is not None and _window(window_left) != plan.window_left:
+        if window_left is not None and checked_window(window_left) != plan.window_left:
             raise ValueError(f"window_left={window_left} differs from the planned {plan.window_left}; plan() again")
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_paged_cache(cache, plan, plan.head_dim_qk, "paged_kv_indices")
@@ -406,7 +358,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              seq_lens_q=None, max_token_per_sequence=None, max_sequence_kv=None, v_indptr=None,
              o_indptr=None) -> None:
         """Check and copy the batch's indices, pick the kernel and list the work items."""
-        _reject(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+        reject_gpu_options("prefill", prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                 max_item_len_ptr=max_item_len_ptr, fixed_split_size=fixed_split_size, seq_lens=seq_lens,
                 seq_lens_q=seq_lens_q, v_indptr=v_indptr, o_indptr=o_indptr)
         self._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 1,
@@ -425,7 +377,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             raise PlanStateError("run() called before plan(): plan the batch first")
         if args:
             raise TypeError(f"run() takes q, k and v positionally, got {len(args)} more positional arguments")
-        _reject(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
+        reject_gpu_options("prefill", o_scale=o_scale, kv_cache_sf=kv_cache_sf)
         k_strides = _ragged_strides(k, "k", plan, plan.head_dim_qk, self._kv_layout)
         v_strides = _ragged_strides(v, "v", plan, plan.head_dim_vo, self._kv_layout)
         return self._launch(q, k.data_ptr(), k_strides, v.data_ptr(), v_strides, out, lse, return_lse, q_scale,
@@ -444,17 +396,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 
 
 def _check_forward(plan, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale) -> None:
-    _check_pos_encoding_mode(pos_encoding_mode)
+    check_pos_encoding_mode(pos_encoding_mode)
     if plan is None:
         raise PlanStateError("forward() called before plan(): plan the batch first")
-    if bool(causal) != bool(plan.args.causal) or _window(window_left) != plan.window_left \
+    if bool(causal) != bool(plan.args.causal) or checked_window(window_left) != plan.window_left \
             or float(logits_soft_cap or 0.0) != plan.soft_cap:
         raise ValueError("forward(): causal, window_left and logits_soft_cap are part of the plan on the CPU; "
                          "pass them to plan()")
     plan.sm_scale = 1.0 / math.sqrt(plan.head_dim_qk) if sm_scale is None else float(sm_scale)
 
 
-def _ragged_strides(t, name: str, plan: _Plan, head_dim: int, kv_layout: str) -> tuple[int, int, int]:
+def _ragged_strides(t, name: str, plan: AttentionPlan, head_dim: int, kv_layout: str) -> tuple[int, int, int]:
     """(unused page stride, token stride, head stride) of ragged ``k``/``v``, after checking them."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -487,7 +439,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Prefill attention of one request: ``q [qo_len, num_qo_heads, head_dim_qk]`` over ``k``/``v``
     ``[kv_len, num_kv_heads, head_dim]`` (NHD; HND: ``[num_kv_heads, kv_len, head_dim]``).
     Returns ``out [qo_len, num_qo_heads, head_dim_vo]``, or ``(out, lse [qo_len, num_qo_heads])``."""
-    _reject(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, kv_cache_sf=kv_cache_sf)
+    reject_gpu_options("prefill", scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, kv_cache_sf=kv_cache_sf)
     check_kv_layout(kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -507,16 +459,13 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if custom_mask.shape != (qo_len, kv_len) and custom_mask.numel() != qo_len * kv_len:
             raise ValueError(f"custom_mask must be [qo_len, kv_len] = [{qo_len}, {kv_len}], got "
                              f"{tuple(custom_mask.shape)}")
-    if not hasattr(_SINGLE_WORKSPACE, "buffer"):
-        _SINGLE_WORKSPACE.buffer = torch.empty(1 << 20, dtype=torch.uint8)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_SINGLE_WORKSPACE.buffer, kv_layout)
-    wrapper._grows_workspace = True
+    wrapper = single_request_wrapper(BatchPrefillWithRaggedKVCacheWrapper, kv_layout)
     wrapper.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  num_qo_heads, num_kv_heads, head_dim_qk, v.shape[2], custom_mask=custom_mask,
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q.dtype,
                  kv_data_type=k.dtype, o_data_type=o_dtype if o_dtype is not None else q.dtype)
-    _SINGLE_WORKSPACE.buffer = wrapper._float_workspace_buffer
+    keep_workspace(wrapper)
     return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
 
@@ -569,8 +518,6 @@ export("tune_prefill", tune_prefill)
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 
-# single_prefill_with_kv_cache's workspace, one per calling thread, grown by plan() as needed.
-_SINGLE_WORKSPACE = threading.local()
 
 export("BatchPrefillWithPagedKVCacheWrapper", BatchPrefillWithPagedKVCacheWrapper)
 export("BatchPrefillWithRaggedKVCacheWrapper", BatchPrefillWithRaggedKVCacheWrapper)

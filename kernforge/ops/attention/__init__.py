@@ -1,0 +1,6 @@
+"""The attention family, FlashInfer's API: the paged KV cache and its append (``page``), batch and
+single decode (``decode``), batch prefill over paged or ragged KV and single prefill
+(``prefill``), and LSE merging of attention states (``cascade``). ``_wrapper`` holds what the
+plan/run wrappers share."""
+
+from kernforge.ops.attention import cascade, decode, page, prefill  # noqa: F401  (registers their ops)
