@@ -13,6 +13,7 @@ from kernforge.jit import (
     use_isa,
 )
 from kernforge.ops import *  # noqa: F401,F403  (the registered ops, listed once in kernforge.ops)
+from kernforge import torch_library  # noqa: F401,E402  (defines torch.ops.kernforge.*: the ops as graph nodes)
 from kernforge.prewarm import prewarm
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Tests for ``kernforge.ops.torch_library``: kernforge's ops as ``torch.ops.kernforge`` custom ops.
+"""Tests for ``kernforge.torch_library``: kernforge's ops as ``torch.ops.kernforge`` custom ops.
 
 * Schemas: every op's written arguments (``Tensor(a!)``) are exactly the ones listed here.
 * Every op: the custom op gives the Python op's result bit for bit (the same kernel on the same
@@ -30,7 +30,7 @@ import torch._dynamo.testing
 import kernforge
 from kernforge.ops.attention import decode, prefill
 from kernforge.ops.gemm import bf16 as gemm, int8 as gemm_int8
-from kernforge.ops import torch_library as tl
+from kernforge import torch_library as tl
 from op_helpers import randn, seeded
 
 BF16 = torch.bfloat16
@@ -214,9 +214,9 @@ def _decode_case(g, workspace, wrapper_class, return_lse=False):
     tl.register_wrapper(wrapper)
     cache = bf16((8, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM), g)
     q = bf16((2, QO_HEADS, HEAD_DIM), g)
-    return Case((q, cache, None, wrapper._torch_library_handle, BF16, HEAD_DIM),
-                lambda q, kv, v, *planned: decode.BatchDecodeWithPagedKVCacheWrapper.run(
-                    wrapper, q, kv, return_lse=return_lse),
+    return Case(([q, cache, None], wrapper._torch_library_handle, BF16, HEAD_DIM),
+                lambda tensors, *planned: decode.BatchDecodeWithPagedKVCacheWrapper.run(
+                    wrapper, tensors[0], tensors[1], return_lse=return_lse),
                 keep=wrapper)
 
 
@@ -228,9 +228,10 @@ def _prefill_case(g, workspace, return_lse=False):
                  q_data_type=BF16)
     cache = bf16((8, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM), g)
     q = bf16((8, QO_HEADS, HEAD_DIM), g)
-    return Case((q, cache[:, 0], cache[:, 1], wrapper._torch_library_handle, BF16, HEAD_DIM, 0.5, 1.5, 0.75),
-                lambda q, k, v, *planned: prefill.BatchPrefillWithPagedKVCacheWrapper.run(
-                    wrapper, q, (k, v), q_scale=0.5, k_scale=1.5, v_scale=0.75, return_lse=return_lse),
+    return Case(([q, cache[:, 0], cache[:, 1]], wrapper._torch_library_handle, BF16, HEAD_DIM, 0.5, 1.5, 0.75),
+                lambda tensors, *planned: prefill.BatchPrefillWithPagedKVCacheWrapper.run(
+                    wrapper, tensors[0], tuple(tensors[1:]), q_scale=0.5, k_scale=1.5, v_scale=0.75,
+                    return_lse=return_lse),
                 keep=wrapper)
 
 
@@ -239,8 +240,8 @@ def _ragged_case(g, workspace):
     wrapper.plan(torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 20, 27], dtype=torch.int32),
                  QO_HEADS, KV_HEADS, HEAD_DIM, causal=True, q_data_type=BF16)
     q, k, v = bf16((8, QO_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g)
-    return Case((q, k, v, wrapper._torch_library_handle, BF16, HEAD_DIM),
-                lambda q, k, v, *planned: prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, q, k, v),
+    return Case(([q, k, v], wrapper._torch_library_handle, BF16, HEAD_DIM),
+                lambda tensors, *planned: prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, *tensors),
                 keep=wrapper)
 
 
@@ -324,14 +325,14 @@ def test_opcheck(case_id, workspace):
 
 def test_attention_run_refuses_a_dead_or_mismatched_handle(workspace):
     case = CASES["attention_run[decode]"](seeded("handles"), workspace)
-    q, cache, _, handle, dtype, head_dim = case.args
+    tensors, handle, dtype, head_dim = case.args
     with pytest.raises(ValueError, match="out_dtype torch.float32 and head_dim_vo 128, but the wrapper's plan "
                                          "gives torch.bfloat16 and 128"):
-        custom_op("attention_run")(q, cache, None, handle, torch.float32, head_dim)
+        custom_op("attention_run")(tensors, handle, torch.float32, head_dim)
     del case
     gc.collect()
     with pytest.raises(ValueError, match=f"no live attention wrapper has handle {handle}"):
-        custom_op("attention_run")(q, cache, None, handle, dtype, head_dim)
+        custom_op("attention_run")(tensors, handle, dtype, head_dim)
 
 
 def test_register_wrapper_is_idempotent_and_checks_the_type(workspace):
@@ -349,7 +350,41 @@ def test_traced_unregistered_wrapper_says_to_register_it(workspace):
     wrapper._plan = case.keep._plan  # planned, never registered
     run = torch.compile(lambda q, cache: tl.attention_run(wrapper, q, cache), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="register_wrapper"):
-        run(case.args[0], case.args[1])
+        run(*case.args[0][:2])
+
+
+class _SplitQueryRagged(prefill.BatchPrefillWithRaggedKVCacheWrapper):
+    """A wrapper whose run() takes other tensors than q, paged_kv_cache (MLA's run(q_nope, q_pe, ckv,
+    kpe) is the real case): the query in two parts. It states them through the traceable-run
+    protocol and nothing else."""
+
+    def run(self, q_a, q_b, k, v, **kwargs):
+        return super().run(torch.cat([q_a, q_b], dim=-1), k, v, **kwargs)
+
+    def traced_tensors(self, q_a, q_b, k, v):
+        return [q_a, q_b, k, v]
+
+    def run_arguments(self, tensors):
+        return tuple(tensors)
+
+
+class _TraceableSplitQueryRagged(tl._TraceableRun, _SplitQueryRagged):
+    pass
+
+
+def test_a_wrapper_with_its_own_run_signature_compiles_through_attention_run(workspace):
+    g = seeded("split query")
+    wrapper = _TraceableSplitQueryRagged(workspace)
+    wrapper.plan(torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 20, 27], dtype=torch.int32),
+                 QO_HEADS, KV_HEADS, HEAD_DIM, causal=True, q_data_type=BF16)
+    q = bf16((8, QO_HEADS, HEAD_DIM), g)
+    k, v = bf16((27, KV_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g)
+    q_a, q_b = q[..., :40].contiguous(), q[..., 40:].contiguous()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(lambda *t: wrapper.run(*t, return_lse=True), backend=counter, fullgraph=True)
+    out, lse = compiled(q_a, q_b, k, v)
+    expected, expected_lse = prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, q, k, v, return_lse=True)
+    assert counter.frame_count == 1 and torch.equal(out, expected) and torch.equal(lse, expected_lse)
 
 
 # --------------------------------------------------------------------------- sampling, traced
@@ -501,3 +536,61 @@ def test_a_plan_with_another_output_dtype_recompiles(workspace):
         assert got.dtype == dtype
         assert torch.equal(got, decode.BatchDecodeWithPagedKVCacheWrapper.run(wrapper, q, cache))
     assert counter.frame_count == 2
+
+
+# --------------------------------------------------------------------------- schemas vs Python signatures
+
+# Custom ops whose schema takes other arguments than the Python op (a schema holds no Python objects):
+# their traceable facade converts, and keeps the Python op's signature.
+ADAPTED = {
+    "append_paged_kv_cache": "paged_kv_cache as its (k, v) halves",
+    "weight_packed_linear": "the PackedWeight as its tensor and ints",
+    "weight_packed_linear_out": "the PackedWeight as its tensor and ints",
+    "int8_scaled_mm_with_quant": "the PackedInt8Weight as its tensors and ints",
+    "top_k_top_p_sampling_from_logits": "top_k/top_p per row and the Philox seed/offset as tensors",
+    "attention_run": "a wrapper's run() tensors and its registry handle",
+    "attention_run_return_lse": "a wrapper's run() tensors and its registry handle",
+}
+
+
+# torch's spelling of a schema argument's type, for a Python annotation
+_TORCH_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Optional[Tensor]", "int": "int",
+                "int | None": "Optional[int]", "float": "float", "bool": "bool", "str": "str"}
+
+
+def _call_shape(fn) -> list:
+    """What a caller sees of ``fn``'s own signature (not its wrapped op's): names, kinds, defaults."""
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn, follow_wrapped=False).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(tl.SCHEMAS))
+def test_schema_matches_the_python_signature(name):
+    """Every custom op takes its Python op's arguments, in order, with the same types and defaults
+    (an out variant: plus a keyword-only out), or is listed in ADAPTED; every traceable facade has
+    its Python op's signature."""
+    import inspect
+
+    base = name.removesuffix("_out")
+    python_op = kernforge.ops.PUBLIC.get(base)
+    facade = getattr(tl, base, None)
+    if facade is not None and python_op is not None and [k for _, k, _ in _call_shape(facade)] != [
+            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:  # (*args, **kwargs) forwards as is
+        assert _call_shape(facade) == _call_shape(python_op)
+    if name in ADAPTED:
+        return
+    python = inspect.signature(python_op).parameters
+    schema = custom_op(name).default._schema
+    arguments = [a for a in schema.arguments if not (name.endswith("_out") and a.name == "out")]
+    assert [a.name for a in arguments] == [p for p in python if p != "out"]
+    assert name.endswith("_out") == (len(arguments) < len(schema.arguments))
+    for argument in arguments:
+        parameter = python[argument.name]
+        assert str(argument.type) == _TORCH_TYPES[parameter.annotation], argument.name
+        if parameter.default is inspect.Parameter.empty:
+            assert not argument.has_default_value(), argument.name
+        else:
+            assert argument.has_default_value() and argument.default_value == parameter.default, argument.name
+            if parameter.annotation in ("int", "int | None", "bool"):
+                assert type(argument.default_value) is type(parameter.default), argument.name

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernforge.ops import torch_library
+from kernforge import torch_library
 from kernforge.ops.gemm import bf16, fp8, int8
 from kernforge.ops._registry import DTYPE_NAMES
 

@@ -1,6 +1,6 @@
 """Every kernforge call the transformers integration makes, in one place.
 
-They go through ``kernforge.ops.torch_library``: eagerly each is kernforge's op, called directly;
+They go through ``kernforge.torch_library``: eagerly each is kernforge's op, called directly;
 while ``torch.compile`` traces the model each is one ``torch.ops.kernforge`` node, so an optimized
 model compiles without graph breaks. The attention wrappers (torch_library's, whose ``run()`` is
 the traceable ``attention_run`` op) are planned once per step outside any compiled region;
@@ -10,7 +10,7 @@ the traceable ``attention_run`` op) are planned once per step outside any compil
 from __future__ import annotations
 
 from kernforge.ops.attention.page import get_batch_indices_positions
-from kernforge.ops.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
+from kernforge.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
                                          append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace,
                                          gelu_and_mul, gelu_tanh_and_mul, rmsnorm, silu_and_mul,
                                          top_k_top_p_sampling_from_logits)

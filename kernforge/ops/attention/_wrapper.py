@@ -22,7 +22,7 @@ import torch
 
 from kernforge.ops._common import num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES
-from kernforge.ops.attention.page import PagedKVCache, check_kv_layout
+from kernforge.ops.attention.page import PagedKVCache, check_kv_layout, paged_kv_from_halves, paged_kv_halves
 
 _I64 = "int64_t"
 # One layer's tensors, filled per run() by fill_layer(); the same fields for every attention kernel.
@@ -89,6 +89,26 @@ class WorkspaceWrapper:
 
     def end_forward(self) -> None:
         """FlashInfer's no-op."""
+
+    # The traceable-run protocol (kernforge.torch_library's attention_run, one custom op for every
+    # wrapper): run()'s tensor arguments as one flat list, the same arguments back from it, and the
+    # planned output. The default is run(q, paged_kv_cache); a wrapper with other tensors overrides
+    # the first two.
+    def traced_tensors(self, q: torch.Tensor, paged_kv_cache) -> list[torch.Tensor | None]:
+        """run()'s tensors as the custom op takes them (a paged cache as its K and V halves)."""
+        return [q, *paged_kv_halves(paged_kv_cache)]
+
+    def run_arguments(self, tensors: list) -> tuple:
+        """run()'s positional arguments from :meth:`traced_tensors`'s list."""
+        q, kv, v = tensors
+        return q, paged_kv_from_halves(kv, v)
+
+    def planned_output(self) -> tuple[torch.dtype, int]:
+        """(out dtype, head dim of out) of the current plan: the output is ``[q rows, q heads, that]``."""
+        plan = self._plan
+        if plan is None:
+            raise PlanStateError("run() called before plan(): plan the batch first")
+        return plan.out_dtype, plan.head_dim_vo
 
     def _workspace(self, needed: int) -> torch.Tensor:
         """The workspace buffer, checked to hold ``needed`` bytes (a single-request op's own wrapper

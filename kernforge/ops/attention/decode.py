@@ -161,8 +161,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
             kernel=kernel, args=plan_args, io=kernel.new("kf_decode_layer"),
             keep=(plan_buffer, indptr, indices, last_page_len, workspace),
             batch=batch, q_shape=torch.Size((batch, num_qo_heads, head_dim)), num_kv_heads=num_kv_heads,
-            head_dim=head_dim, page_size=page_size, max_page=max_page, q_dtype=q_dtype, kv_dtype=kv_dtype,
-            out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
+            head_dim=head_dim, head_dim_vo=head_dim, page_size=page_size, max_page=max_page, q_dtype=q_dtype,
+            kv_dtype=kv_dtype, out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
             sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
         )
 

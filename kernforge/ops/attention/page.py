@@ -112,6 +112,21 @@ _new_object = object.__new__
 _ITEMSIZE = {dtype: dtype.itemsize for dtype in KV_DTYPES}
 
 
+def paged_kv_halves(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A paged cache as two tensors, for a custom op's schema: ``(cache, None)`` for one tensor,
+    ``(k_cache, v_cache)`` for a pair; :func:`paged_kv_from_halves` is the inverse."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
+                             "entries")
+        return paged_kv_cache[0], paged_kv_cache[1]
+    return paged_kv_cache, None
+
+
+def paged_kv_from_halves(kv: torch.Tensor, v: torch.Tensor | None):
+    return kv if v is None else (kv, v)
+
+
 def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKVCache:
     """Check ``paged_kv_cache`` (any FlashInfer form, see the module docstring) and describe it.
 

@@ -385,6 +385,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    def traced_tensors(self, q, k, v) -> list[torch.Tensor]:
+        return [q, k, v]
+
+    def run_arguments(self, tensors: list) -> tuple:
+        return tuple(tensors)
+
     def forward(self, q, k, v, causal: bool = False, pos_encoding_mode: str = "NONE",
                 use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
                 rope_scale=None, rope_theta=None, return_lse: bool = False):

@@ -52,6 +52,7 @@ Interface (what models and ``kernforge.integrations.transformers`` call)
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import weakref
 from typing import Callable
@@ -61,7 +62,8 @@ import torch
 from kernforge.ops import activation, norm, rope, sampling
 from kernforge.ops.attention import decode, page, prefill
 from kernforge.ops.gemm import bf16, int8
-from kernforge.ops.attention.decode import PlanStateError
+from kernforge.ops.attention._wrapper import WorkspaceWrapper
+from kernforge.ops.attention.page import paged_kv_from_halves, paged_kv_halves
 
 NAMESPACE = "kernforge"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace
@@ -74,6 +76,40 @@ def _define(schema: str, impl: Callable, fake: Callable) -> None:
     _LIB.impl(name, impl, "CPU")
     _LIB.impl(name, fake, "Meta")  # what FakeTensorMode runs; register_fake costs 0.4 ms per op (a stack lookup)
     SCHEMAS[name] = schema
+
+
+# Python annotation (as written, `from __future__ import annotations`) -> schema type.
+_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "int": "int", "int | None": "int?",
+                 "float": "float", "float | None": "float?", "bool": "bool", "str": "str"}
+
+
+def schema_of(python_op: Callable, returns: str, writes: tuple[str, ...] = (), name: str | None = None,
+              out: bool = False) -> str:
+    """The schema of ``python_op`` taking its own arguments, read from its signature (names, types,
+    defaults), so the two cannot drift: ``writes`` are the arguments it writes in place
+    (``Tensor(a!)``); ``out=True`` makes the ``<op>_out`` variant, whose keyword ``out`` is written."""
+    arguments = []
+    for parameter in inspect.signature(python_op).parameters.values():
+        if parameter.name == "out":
+            continue
+        kind = _SCHEMA_TYPES[parameter.annotation]
+        if parameter.name in writes:
+            kind = f"Tensor({chr(ord('a') + writes.index(parameter.name))}!)"
+        arguments.append(f"{kind} {parameter.name}{_schema_default(parameter, kind)}")
+    if out:
+        arguments.append(f"*, Tensor({chr(ord('a') + len(writes))}!) out")
+    return f"{name or python_op.__name__}({', '.join(arguments)}) -> {returns}"
+
+
+def _schema_default(parameter: inspect.Parameter, kind: str) -> str:
+    default = parameter.default
+    if default is inspect.Parameter.empty:
+        return ""
+    if default is None or isinstance(default, bool):
+        return f"={default}"
+    if kind.startswith("float"):
+        return f"={float(default)!r}"
+    return f'="{default}"' if isinstance(default, str) else f"={default}"
 
 
 def _writes_only(python_op: Callable) -> Callable:
@@ -121,19 +157,21 @@ def _gated_fake(input):
     return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
 
 
+def _define_with_out(python_op: Callable, fake: Callable) -> None:
+    """``<op>(...) -> Tensor`` and ``<op>_out(..., *, Tensor(a!) out) -> ()`` of an op with ``out=``."""
+    _define(schema_of(python_op, "Tensor"), python_op, fake)
+    _define(schema_of(python_op, "()", name=f"{python_op.__name__}_out", out=True), _writes_only(python_op),
+            _no_output)
+
+
 for _python_op in (norm.rmsnorm, norm.gemma_rmsnorm):
-    _define(f"{_python_op.__name__}(Tensor input, Tensor weight, float eps=1e-06) -> Tensor", _python_op, _norm_fake)
-    _define(f"{_python_op.__name__}_out(Tensor input, Tensor weight, float eps=1e-06, *, Tensor(a!) out) -> ()",
-            _writes_only(_python_op), _no_output)
+    _define_with_out(_python_op, _norm_fake)
 
 for _python_op in (norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm):
-    _define(f"{_python_op.__name__}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=1e-06) -> ()",
-            _python_op, _no_output)
+    _define(schema_of(_python_op, "()", writes=("input", "residual")), _python_op, _no_output)
 
 for _python_op in (activation.silu_and_mul, activation.gelu_and_mul, activation.gelu_tanh_and_mul):
-    _define(f"{_python_op.__name__}(Tensor input) -> Tensor", _python_op, _gated_fake)
-    _define(f"{_python_op.__name__}_out(Tensor input, *, Tensor(a!) out) -> ()", _writes_only(_python_op),
-            _no_output)
+    _define_with_out(_python_op, _gated_fake)
 
 
 def _maybe_out(name: str, out, *args):
@@ -185,31 +223,19 @@ def gelu_tanh_and_mul(input, out=None):
 
 # --------------------------------------------------------------------------- RoPE
 
-_PLAIN = "int? rotary_dim=None, bool interleave=False, float rope_scale=1., float rope_theta=10000."
-_LLAMA31 = ("int? rotary_dim=None, bool interleave=False, float rope_scale=8., float rope_theta=500000., "
-            "float low_freq_factor=1., float high_freq_factor=4., float old_context_len=8192.")
-_POS_IDS = "Tensor pos_ids"
-_SEGMENTS = "Tensor indptr, Tensor offsets"
-
-
 def _rope_fake(q, k, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-for _python_op, _positions, _params in (
-        (rope.apply_rope_pos_ids, _POS_IDS, _PLAIN), (rope.apply_llama31_rope_pos_ids, _POS_IDS, _LLAMA31),
-        (rope.apply_rope, _SEGMENTS, _PLAIN), (rope.apply_llama31_rope, _SEGMENTS, _LLAMA31)):
-    _define(f"{_python_op.__name__}(Tensor q, Tensor k, {_positions}, {_params}) -> (Tensor, Tensor)",
-            _python_op, _rope_fake)
+for _python_op in (rope.apply_rope_pos_ids, rope.apply_llama31_rope_pos_ids, rope.apply_rope, rope.apply_llama31_rope):
+    _define(schema_of(_python_op, "(Tensor, Tensor)"), _python_op, _rope_fake)
     _in_place = getattr(rope, f"{_python_op.__name__}_inplace")
-    _define(f"{_in_place.__name__}(Tensor(a!) q, Tensor(b!) k, {_positions}, {_params}) -> ()", _in_place,
-            _no_output)
+    _define(schema_of(_in_place, "()", writes=("q", "k")), _in_place, _no_output)
 
-_define("apply_rope_with_cos_sin_cache(Tensor positions, Tensor query, Tensor key, int head_size, "
-        "Tensor cos_sin_cache, bool is_neox=True) -> (Tensor, Tensor)", rope.apply_rope_with_cos_sin_cache,
+_define(schema_of(rope.apply_rope_with_cos_sin_cache, "(Tensor, Tensor)"), rope.apply_rope_with_cos_sin_cache,
         lambda positions, query, key, *args, **kwargs: (torch.empty_like(query), torch.empty_like(key)))
-_define("apply_rope_with_cos_sin_cache_inplace(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
-        "Tensor cos_sin_cache, bool is_neox=True) -> ()", rope.apply_rope_with_cos_sin_cache_inplace, _no_output)
+_define(schema_of(rope.apply_rope_with_cos_sin_cache_inplace, "()", writes=("query", "key")),
+        rope.apply_rope_with_cos_sin_cache_inplace, _no_output)
 
 apply_rope_pos_ids = _traceable(rope.apply_rope_pos_ids)
 apply_rope_pos_ids_inplace = _traceable(rope.apply_rope_pos_ids_inplace)
@@ -226,25 +252,10 @@ apply_rope_with_cos_sin_cache_inplace = _traceable(rope.apply_rope_with_cos_sin_
 # --------------------------------------------------------------------------- the paged KV cache
 
 
-def _cache(kv: torch.Tensor, v: torch.Tensor | None):
-    """The Python ops' ``paged_kv_cache`` from the schema's ``kv, v``."""
-    return kv if v is None else (kv, v)
-
-
-def _halves(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The schema's ``kv, v`` from a ``paged_kv_cache`` (one tensor or a (k, v) pair)."""
-    if isinstance(paged_kv_cache, (tuple, list)):
-        if len(paged_kv_cache) != 2:
-            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
-                             "entries")
-        return paged_kv_cache[0], paged_kv_cache[1]
-    return paged_kv_cache, None
-
-
 def _append_impl(append_key, append_value, batch_indices, positions, paged_kv_cache, paged_v_cache, kv_indices,
                  kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
     page.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
-                               _cache(paged_kv_cache, paged_v_cache), kv_indices, kv_indptr, kv_last_page_len,
+                               paged_kv_from_halves(paged_kv_cache, paged_v_cache), kv_indices, kv_indptr, kv_last_page_len,
                                kv_layout)
 
 
@@ -259,7 +270,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if not torch.compiler.is_compiling():
         return page.append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
                                           kv_indices, kv_indptr, kv_last_page_len, kv_layout)
-    _op("append_paged_kv_cache")(append_key, append_value, batch_indices, positions, *_halves(paged_kv_cache),
+    _op("append_paged_kv_cache")(append_key, append_value, batch_indices, positions, *paged_kv_halves(paged_kv_cache),
                                  kv_indices, kv_indptr, kv_last_page_len, kv_layout)
 
 
@@ -369,14 +380,12 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_
 _WRAPPERS: dict[int, weakref.ref] = {}  # handle -> the live wrapper
 _HANDLES = itertools.count(1)
 _HANDLE_ATTRIBUTE = "_torch_library_handle"
-_WRAPPER_CLASSES = (decode.BatchDecodeWithPagedKVCacheWrapper, prefill.BatchPrefillWithPagedKVCacheWrapper,
-                    prefill.BatchPrefillWithRaggedKVCacheWrapper)
 
 
 def register_wrapper(wrapper):
     """Give a kernforge attention wrapper its handle (once; idempotent) so ``attention_run`` can be
     traced with it; returns the wrapper. The registry holds it weakly."""
-    if not isinstance(wrapper, _WRAPPER_CLASSES):
+    if not isinstance(wrapper, WorkspaceWrapper):
         raise TypeError(f"wrapper must be one of kernforge's batch attention wrappers, got {type(wrapper).__name__}")
     if getattr(wrapper, _HANDLE_ATTRIBUTE, None) is None:
         handle = next(_HANDLES)
@@ -394,64 +403,54 @@ def _wrapper(handle: int):
     return wrapper
 
 
-def _planned_output(wrapper) -> tuple[torch.dtype, int]:
-    """(out dtype, head_dim_vo) of the wrapper's plan: what the fake implementation needs."""
-    plan = wrapper._plan
-    if plan is None:
-        raise PlanStateError("run() called before plan(): plan the batch first")
-    if isinstance(wrapper, decode.BatchDecodeWithPagedKVCacheWrapper):
-        return plan.out_dtype, plan.head_dim
-    return plan.out_dtype, plan.head_dim_vo
+def _eager_run(wrapper):
+    """The wrapper's own (kernforge.ops) run(), under a traceable subclass's."""
+    return super(_TraceableRun, wrapper).run if isinstance(wrapper, _TraceableRun) else wrapper.run
 
 
-def _base_run(wrapper, q, kv, v, **kwargs):
-    """The wrapper's own (kernforge.ops) run()."""
-    if isinstance(wrapper, prefill.BatchPrefillWithRaggedKVCacheWrapper):
-        return prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, q, kv, v, **kwargs)
-    cls = next(cls for cls in _WRAPPER_CLASSES if isinstance(wrapper, cls))
-    return cls.run(wrapper, q, _cache(kv, v), **kwargs)
-
-
-def _attention_impl(q, kv, v, wrapper, out_dtype, head_dim_vo, q_scale=None, k_scale=None, v_scale=None,
+def _attention_impl(tensors, wrapper, out_dtype, head_dim_vo, q_scale=None, k_scale=None, v_scale=None,
                     return_lse=False):
     live = _wrapper(wrapper)
-    planned = _planned_output(live)
+    planned = live.planned_output()
     if planned != (out_dtype, head_dim_vo):
         raise ValueError(f"attention_run was given out_dtype {out_dtype} and head_dim_vo {head_dim_vo}, but the "
                          f"wrapper's plan gives {planned[0]} and {planned[1]}")
-    return _base_run(live, q, kv, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+    return _eager_run(live)(*live.run_arguments(tensors), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                            return_lse=return_lse)
 
 
-def _attention_fake(q, kv, v, wrapper, out_dtype, head_dim_vo, *args, **kwargs):
+def _attention_fake(tensors, wrapper, out_dtype, head_dim_vo, *args, **kwargs):
+    q = tensors[0]
     return q.new_empty((q.shape[0], q.shape[1], head_dim_vo), dtype=out_dtype)
 
 
-def _attention_lse_fake(q, *args, **kwargs):
-    return _attention_fake(q, *args, **kwargs), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+def _attention_lse_fake(tensors, *args, **kwargs):
+    q = tensors[0]
+    return _attention_fake(tensors, *args, **kwargs), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
-_ATTENTION_ARGS = ("Tensor q, Tensor kv, Tensor? v, int wrapper, ScalarType out_dtype, int head_dim_vo, "
-                   "float? q_scale=None, float? k_scale=None, float? v_scale=None")
+# tensors: the wrapper's traced_tensors() (the KV cache among them, which orders the op after the
+# append that wrote it); wrapper: its handle; out_dtype, head_dim_vo: its planned_output().
+_ATTENTION_ARGS = ("Tensor?[] tensors, int wrapper, ScalarType out_dtype, int head_dim_vo, float? q_scale=None, "
+                   "float? k_scale=None, float? v_scale=None")
 _define(f"attention_run({_ATTENTION_ARGS}) -> Tensor", _attention_impl, _attention_fake)
 _define(f"attention_run_return_lse({_ATTENTION_ARGS}) -> (Tensor out, Tensor lse)",
         functools.partial(_attention_impl, return_lse=True), _attention_lse_fake)
 
 
-def attention_run(wrapper, q, kv, v=None, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+def attention_run(wrapper, *tensors, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
                   return_lse: bool = False):
-    """``wrapper.run(q, kv)`` (paged: ``kv`` the cache or its (k, v) pair) or ``wrapper.run(q, kv, v)``
-    (ragged) of a kernforge wrapper; traced as ``kernforge::attention_run`` (the wrapper registered)."""
+    """``wrapper.run(*tensors)`` of a kernforge wrapper (``q, paged_kv_cache`` for the paged ones,
+    ``q, k, v`` for the ragged one); traced as one ``kernforge::attention_run`` (the wrapper
+    registered), whatever tensors the wrapper's run() takes."""
     if not torch.compiler.is_compiling():
-        return _base_run(wrapper, q, kv, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                         return_lse=return_lse)
+        return _eager_run(wrapper)(*tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                                   return_lse=return_lse)
     handle = getattr(wrapper, _HANDLE_ATTRIBUTE, None)
     if handle is None:
         raise ValueError("torch.compile traced attention_run on an unregistered wrapper: call "
-                         "kernforge.ops.torch_library.register_wrapper(wrapper) once, before compiling")
-    if v is None:
-        kv, v = _halves(kv)
-    out_dtype, head_dim_vo = _planned_output(wrapper)
-    args = (q, kv, v, handle, out_dtype, head_dim_vo, q_scale, k_scale, v_scale)
+                         "kernforge.torch_library.register_wrapper(wrapper) once, before compiling")
+    args = (wrapper.traced_tensors(*tensors), handle, *wrapper.planned_output(), q_scale, k_scale, v_scale)
     if not return_lse:
         result = _op("attention_run")(*args)
         return result if out is None else out.copy_(result)
@@ -460,21 +459,23 @@ def attention_run(wrapper, q, kv, v=None, *, q_scale=None, k_scale=None, v_scale
 
 
 class _TraceableRun:
-    """run() through ``attention_run``: eagerly the wrapper's own, traced one ``kernforge::attention_run``."""
+    """run() through ``attention_run``: eagerly the wrapper's own, traced one ``kernforge::attention_run``.
+    Any wrapper following the traceable-run protocol (``traced_tensors``, ``run_arguments``,
+    ``planned_output``: kernforge.ops.attention._wrapper) fits, whatever its run() takes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         register_wrapper(self)
 
-    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, **options):
+    def run(self, *tensors, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
+            **options):
         if options and not torch.compiler.is_compiling():
-            return super().run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                               lse=lse, return_lse=return_lse, **options)
+            return super().run(*tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                               return_lse=return_lse, **options)
         if options:
             raise NotImplementedError(f"run() options {sorted(options)} are not traceable; pass them eagerly")
-        return attention_run(self, q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                             lse=lse, return_lse=return_lse)
+        return attention_run(self, *tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                             return_lse=return_lse)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -489,16 +490,3 @@ class BatchPrefillWithPagedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWit
 
 class BatchPrefillWithRaggedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWithRaggedKVCacheWrapper):
     """kernforge's ragged prefill wrapper, registered, with a ``run(q, k, v)`` that torch.compile traces."""
-
-    def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-            **options):
-        if options and not torch.compiler.is_compiling():
-            return prefill.BatchPrefillWithRaggedKVCacheWrapper.run(
-                self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                return_lse=return_lse, **options)
-        if options:
-            raise NotImplementedError(f"run() options {sorted(options)} are not traceable; pass them eagerly")
-        return attention_run(self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                             return_lse=return_lse)
-
-    run_return_lse = functools.partialmethod(run, return_lse=True)
