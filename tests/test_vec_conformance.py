@@ -1,6 +1,6 @@
 """kf::VecF conformance: every vector operation against scalar C++, on every runnable tier.
 
-The vector layer (kernforge/templates/include/kernforge/vec*.h) promises one interface on
+The vector layer (kernforge/templates/include/kernforge/core/vec*.h) promises one interface on
 every tier; the op tests only see it through whole kernels. Here
 ``tests/templates/vec_conformance.cpp.jinja`` runs each VecF operation over input arrays
 and, in the same translation unit, computes the scalar C++ reference; this file feeds the

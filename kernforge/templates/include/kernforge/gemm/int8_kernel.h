@@ -20,14 +20,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/tasks.h"
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
-
-#if (defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)) && defined(__AVX512VNNI__)
-#define KF_GEMM_HAS_DPBUSD 1
-#endif
 
 namespace kf::gemm::int8 {
 
@@ -48,7 +45,7 @@ using IVec = __m512i;
 inline IVec ivec_zero() { return _mm512_setzero_si512(); }
 inline IVec ivec_load(const void* p) { return _mm512_loadu_si512(p); }
 inline void ivec_store(int32_t* p, IVec v) { _mm512_storeu_si512(p, v); }
-#if defined(KF_GEMM_HAS_DPBUSD)
+#if KF_HAS_VNNI
 using AOperand = __m512i;
 inline AOperand prepare_a(uint32_t word) { return _mm512_set1_epi32(int(word)); }
 inline IVec dot4(IVec acc, const AOperand& a, IVec b) { return _mm512_dpbusd_epi32(acc, a, b); }
@@ -161,7 +158,7 @@ inline void micro_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda, const
 // (8 of 16 ymm accumulate). Generic: 4 x 16 in arrays the compiler vectorizes.
 struct DefaultTile {
   static constexpr int kMR = 4;
-#if defined(KF_GEMM_HAS_DPBUSD)
+#if KF_HAS_VNNI
   static constexpr int kNR = 64;
 #elif defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
   static constexpr int kNR = 32;
@@ -215,7 +212,7 @@ int64_t gemm(const uint8_t* a, int64_t lda, const uint32_t* packed, int64_t pane
   static_assert(kRowBlock % MR == 0 && kDepthBlock % kGroup == 0, "blocks hold whole tiles and groups");
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
-#if defined(KF_GEMM_HAS_AMX)  // AMX tiles from a few rows on (gemm/amx_kernel.h): the same int32 sums
+#if KF_HAS_AMX  // AMX tiles from a few rows on (gemm/amx_kernel.h): the same int32 sums
   if (amx::gemm_u8s8<NR>(a, lda, packed, panel_width, m, n, k, num_threads, epilogue)) return kOk;
 #endif
   const int64_t groups = (k + kGroup - 1) / kGroup;

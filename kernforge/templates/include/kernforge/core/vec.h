@@ -13,19 +13,21 @@
 //   exp, erf, tanh, sigmoid                                 (vec_math.h, shared by all tiers)
 #pragma once
 
-#include "kernforge/types.h"
+#include "kernforge/core/types.h"
 
 #if defined(KF_TIER_GENERIC)
-#include "kernforge/vec_generic.h"
+#include "kernforge/core/vec_generic.h"
 #elif defined(KF_TIER_AVX2)
-#include "kernforge/vec_avx2.h"
+#include "kernforge/core/vec_avx2.h"
 #elif defined(KF_TIER_AVX512)
-#include "kernforge/vec_avx512.h"
+#include "kernforge/core/vec_avx512.h"
 #elif defined(KF_TIER_AMX)
-#include "kernforge/vec_avx512.h"  // AMX machines run the AVX-512 vector code ...
-#include "kernforge/amx.h"         // ... plus the tile helpers for matmul kernels
+#include "kernforge/core/vec_avx512.h"  // AMX machines run the AVX-512 vector code ...
+#include "kernforge/core/amx.h"         // ... plus the tile helpers for matmul kernels
 #else
-#error "define one of KF_TIER_GENERIC, KF_TIER_AVX2, KF_TIER_AVX512, KF_TIER_AMX before kernforge/vec.h"
+#error "define one of KF_TIER_GENERIC, KF_TIER_AVX2, KF_TIER_AVX512, KF_TIER_AMX before kernforge/core/vec.h"
 #endif
 
-#include "kernforge/vec_math.h"
+#include "kernforge/core/isa_features.h"  // KF_HAS_*: the capabilities, from the tier macro
+
+#include "kernforge/core/vec_math.h"

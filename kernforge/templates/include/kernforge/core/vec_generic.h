@@ -2,7 +2,7 @@
 // is a fixed-length loop, which gcc -O3 turns into SSE2 code where it can.
 #pragma once
 
-#include "kernforge/types.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 

@@ -2,11 +2,11 @@
 // AVX2 has no 8- or 16-bit masked load/store, so bf16/fp16/fp8 tails go through a small stack buffer.
 #pragma once
 
-#include "kernforge/intrinsics.h"
+#include "kernforge/core/intrinsics.h"
 
 #include <cstring>
 
-#include "kernforge/types.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 

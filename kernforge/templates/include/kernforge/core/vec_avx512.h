@@ -3,9 +3,9 @@
 // (fp8 partial stores write only lanes below count, one by one).
 #pragma once
 
-#include "kernforge/intrinsics.h"
+#include "kernforge/core/intrinsics.h"
 
-#include "kernforge/types.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 
