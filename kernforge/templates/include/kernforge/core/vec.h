@@ -1,5 +1,6 @@
-// One vector abstraction, kf::VecF, with the same interface on every tier. The kernel template
-// defines exactly one of KF_TIER_GENERIC / KF_TIER_AVX2 / KF_TIER_AVX512 / KF_TIER_AMX first.
+// One vector abstraction, kf::VecF (and kf::VecI32 for the int8 kernels), with the same interface on
+// every tier. The kernel template defines exactly one of KF_TIER_GENERIC / KF_TIER_AVX2 /
+// KF_TIER_AVX512 / KF_TIER_AMX first.
 //
 // Interface (T is kf::fp32, kf::bf16 or kf::fp16; arithmetic is always fp32):
 //   VecF::kWidth                          lanes per vector (8 generic/avx2, 16 avx512)
@@ -11,6 +12,18 @@
 //   MaskF from a < b or a >= b (false on NaN); select(mask, if_true, if_false); to_bits(mask)
 //   add_if(mask, acc, v) = acc + (mask ? v : 0); compress_store(dst, mask, v) -> lanes written
 //   exp, erf, tanh, sigmoid                                 (vec_math.h, shared by all tiers)
+//
+// int32 lanes, for the int8 kernels (u8 x s8 products summed exactly in int32: the int8 GEMM, and
+// whatever else multiplies int8 weights, such as fused MoE):
+//   VecI32::kWidth                        int32 lanes (8 generic/avx2, 16 avx512)
+//   VecI32::zero(), VecI32::load(const void*), v.store(int32_t*)     full vectors, unaligned
+//   U8Quad::broadcast(uint32_t word)      the word's four bytes (the lowest first) as u8 a[0..3], for
+//                                         every lane; prepared once, used against many B vectors
+//   dot4_u8s8(acc, a, b)                  per lane j: acc[j] + sum_{i<4} a[i] * int8(byte i of b[j]),
+//                                         computed exactly: no intermediate saturation (vpdpbusd, not
+//                                         vpdpbusds; vpmaddwd on int16, not vpmaddubsw), so any result
+//                                         that fits an int32 is exact. A sum outside int32 is outside
+//                                         the contract (the vector tiers wrap it, generic's is UB).
 #pragma once
 
 #include "kernforge/core/types.h"

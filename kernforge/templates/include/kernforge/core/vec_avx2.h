@@ -193,4 +193,29 @@ inline int compress_store(float* dst, MaskF m, VecF v) {
   return kept;
 }
 
+// ---- int32 lanes for the int8 kernels (the contract: vec.h)
+
+struct VecI32 {
+  static constexpr int kWidth = 8;
+  __m256i v;
+
+  static VecI32 zero() { return {_mm256_setzero_si256()}; }
+  static VecI32 load(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+
+// Bytes 0, 2 and bytes 1, 3 of the word as int16 lanes, B's bytes sign-extended to match, two
+// vpmaddwd (exact: |u8 * s8| < 2^15, and two of them fit an int32) and an add.
+struct U8Quad {
+  __m256i even, odd;
+  static U8Quad broadcast(uint32_t word) {
+    const __m256i w = _mm256_set1_epi32(int(word));
+    return {_mm256_and_si256(w, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(w, 8)};
+  }
+};
+inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
+  const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b.v, 8), 8), b_odd = _mm256_srai_epi16(b.v, 8);
+  return {_mm256_add_epi32(acc.v, _mm256_add_epi32(_mm256_madd_epi16(a.even, b_even), _mm256_madd_epi16(a.odd, b_odd)))};
+}
+
 }  // namespace kf
