@@ -24,6 +24,9 @@
 //                                         vpdpbusds; vpmaddwd on int16, not vpmaddubsw), so any result
 //                                         that fits an int32 is exact. A sum outside int32 is outside
 //                                         the contract (the vector tiers wrap it, generic's is UB).
+//                                         Without VNNI (avx2, avx512 without it) a's and b's bytes are
+//                                         widened to int16 (u8 zero-, s8 sign-extended) and multiplied
+//                                         pairwise with vpmaddwd: exact, as |u8 * s8| < 2^15.
 #pragma once
 
 #include "kernforge/core/types.h"

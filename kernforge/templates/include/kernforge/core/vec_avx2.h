@@ -204,8 +204,7 @@ struct VecI32 {
   void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 };
 
-// Bytes 0, 2 and bytes 1, 3 of the word as int16 lanes, B's bytes sign-extended to match, two
-// vpmaddwd (exact: |u8 * s8| < 2^15, and two of them fit an int32) and an add.
+// vpmaddwd on int16 lanes (vec.h), a's bytes 0, 2 in `even`, bytes 1, 3 in `odd`.
 struct U8Quad {
   __m256i even, odd;
   static U8Quad broadcast(uint32_t word) {

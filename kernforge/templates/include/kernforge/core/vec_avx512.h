@@ -200,8 +200,7 @@ struct U8Quad {
 };
 inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) { return {_mm512_dpbusd_epi32(acc.v, a.v, b.v)}; }
 #else
-// Without VNNI: bytes 0, 2 and bytes 1, 3 of the word as int16 lanes, B's bytes sign-extended to
-// match, two vpmaddwd (exact: |u8 * s8| < 2^15, and two of them fit an int32) and an add.
+// Without VNNI: vpmaddwd on int16 lanes (vec.h), a's bytes 0, 2 in `even`, bytes 1, 3 in `odd`.
 struct U8Quad {
   __m512i even, odd;
   static U8Quad broadcast(uint32_t word) {
