@@ -224,7 +224,7 @@ def test_editing_a_header_rebuilds_only_its_dependants(cache, tmp_path, user_tem
 def test_included_headers_follow_the_include_graph():
     source = '#include "kernforge/norm.h"\n'
     names = [name for name, _ in render.included_headers(source)]
-    assert "kernforge/norm.h" in names and "kernforge/vec.h" in names and "kernforge/types.h" in names
+    assert "kernforge/norm.h" in names and "kernforge/core/vec.h" in names and "kernforge/core/types.h" in names
     assert not any("sampling" in name for name in names)
 
 

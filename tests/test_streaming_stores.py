@@ -1,4 +1,4 @@
-"""Outputs of 32 MiB or more are written with non-temporal stores (rows.h,
+"""Outputs of 32 MiB or more are written with non-temporal stores (kernforge/core/rows.h,
 kStreamingMinBytes) when their rows are vector-aligned; other rows of the same
 call fall back to regular stores. Both paths must give the reference result,
 on every tier (the lower ones run a slice covering each dtype and alignment),

@@ -1,6 +1,6 @@
 """kf::VecF conformance: every vector operation against scalar C++, on every runnable tier.
 
-The vector layer (kernforge/templates/include/kernforge/vec*.h) promises one interface on
+The vector layer (kernforge/templates/include/kernforge/core/vec*.h) promises one interface on
 every tier; the op tests only see it through whole kernels. Here
 ``tests/templates/vec_conformance.cpp.jinja`` runs each VecF operation over input arrays
 and, in the same translation unit, computes the scalar C++ reference; this file feeds the
@@ -69,6 +69,9 @@ _ENTRIES = {
     "stream": "int64_t dtype, int64_t n, int64_t src_addr, int64_t got_addr, int64_t want_addr",
     "guard": "int64_t dtype, int64_t op, int64_t count, int64_t got_addr",
     "math": "int64_t op, int64_t n, int64_t x_addr, int64_t got_addr, int64_t want_addr",
+    "i32_width": "",
+    "i32_moves": "int64_t n, int64_t src_addr, int64_t got_addr",
+    "dot4_u8s8": "int64_t n, int64_t acc_addr, int64_t a_addr, int64_t b_addr, int64_t got_addr, int64_t want_addr",
 }
 
 # One build per vector tier; amx machines run the avx512 vector code (the VECTOR_TIERS rule), so
@@ -638,6 +641,83 @@ def test_math(vec, op):
         # exact result there is subnormal (below FLT_MIN).
         ok |= (x < -88.7) & (bits_of(got) == 0) & (want < FLT_MIN)
     assert ok.all(), report(f"{op} (max {MATH_ULP[op]} ulp)", vec, ~ok, {"x": x, "got": got, "want": want, "ulp_err": err})
+
+
+# ---- int32 lanes: kf::VecI32 and the u8 x s8 dot of 4
+
+
+def dot4_reference(acc: np.ndarray, a_words: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
+    """acc + sum_j u8(byte j of a) * s8(byte j of b), per lane, in int64 (numpy, independent of the template)."""
+    a_bytes = np.repeat(a_words.astype("<u4"), width).view(np.uint8).reshape(-1, 4).astype(np.int64)
+    b_bytes = b.astype("<i4").view(np.int8).reshape(-1, 4).astype(np.int64)
+    return acc.astype(np.int64) + (a_bytes * b_bytes).sum(axis=1)
+
+
+def test_i32_moves(vec):
+    """VecI32::load (from any byte alignment) and v.store (to any int32 alignment) move int32 lanes bit
+    for bit, and touch nothing outside their vector; zero() is 0."""
+    w = int(vec.kernel.i32_width())
+    assert w == vec.width, "VecI32 has VecF's lane count"
+    values = rng(1000).integers(-2**31, 2**31, 64 * w, dtype=np.int64).astype(np.int32)
+    values[:8] = [0, -1, 2**31 - 1, -2**31, 1, -2, 0x01020304, -0x01020305]
+    for offset in (0, 1, 3, 4, 60):
+        src = np.zeros(4 * len(values) + 64, np.uint8)
+        src[offset:offset + 4 * len(values)] = values.view(np.uint8)
+        out = offset // 4 * 4
+        got = np.full(4 * (len(values) + w) + 64, 0xA5, np.uint8)
+        assert vec.kernel.i32_moves(len(values), addr(src) + offset, addr(got) + out) == 0
+        moved = got[out:out + 4 * len(values)].view(np.int32)
+        assert np.array_equal(moved, values), f"VecI32 load at byte offset {offset}, store at {out} on {vec.tier}"
+        zero = got[out + 4 * len(values):out + 4 * (len(values) + w)].view(np.int32)
+        assert not zero.any(), f"VecI32::zero() on {vec.tier}: {zero}"
+        assert (got[:out] == 0xA5).all() and (got[out + 4 * (len(values) + w):] == 0xA5).all(), \
+            f"VecI32 store wrote outside its vectors at byte offset {out} on {vec.tier}"
+
+
+def dot4_inputs(gen: np.random.Generator, w: int):
+    """(acc, a_words, b): every byte extreme of a against every one of b, sums reaching exactly
+    INT32_MAX and INT32_MIN, accumulators near both ends, and random words."""
+    extremes = np.array([0, 1, 127, 128, 254, 255], np.uint32)  # as u8; as s8 128 is -128, 255 is -1
+    quads = lambda v: v | v << 8 | v << 16 | v << 24  # noqa: E731
+    words = [quads(extremes), np.array([0x00FF00FF, 0xFF00FF00, 0x80FF0180, 0x7F80FF01], np.uint32)]
+    a_special = np.concatenate(words)
+    b_special = np.concatenate(words)
+    ga, gb = (m.ravel() for m in np.meshgrid(a_special, b_special, indexing="ij"))  # one a word per vector
+    a_words = [ga]
+    b = [np.repeat(gb, w)]
+    acc = [np.zeros(len(ga) * w, np.int64)]
+    # The largest and smallest sums of a dot of 4: 4 * 255 * 127 and 4 * 255 * -128 (beyond int16:
+    # no vpmaddubsw-style saturation), landing exactly on INT32_MAX / INT32_MIN.
+    top, bottom = 4 * 255 * 127, 4 * 255 * -128
+    for word_a, word_b, start in ((0xFFFFFFFF, 0x7F7F7F7F, 2**31 - 1 - top), (0xFFFFFFFF, 0x80808080, -2**31 - bottom),
+                                  (0xFFFFFFFF, 0x80808080, 2**31 - 1), (0xFFFFFFFF, 0x7F7F7F7F, -2**31)):
+        a_words.append(np.array([word_a], np.uint32))
+        b.append(np.full(w, word_b, np.uint32))
+        acc.append(np.full(w, start, np.int64))
+    n_random = 4096
+    a_words.append(gen.integers(0, 2**32, n_random, dtype=np.uint64).astype(np.uint32))
+    b.append(gen.integers(0, 2**32, n_random * w, dtype=np.uint64).astype(np.uint32))
+    acc.append(gen.integers(-2**30, 2**30, n_random * w, dtype=np.int64))
+    acc, a_words = np.concatenate(acc).astype(np.int32), np.concatenate(a_words).astype(np.uint32)
+    b = np.concatenate(b).astype(np.uint32).view(np.int32)
+    return acc, a_words, b
+
+
+def test_dot4_u8s8(vec):
+    """dot4_u8s8(acc, U8Quad::broadcast(word), b): per lane acc + sum of 4 u8 x s8 products, exact in
+    int32 with no intermediate saturation, against numpy's int64 sum and the template's scalar one."""
+    w = vec.width
+    acc, a_words, b = dot4_inputs(rng(1100), w)
+    reference = dot4_reference(acc, a_words, b, w)
+    assert reference.min() >= -2**31 and reference.max() <= 2**31 - 1, "inputs must keep every sum in int32"
+    assert reference.max() == 2**31 - 1 and reference.min() == -2**31, "the int32 ends are reached"
+    got, want = np.empty_like(acc), np.empty_like(acc)
+    assert vec.kernel.dot4_u8s8(len(acc), addr(acc), addr(a_words), addr(b), addr(got), addr(want)) == 0
+    assert np.array_equal(want, reference), "the template's scalar reference disagrees with numpy"
+    ok = got == reference
+    assert ok.all(), report("dot4_u8s8(acc, U8Quad::broadcast(a), b)", vec, ~ok,
+                            {"acc": acc, "a": np.repeat(a_words, w), "b": b.view(np.uint32), "got": got,
+                             "want": reference})
 
 
 # ---- fp8 as a module parameter

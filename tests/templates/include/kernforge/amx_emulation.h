@@ -34,7 +34,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernforge/intrinsics.h"  // the real intrinsics first: their names are redefined below
+#include "kernforge/core/intrinsics.h"  // the real intrinsics first: their names are redefined below
 
 #define KF_AMX_EMULATION 1
 

@@ -10,13 +10,14 @@
 // rounded to bf16 (relative error 2^-9, as in GPU kernels' bf16 P.V); the softmax sum stays fp32.
 #pragma once
 
-#if (defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)) && defined(__AVX512BF16__)
-#define KF_HAS_BF16_DOT 1
+#include "kernforge/core/isa_features.h"
+
+#if KF_HAS_DPBF16
 
 #include <cstdint>
 
-#include "kernforge/reduce_lanes.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/reduce_lanes.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 namespace bf16_dot {
@@ -106,6 +107,4 @@ inline void unscramble_chunk(const float* scrambled, float* out) {
 }  // namespace bf16_dot
 }  // namespace kf
 
-#else
-#define KF_HAS_BF16_DOT 0
-#endif
+#endif  // KF_HAS_DPBF16

@@ -26,9 +26,10 @@
 #include "kernforge/attention/paged_kv.h"
 #include "kernforge/attention/softmax_state.h"
 #include "kernforge/attention/work_plan.h"
-#include "kernforge/parallel.h"
-#include "kernforge/reduce_lanes.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/reduce_lanes.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 namespace attention {
@@ -76,7 +77,7 @@ class DecodeKernel {
   static_assert(kHeadDim >= 1, "head_dim must be positive");
   static_assert(kDecodeBlock % kTokenTile == 0 && kDecodeBlock % kW == 0, "whole tiles per block");
   // bf16 q and KV: dot products on bf16 pairs (bf16_dot.h), q kept unscaled in bf16.
-  static constexpr bool kBf16Dot = KF_HAS_BF16_DOT && std::is_same<QT, bf16>::value &&
+  static constexpr bool kBf16Dot = KF_HAS_DPBF16 && std::is_same<QT, bf16>::value &&
                                    std::is_same<KVT, bf16>::value && kHeadDim % 32 == 0;
   // bf16 q and fp8 KV: the rows converted to bf16 in registers for the same dot products (fp8_dot.h).
   static constexpr bool kFp8Dot = KF_HAS_FP8_DOT && std::is_same<QT, bf16>::value &&
@@ -282,7 +283,7 @@ class DecodeKernel {
 
   // kHeadTile x kTokenTile logits (heads g0.., tokens k), lane gg * kTokenTile + jj.
   static VecF score_tile(const HeadState& st, int64_t g0, const KVT* const (&k)[kTokenTile], const VecF& scale) {
-#if KF_HAS_BF16_DOT
+#if KF_HAS_DPBF16
     if constexpr (kBf16Dot) {
       return bf16_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
                  reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) * scale;
@@ -334,7 +335,7 @@ class DecodeKernel {
       for (int64_t j = count; j < kDecodeBlock; ++j) row[j] = 0.0f;  // exp's floor is not exactly 0
       float block_sum = reduce_add(sum);
       for (int64_t j = count / kW * kW; j < count; ++j) block_sum += row[j];
-#if KF_HAS_BF16_DOT
+#if KF_HAS_DPBF16
       if constexpr (kBf16Operands) bf16_dot::pack_probabilities(row);
 #endif
       st.alpha[g] = std::exp(st.m[g] - m_new);  // 0 on the first block (m = -inf)
@@ -363,7 +364,7 @@ class DecodeKernel {
   // head_dim at a time so that small head tiles still have four independent FMA chains.
   void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
                          const float* scores, BlockPrefetcher& prefetch) const {
-#if KF_HAS_BF16_DOT
+#if KF_HAS_DPBF16
     if constexpr (kBf16Dot) {  // 32-element chunks, two at a time for one head: >= 4 chains
       return accumulate_pairs<Bf16Pairs, kHeadTile, kHeadTile == 1 ? 2 : 1>(rows, head_offset, count, st, scores,
                                                                           prefetch);
@@ -393,7 +394,7 @@ class DecodeKernel {
     }
   }
 
-#if KF_HAS_BF16_DOT
+#if KF_HAS_DPBF16
   struct Bf16Pairs {  // p.V on pairs of bf16 V rows (bf16_dot.h)
     static constexpr int kChunk = bf16_dot::kChunk;
     template <int kHeads, int kChunks, class... Args>
@@ -464,7 +465,7 @@ class DecodeKernel {
       const float l = st.l[g], lse = segment_lse(st.m[g], l);
       const VecF scale = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
       const float* acc = st.acc + g * kPaddedDim;
-#if KF_HAS_BF16_DOT
+#if KF_HAS_DPBF16
       alignas(64) float ordered[kPaddedDim];
       if constexpr (kBf16Dot) {
         for (int64_t d = 0; d < kHeadDim; d += bf16_dot::kChunk) bf16_dot::unscramble_chunk(acc + d, ordered + d);

@@ -16,15 +16,15 @@
 #pragma once
 
 #include "kernforge/attention/bf16_dot.h"
+#include "kernforge/core/isa_features.h"
 
-#if KF_HAS_BF16_DOT && defined(__AVX512VBMI__)
-#define KF_HAS_FP8_DOT 1
+#if KF_HAS_FP8_DOT
 
 #include <cstdint>
 
-#include "kernforge/reduce_lanes.h"
-#include "kernforge/types.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/reduce_lanes.h"
+#include "kernforge/core/types.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 namespace fp8_dot {
@@ -201,6 +201,4 @@ inline void unscramble_chunk(const float* scrambled, float* out) {
 }  // namespace fp8_dot
 }  // namespace kf
 
-#else
-#define KF_HAS_FP8_DOT 0
-#endif
+#endif  // KF_HAS_FP8_DOT

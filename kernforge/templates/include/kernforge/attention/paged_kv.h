@@ -14,9 +14,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernforge/parallel.h"
-#include "kernforge/rows.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/rows.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 

@@ -36,12 +36,13 @@
 #include <type_traits>
 
 #include "kernforge/attention/softmax_state.h"
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/types.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/f32_kernel.h"
 #include "kernforge/gemm/micro_kernel.h"
-#include "kernforge/parallel.h"
-#include "kernforge/types.h"
-#include "kernforge/vec.h"
 
 namespace kf::attention {
 
@@ -194,7 +195,7 @@ class PrefillKernel {
   static constexpr int kMR = Tile::kMR;
   static constexpr int kNR = Tile::kNR;
   static constexpr int kWidth = VecF::kWidth;
-#if defined(KF_GEMM_HAS_AMX)
+#if KF_HAS_AMX
   // AMX blocks are 32 columns wide: keys per block and the (padded) value columns are whole blocks.
   static constexpr int kAmxColumns = kBf16 && kBlockN % gemm::amx::kBlockColumns == 0 ? gemm::amx::kBlockColumns : 0;
 #else
@@ -295,7 +296,7 @@ class PrefillKernel {
   // configuration lives as long as the item. scores()/accumulate() return false where they did not
   // run, and the vector micro-kernels take over.
   struct Tiles {
-#if defined(KF_GEMM_HAS_AMX)
+#if KF_HAS_AMX
     bool enabled = kAmx && gemm::amx::tiles_permitted();
     gemm::amx::Tiles state;
     gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails;

@@ -18,10 +18,10 @@
 #include <limits>
 #include <memory>
 
-#include "kernforge/loops.h"
-#include "kernforge/parallel.h"
-#include "kernforge/rows.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/loops.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/rows.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 

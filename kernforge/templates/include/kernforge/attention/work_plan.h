@@ -1,4 +1,4 @@
-// The attention planner: cuts a batch's KV work into one near-equal list per thread.
+// The decode attention planner: cuts a batch's KV work into one near-equal list per thread.
 //
 // A unit of work is one request's KV heads [kv_head, kv_head + num_heads) against the request's
 // visible KV tokens; it holds all the request's KV heads unless there are fewer requests than
@@ -13,7 +13,9 @@
 // thus keeps every thread busy for the same time, and a batch of one long request uses them all.
 //
 // The plan lives in one int32 buffer (PlanLayout), written once per batch on the host and read by
-// every layer's run(). Built for decode; prefill reuses the same partition over query tiles.
+// every layer's run(). It serves decode (decode.h), one query token per request; MLA decode will
+// use it too. Prefill does not: its items are query tiles against key ranges, planned by
+// plan_prefill in prefill.h.
 #pragma once
 
 #include <algorithm>

@@ -32,16 +32,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 
-#if defined(KF_AMX_EMULATION) || \
-    (defined(KF_TIER_AMX) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__))
-#define KF_GEMM_HAS_AMX 1
-#endif
-
-#if defined(KF_GEMM_HAS_AMX)
-#include "kernforge/amx.h"
+#if KF_HAS_AMX
+#include "kernforge/core/amx.h"
 
 namespace kf::gemm::amx {
 
@@ -266,4 +262,4 @@ inline bool gemm_u8s8(const uint8_t* a, int64_t lda, const uint32_t* packed, int
 
 }  // namespace kf::gemm::amx
 
-#endif  // KF_GEMM_HAS_AMX
+#endif  // KF_HAS_AMX

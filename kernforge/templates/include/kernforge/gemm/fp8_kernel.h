@@ -24,10 +24,11 @@
 #include <type_traits>
 
 #include "kernforge/attention/fp8_dot.h"  // kf::fp8_dot: the VBMI e4m3 -> bf16 tables (KF_HAS_FP8_DOT)
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/gemm/micro_kernel.h"
 #include "kernforge/gemm/tasks.h"
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
 
 namespace kf::gemm::fp8 {
 

@@ -10,9 +10,9 @@
 // 32-bit word holding W[j][4g .. 4g+3] (the lowest K in the low byte); the words of a group lie
 // contiguously, ldb words apart from one group to the next. K is padded with zero weights to whole
 // groups, so an A group that runs past K multiplies zeros (and A itself is never read past K).
-// One packing serves every tier: vpdpbusd consumes it as it is; without VNNI the bytes of each word
-// are widened to int16 pairs and multiplied with vpmaddwd (exact: |u8 * s8| < 2^15, two of them
-// fit an int32), and the generic tier does the same in scalar code.
+// One packing serves every tier: the micro-kernel is kf::dot4_u8s8 on kf::VecI32 columns (the vector
+// layer, core/vec.h), which is vpdpbusd on the word as it is with VNNI, vpmaddwd on the bytes widened
+// to int16 pairs without, and the same in scalar code on the generic tier.
 #pragma once
 
 #include <algorithm>
@@ -20,14 +20,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/tasks.h"
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
-
-#if (defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)) && defined(__AVX512VNNI__)
-#define KF_GEMM_HAS_DPBUSD 1
-#endif
 
 namespace kf::gemm::int8 {
 
@@ -36,72 +33,6 @@ constexpr int32_t kActivationZeroPoint = 128;
 constexpr float kMinAbsMax = 1e-7f;        // sgl-kernel's eps: an all-zero row gets a tiny scale, not 0
 
 namespace detail {
-
-// --------------------------------------------------------------------------- one int32 vector per tier
-//
-// IVec: kLanes columns of int32 accumulators. AOperand: one A group (4 u8) broadcast, prepared once
-// per row and group. dot4(acc, a, b) adds, per lane j, sum_{i<4} a.byte[i] * b[j].byte[i].
-
-#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
-constexpr int kLanes = 16;
-using IVec = __m512i;
-inline IVec ivec_zero() { return _mm512_setzero_si512(); }
-inline IVec ivec_load(const void* p) { return _mm512_loadu_si512(p); }
-inline void ivec_store(int32_t* p, IVec v) { _mm512_storeu_si512(p, v); }
-#if defined(KF_GEMM_HAS_DPBUSD)
-using AOperand = __m512i;
-inline AOperand prepare_a(uint32_t word) { return _mm512_set1_epi32(int(word)); }
-inline IVec dot4(IVec acc, const AOperand& a, IVec b) { return _mm512_dpbusd_epi32(acc, a, b); }
-#else
-struct AOperand { __m512i even, odd; };  // bytes 0, 2 and bytes 1, 3 as int16 lanes
-inline AOperand prepare_a(uint32_t word) {
-  const __m512i w = _mm512_set1_epi32(int(word));
-  return {_mm512_and_si512(w, _mm512_set1_epi16(0x00ff)), _mm512_srli_epi16(w, 8)};
-}
-inline IVec dot4(IVec acc, const AOperand& a, IVec b) {
-  const __m512i b_even = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8), b_odd = _mm512_srai_epi16(b, 8);
-  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(a.even, b_even), _mm512_madd_epi16(a.odd, b_odd)));
-}
-#endif
-#elif defined(KF_TIER_AVX2)
-constexpr int kLanes = 8;
-using IVec = __m256i;
-inline IVec ivec_zero() { return _mm256_setzero_si256(); }
-inline IVec ivec_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void ivec_store(int32_t* p, IVec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-struct AOperand { __m256i even, odd; };
-inline AOperand prepare_a(uint32_t word) {
-  const __m256i w = _mm256_set1_epi32(int(word));
-  return {_mm256_and_si256(w, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(w, 8)};
-}
-inline IVec dot4(IVec acc, const AOperand& a, IVec b) {
-  const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b_odd = _mm256_srai_epi16(b, 8);
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a.even, b_even), _mm256_madd_epi16(a.odd, b_odd)));
-}
-#else
-constexpr int kLanes = 8;
-struct IVec { int32_t lane[kLanes]; };
-inline IVec ivec_zero() { return IVec{}; }
-inline IVec ivec_load(const void* p) {
-  IVec v;
-  std::memcpy(v.lane, p, sizeof(v.lane));
-  return v;
-}
-inline void ivec_store(int32_t* p, IVec v) { std::memcpy(p, v.lane, sizeof(v.lane)); }
-struct AOperand { int32_t byte[kGroup]; };
-inline AOperand prepare_a(uint32_t word) {
-  AOperand a;
-  for (int i = 0; i < kGroup; ++i) a.byte[i] = int32_t((word >> (8 * i)) & 0xffu);
-  return a;
-}
-inline IVec dot4(IVec acc, const AOperand& a, IVec b) {
-  for (int j = 0; j < kLanes; ++j) {
-    const uint32_t word = uint32_t(b.lane[j]);
-    for (int i = 0; i < kGroup; ++i) acc.lane[j] += a.byte[i] * int32_t(int8_t(uint8_t(word >> (8 * i))));
-  }
-  return acc;
-}
-#endif
 
 // A's group g of one row as a word; the last group of a K that is not a multiple of 4 reads only
 // the bytes that exist (B's padding is zero, so the missing bytes' value does not matter).
@@ -119,17 +50,17 @@ template <int MR, int NR>
 inline void micro_kernel(const uint8_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k, int32_t* c,
                          int64_t ldc) {
   using namespace detail;
-  constexpr int kVectors = NR / kLanes;
+  constexpr int kLanes = VecI32::kWidth, kVectors = NR / kLanes;
   static_assert(NR % kLanes == 0, "NR must be a multiple of the int32 vector width");
-  IVec acc[MR][kVectors];
+  VecI32 acc[MR][kVectors];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = ivec_load(c + r * ldc + v * kLanes);
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = VecI32::load(c + r * ldc + v * kLanes);
   const auto step = [&](const uint32_t* group, const uint32_t (&a_words)[MR]) {
-    IVec b_vec[kVectors];
-    for (int v = 0; v < kVectors; ++v) b_vec[v] = ivec_load(group + v * kLanes);
+    VecI32 b_vec[kVectors];
+    for (int v = 0; v < kVectors; ++v) b_vec[v] = VecI32::load(group + v * kLanes);
     for (int r = 0; r < MR; ++r) {
-      const AOperand a_op = prepare_a(a_words[r]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = dot4(acc[r][v], a_op, b_vec[v]);
+      const U8Quad a_op = U8Quad::broadcast(a_words[r]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = dot4_u8s8(acc[r][v], a_op, b_vec[v]);
     }
   };
   const int64_t full_groups = k / kGroup, groups = (k + kGroup - 1) / kGroup;
@@ -143,7 +74,7 @@ inline void micro_kernel(const uint8_t* a, int64_t lda, const uint32_t* b, int64
     step(b + full_groups * ldb, a_words);
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kVectors; ++v) ivec_store(c + r * ldc + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) acc[r][v].store(c + r * ldc + v * kLanes);
 }
 
 // The same for 1 <= rows <= MR: the M tail runs the kernel instantiated for its row count.
@@ -161,7 +92,7 @@ inline void micro_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda, const
 // (8 of 16 ymm accumulate). Generic: 4 x 16 in arrays the compiler vectorizes.
 struct DefaultTile {
   static constexpr int kMR = 4;
-#if defined(KF_GEMM_HAS_DPBUSD)
+#if KF_HAS_VNNI
   static constexpr int kNR = 64;
 #elif defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
   static constexpr int kNR = 32;
@@ -215,7 +146,7 @@ int64_t gemm(const uint8_t* a, int64_t lda, const uint32_t* packed, int64_t pane
   static_assert(kRowBlock % MR == 0 && kDepthBlock % kGroup == 0, "blocks hold whole tiles and groups");
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
-#if defined(KF_GEMM_HAS_AMX)  // AMX tiles from a few rows on (gemm/amx_kernel.h): the same int32 sums
+#if KF_HAS_AMX  // AMX tiles from a few rows on (gemm/amx_kernel.h): the same int32 sums
   if (amx::gemm_u8s8<NR>(a, lda, packed, panel_width, m, n, k, num_threads, epilogue)) return kOk;
 #endif
   const int64_t groups = (k + kGroup - 1) / kGroup;

@@ -14,11 +14,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/gemm/amx_kernel.h"
 #include "kernforge/gemm/micro_kernel.h"
 #include "kernforge/gemm/tasks.h"
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
 
 namespace kf::gemm {
 
@@ -39,7 +40,7 @@ int64_t packed_linear(T* out, int64_t ldo, const T* x, int64_t ldx, const uint32
   constexpr int64_t kRowBlock = RowBlock<MR, Rows>;
   if (panel_width <= 0 || panel_width % NR != 0) return kBadPanelWidth;
   if (m <= 0 || n <= 0) return kOk;
-#if defined(KF_GEMM_HAS_AMX)
+#if KF_HAS_AMX
   if constexpr (std::is_same_v<T, bf16>) {  // AMX tiles from a few rows on (gemm/amx_kernel.h)
     const auto store = [&](int64_t m0, int64_t n0, int64_t rows, int64_t columns, const float* tile) {
       store_tile<amx::kBlockColumns>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows,

@@ -17,11 +17,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernforge/vec.h"
-
-#if (defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)) && defined(__AVX512BF16__)
-#define KF_GEMM_HAS_DPBF16 1
-#endif
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/vec.h"
 
 namespace kf::gemm {
 
@@ -87,7 +84,7 @@ inline void micro_kernel_fma(const T* a, int64_t lda, const uint32_t* b, int64_t
     for (int v = 0; v < kVectors; ++v) acc[r][v].store(c + r * ldc + v * kWidth);
 }
 
-#if defined(KF_GEMM_HAS_DPBF16)
+#if KF_HAS_DPBF16
 // vdpbf16ps: each lane j adds A[2p] * B[2p][j] + A[2p+1] * B[2p+1][j], 32 products per instruction.
 template <int MR, int NR>
 inline void micro_kernel_dpbf16(const bf16* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k, float* c,
@@ -125,7 +122,7 @@ inline void micro_kernel_dpbf16(const bf16* a, int64_t lda, const uint32_t* b, i
 // Whether A of type T is multiplied with vdpbf16ps (else widened to fp32 and FMA'd).
 template <class T>
 constexpr bool kUsesDpbf16 =
-#if defined(KF_GEMM_HAS_DPBF16)
+#if KF_HAS_DPBF16
     std::is_same_v<T, bf16>;
 #else
     false;
@@ -134,7 +131,7 @@ constexpr bool kUsesDpbf16 =
 // C[MR x NR] += A[MR x k] . B[k x NR]; B in pairs as described above.
 template <int MR, int NR, class T>
 inline void micro_kernel(const T* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k, float* c, int64_t ldc) {
-#if defined(KF_GEMM_HAS_DPBF16)
+#if KF_HAS_DPBF16
   if constexpr (kUsesDpbf16<T>) {
     detail::micro_kernel_dpbf16<MR, NR>(a, lda, b, ldb, k, c, ldc);
     return;

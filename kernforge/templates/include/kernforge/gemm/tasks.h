@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 
 namespace kf::gemm {
 

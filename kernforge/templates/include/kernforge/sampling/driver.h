@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernforge/parallel.h"
+#include "kernforge/core/parallel.h"
 #include "kernforge/sampling/rng.h"
 #include "kernforge/sampling/row_ops.h"
 #include "kernforge/sampling/row_stats.h"

@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernforge/loops.h"
-#include "kernforge/parallel.h"
+#include "kernforge/core/loops.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 #include "kernforge/sampling/row_stats.h"
-#include "kernforge/vec.h"
 
 namespace kf::sampling {
 

@@ -13,9 +13,9 @@
 #include <limits>
 #include <vector>
 
-#include "kernforge/loops.h"
-#include "kernforge/parallel.h"
-#include "kernforge/vec.h"
+#include "kernforge/core/loops.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
 
 namespace kf::sampling {
 

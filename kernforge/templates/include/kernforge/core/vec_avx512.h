@@ -3,9 +3,10 @@
 // (fp8 partial stores write only lanes below count, one by one).
 #pragma once
 
-#include "kernforge/intrinsics.h"
+#include "kernforge/core/intrinsics.h"
 
-#include "kernforge/types.h"
+#include "kernforge/core/isa_features.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 
@@ -179,5 +180,38 @@ inline int compress_store(float* dst, MaskF m, VecF v) {
   _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m.m, v.v));
   return __builtin_popcount(uint32_t(m.m));
 }
+
+// ---- int32 lanes for the int8 kernels (the contract: vec.h)
+
+struct VecI32 {
+  static constexpr int kWidth = 16;
+  __m512i v;
+
+  static VecI32 zero() { return {_mm512_setzero_si512()}; }
+  static VecI32 load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
+};
+
+#if KF_HAS_VNNI
+// vpdpbusd multiplies the broadcast word as it is.
+struct U8Quad {
+  __m512i v;
+  static U8Quad broadcast(uint32_t word) { return {_mm512_set1_epi32(int(word))}; }
+};
+inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) { return {_mm512_dpbusd_epi32(acc.v, a.v, b.v)}; }
+#else
+// Without VNNI: vpmaddwd on int16 lanes (vec.h), a's bytes 0, 2 in `even`, bytes 1, 3 in `odd`.
+struct U8Quad {
+  __m512i even, odd;
+  static U8Quad broadcast(uint32_t word) {
+    const __m512i w = _mm512_set1_epi32(int(word));
+    return {_mm512_and_si512(w, _mm512_set1_epi16(0x00ff)), _mm512_srli_epi16(w, 8)};
+  }
+};
+inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
+  const __m512i b_even = _mm512_srai_epi16(_mm512_slli_epi16(b.v, 8), 8), b_odd = _mm512_srai_epi16(b.v, 8);
+  return {_mm512_add_epi32(acc.v, _mm512_add_epi32(_mm512_madd_epi16(a.even, b_even), _mm512_madd_epi16(a.odd, b_odd)))};
+}
+#endif
 
 }  // namespace kf

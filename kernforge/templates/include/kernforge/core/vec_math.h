@@ -4,7 +4,7 @@
 // NaN in -> NaN out, overflow -> Inf, underflow -> gradual (subnormal) then 0.
 #pragma once
 
-// Included by kernforge/vec.h after the tier's VecF definition.
+// Included by kernforge/core/vec.h after the tier's VecF definition.
 
 namespace kf {
 

@@ -2,11 +2,11 @@
 // AVX2 has no 8- or 16-bit masked load/store, so bf16/fp16/fp8 tails go through a small stack buffer.
 #pragma once
 
-#include "kernforge/intrinsics.h"
+#include "kernforge/core/intrinsics.h"
 
 #include <cstring>
 
-#include "kernforge/types.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 
@@ -191,6 +191,30 @@ inline int compress_store(float* dst, MaskF m, VecF v) {
   int kept = 0;
   for (uint32_t bits = to_bits(m); bits; bits &= bits - 1) dst[kept++] = lanes[__builtin_ctz(bits)];
   return kept;
+}
+
+// ---- int32 lanes for the int8 kernels (the contract: vec.h)
+
+struct VecI32 {
+  static constexpr int kWidth = 8;
+  __m256i v;
+
+  static VecI32 zero() { return {_mm256_setzero_si256()}; }
+  static VecI32 load(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+
+// vpmaddwd on int16 lanes (vec.h), a's bytes 0, 2 in `even`, bytes 1, 3 in `odd`.
+struct U8Quad {
+  __m256i even, odd;
+  static U8Quad broadcast(uint32_t word) {
+    const __m256i w = _mm256_set1_epi32(int(word));
+    return {_mm256_and_si256(w, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(w, 8)};
+  }
+};
+inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
+  const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b.v, 8), 8), b_odd = _mm256_srai_epi16(b.v, 8);
+  return {_mm256_add_epi32(acc.v, _mm256_add_epi32(_mm256_madd_epi16(a.even, b_even), _mm256_madd_epi16(a.odd, b_odd)))};
 }
 
 }  // namespace kf

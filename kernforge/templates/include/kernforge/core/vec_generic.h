@@ -2,7 +2,10 @@
 // is a fixed-length loop, which gcc -O3 turns into SSE2 code where it can.
 #pragma once
 
-#include "kernforge/types.h"
+#include <cstdint>
+#include <cstring>
+
+#include "kernforge/core/types.h"
 
 namespace kf {
 
@@ -167,6 +170,42 @@ inline float reduce_add(VecF a) {
   for (int width = VecF::kWidth / 2; width > 0; width /= 2)
     for (int i = 0; i < width; ++i) a.lane[i] += a.lane[i + width];
   return a.lane[0];
+}
+
+// ---- int32 lanes for the int8 kernels (the contract: vec.h), in arrays the compiler vectorizes
+
+struct VecI32 {
+  static constexpr int kWidth = 8;
+  int32_t lane[kWidth];
+
+  static VecI32 zero() { return VecI32{}; }
+  static VecI32 load(const void* p) {
+    VecI32 v;
+    std::memcpy(v.lane, p, sizeof(v.lane));
+    return v;
+  }
+  // Through a copy: storing the accumulators in place changes how gcc 12 vectorizes the int8
+  // micro-kernel around it (different code, 8 KB less of it); the copy keeps the code it had.
+  void store(int32_t* p) const {
+    const VecI32 v = *this;
+    std::memcpy(p, v.lane, sizeof(v.lane));
+  }
+};
+
+struct U8Quad {
+  int32_t byte[4];
+  static U8Quad broadcast(uint32_t word) {
+    U8Quad a;
+    for (int i = 0; i < 4; ++i) a.byte[i] = int32_t((word >> (8 * i)) & 0xffu);
+    return a;
+  }
+};
+inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
+  for (int j = 0; j < VecI32::kWidth; ++j) {
+    const uint32_t word = uint32_t(b.lane[j]);
+    for (int i = 0; i < 4; ++i) acc.lane[j] += a.byte[i] * int32_t(int8_t(uint8_t(word >> (8 * i))));
+  }
+  return acc;
 }
 
 }  // namespace kf

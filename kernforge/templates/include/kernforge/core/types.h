@@ -10,7 +10,7 @@
 #include <cstring>
 
 #if defined(__F16C__)
-#include "kernforge/intrinsics.h"
+#include "kernforge/core/intrinsics.h"
 #endif
 
 namespace kf {

@@ -5,7 +5,7 @@
 // add tree (avx512: 46 shuffles and adds for 16 dots, against ~8 each one at a time).
 #pragma once
 
-#include "kernforge/vec.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 

@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "kernforge/intrinsics.h"
-#include "kernforge/types.h"
+#include "kernforge/core/intrinsics.h"
+#include "kernforge/core/types.h"
 
 namespace kf {
 namespace amx {

@@ -1,13 +1,12 @@
-// Row-wise kernel plumbing shared by norm.h and activation.h: strided row addressing and
-// non-temporal stores for large outputs. (The vector loop is in loops.h, threads in parallel.h.)
+// Row-wise kernel plumbing shared by the row-wise op headers (norm.h, activation.h, rope.h and
+// attention/): strided row addressing and non-temporal stores for large outputs. (The vector loop is
+// in loops.h, threads in parallel.h.)
 #pragma once
 
 #include <cstdint>
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
-#include "kernforge/vec.h"
+#include "kernforge/core/intrinsics.h"  // _mm_sfence, behind the gcc-12 warning guard
+#include "kernforge/core/vec.h"
 
 namespace kf {
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernforge/vec.h"
+#include "kernforge/core/vec.h"
 
 namespace kf {
 
