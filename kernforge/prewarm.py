@@ -43,20 +43,11 @@ import torch
 
 from kernforge.jit import core, isa
 from kernforge.jit.module import DeclarationError, Module, registered
+from kernforge.model_spec import ModelSpec
 from kernforge.ops import OPS
 from kernforge.ops._common import TORCH_DTYPES, dtype_name
 
 ALL_DTYPES = ("bf16", "fp16", "fp32")
-
-_GATED_BY_HF_ACTIVATION = {
-    "silu": "silu_and_mul",
-    "swish": "silu_and_mul",
-    "gelu": "gelu_and_mul",
-    "gelu_pytorch_tanh": "gelu_tanh_and_mul",
-    "gelu_new": "gelu_tanh_and_mul",
-    "gelu_fast": "gelu_tanh_and_mul",
-    "gelu_tanh": "gelu_tanh_and_mul",
-}
 
 
 def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = (),
@@ -65,31 +56,18 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
     a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
     ``"float8_e4m3fn"``); the linear layers' GEMMs for the model's dtype, and with ``quant="int8"``
     the w8a8 GEMM as well."""
-    if not isinstance(config, dict):
-        config = json.loads(Path(config).read_text())
-    config = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM
-    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    activation = config.get("hidden_act") or config.get("hidden_activation") or "silu"
-    if activation not in _GATED_BY_HF_ACTIVATION:
-        raise ValueError(f"config.json activation {activation!r} has no kernforge gated op; "
-                         f"known: {', '.join(_GATED_BY_HF_ACTIVATION)}")
-    sizes = {}
-    for name in ("hidden_size", "intermediate_size"):
-        value = config.get(name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"config.json needs a positive integer {name}, got {value!r}")
-        sizes[name] = value
-    gemma = "gemma" in str(config.get("model_type", "")).lower()
-    norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if gemma else ["rmsnorm", "fused_add_rmsnorm"]
-    attention = _attention_shape(config, sizes["hidden_size"])
-    linear_shapes = _linear_shapes(sizes, attention, config.get("vocab_size"))
+    spec = ModelSpec.from_config(config)
     if quant not in (None, "int8"):
         raise ValueError(f"quant must be None or 'int8', got {quant!r}")
+    dtype, attention = spec.dtype, _attention_shape(spec)
+    norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if spec.gemma_norms else ["rmsnorm", "fused_add_rmsnorm"]
+    linear_shapes = spec.linear_shapes()
     return {
-        "model": {**sizes, **attention, "dtype": dtype, "activation": activation,
-                  "model_type": config.get("model_type"), "linear_shapes": linear_shapes},
+        "model": {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, **attention,
+                  "dtype": dtype, "activation": spec.activation, "model_type": spec.model_type,
+                  "linear_shapes": linear_shapes},
         "kernels": [
-            *({"op": op, "dtype": dtype} for op in [*norms, _GATED_BY_HF_ACTIVATION[activation]]),
+            *({"op": op, "dtype": dtype} for op in [*norms, spec.gated_op]),
             *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
             *({"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)} for kv_dtype in
               [dtype, *kv_cache_dtypes]),
@@ -125,29 +103,9 @@ _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.floa
 _ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
 
 
-def _attention_shape(config: dict, hidden_size: int) -> dict:
-    heads = config.get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
-        raise ValueError(f"config.json needs a positive integer num_attention_heads, got {heads!r}")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim")
-    if head_dim is None:  # absent: the split of hidden_size; a given one is checked as it is (0 too)
-        head_dim = hidden_size // heads
-    if not isinstance(kv_heads, int) or heads % kv_heads:
-        raise ValueError(f"config.json num_key_value_heads {kv_heads!r} must divide num_attention_heads {heads}")
-    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
-
-
-def _linear_shapes(sizes: dict, attention: dict, vocab_size: int | None = None) -> dict[str, list[int]]:
-    """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's projections as kernforge's
-    transformers integration packs them (q, k and v as one; gate and up as one), and lm_head's."""
-    hidden, q_width = sizes["hidden_size"], attention["num_attention_heads"] * attention["head_dim"]
-    kv_width = attention["num_key_value_heads"] * attention["head_dim"]
-    shapes = {"qkv_proj": [q_width + 2 * kv_width, hidden], "o_proj": [hidden, q_width],
-              "gate_up_proj": [2 * sizes["intermediate_size"], hidden], "down_proj": [hidden, sizes["intermediate_size"]]}
-    if isinstance(vocab_size, int) and vocab_size > 0:
-        shapes["lm_head"] = [vocab_size, hidden]
-    return shapes
+def _attention_shape(spec: ModelSpec) -> dict:
+    return {"num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim}
 
 
 TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill

@@ -504,3 +504,15 @@ def test_prewarm_from_the_model_config_leaves_nothing_to_compile(kernforge_cache
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "generated (2, 12)" in run.stdout
     assert "compiling" not in run.stderr
+
+
+def test_model_spec_describes_the_linears_optimize_packs(llama):
+    """Pre-warm builds GEMMs for ModelSpec.linear_shapes(); the optimized model packs exactly those."""
+    from kernforge.model_spec import ModelSpec
+
+    stock, _, ours = llama
+    shapes = ModelSpec.from_config(stock.config.to_dict()).linear_shapes()
+    layer = ours.model.layers[0]
+    packed = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+              "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj, "lm_head": ours.lm_head}
+    assert {name: [m.out_features, m.in_features] for name, m in packed.items()} == shapes

@@ -9,19 +9,15 @@ the traceable ``attention_run`` op) are planned once per step outside any compil
 
 from __future__ import annotations
 
+from kernforge.model_spec import GATED_OP_BY_ACTIVATION
 from kernforge.ops.attention.page import get_batch_indices_positions
 from kernforge.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                                         append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace,
-                                         gelu_and_mul, gelu_tanh_and_mul, rmsnorm, silu_and_mul,
-                                         top_k_top_p_sampling_from_logits)
+                                     append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace, gelu_and_mul,
+                                     gelu_tanh_and_mul, rmsnorm, silu_and_mul, top_k_top_p_sampling_from_logits)
 
-# Hugging Face ``hidden_act`` -> the gated kernel of ``act(gate) * up``.
-GATED_ACTIVATIONS = {
-    "silu": silu_and_mul, "swish": silu_and_mul,
-    "gelu": gelu_and_mul,
-    "gelu_pytorch_tanh": gelu_tanh_and_mul, "gelu_new": gelu_tanh_and_mul, "gelu_fast": gelu_tanh_and_mul,
-    "gelu_tanh": gelu_tanh_and_mul,
-}
+# Hugging Face ``hidden_act`` -> the gated kernel of ``act(gate) * up`` (the model spec names it).
+_GATED_OPS = {op.__name__: op for op in (silu_and_mul, gelu_and_mul, gelu_tanh_and_mul)}
+GATED_ACTIVATIONS = {activation: _GATED_OPS[op] for activation, op in GATED_OP_BY_ACTIVATION.items()}
 
 
 def attention_run(wrapper, query, paged_kv_cache):

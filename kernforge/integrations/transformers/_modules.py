@@ -19,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernforge.integrations.transformers import _kernels as kf
 from kernforge.integrations.transformers._cache import PagedCache
+from kernforge.model_spec import PACKED_LINEARS
 from kernforge.nn import Linear
 
 ATTN_IMPLEMENTATION = "kernforge"
@@ -53,7 +54,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, activation: str, dtype: torch.dtype, quant: str | None):
         super().__init__()
-        self.gate_up_proj = Linear.from_linear(_concatenated(mlp.gate_proj, mlp.up_proj), dtype=dtype, quant=quant)
+        self.gate_up_proj = Linear.from_linear(_packed(mlp, "gate_up_proj"), dtype=dtype, quant=quant)
         self.down_proj = Linear.from_linear(mlp.down_proj, dtype=dtype, quant=quant)
         self.act_and_mul = kf.GATED_ACTIVATIONS[activation]
         self.activation = activation
@@ -120,8 +121,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
-        self.qkv_proj = Linear.from_linear(_concatenated(attn.q_proj, attn.k_proj, attn.v_proj), dtype=dtype,
-                                           quant=quant)
+        self.qkv_proj = Linear.from_linear(_packed(attn, "qkv_proj"), dtype=dtype, quant=quant)
         self.o_proj = Linear.from_linear(attn.o_proj, dtype=dtype, quant=quant)
         has_qk_norm = getattr(attn, "q_norm", None) is not None
         self.q_norm = RMSNorm.from_module(attn.q_norm, dtype) if has_qk_norm else None
@@ -194,6 +194,11 @@ def _checked_cache(cache) -> PagedCache:
                         f"{type(cache).__name__}. Leave past_key_values None (a PagedCache is made per forward or "
                         "generate call) or pass kernforge.integrations.transformers.new_cache(model)")
     return cache
+
+
+def _packed(module: nn.Module, name: str) -> nn.Linear:
+    """``module``'s linears that the model spec packs as ``name`` (PACKED_LINEARS), as one."""
+    return _concatenated(*(getattr(module, part) for part in PACKED_LINEARS[name]))
 
 
 def _concatenated(*layers: nn.Linear) -> nn.Linear:
