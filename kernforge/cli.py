@@ -8,9 +8,10 @@ import importlib
 import json
 import sys
 
+from kernforge import tune
 from kernforge.cache import disk
 from kernforge.jit import compiler, core, isa, loader, module, render
-from kernforge.ops._common import TORCH_DTYPES, dtype_name, set_num_threads
+from kernforge.ops._common import set_num_threads
 
 # The module: ``kernforge.prewarm`` (the package attribute) is the prewarm() function.
 prewarm = importlib.import_module("kernforge.prewarm")
@@ -88,54 +89,11 @@ def _prewarm(args) -> int:
         if args.threads:
             set_num_threads(args.threads)
         with isa.use_isa(args.isa) if args.isa else contextlib.nullcontext():  # timed on the tier just built
-            _print_tuned(prewarm.tune_model_linears(args.model_config, args.tune_m))
-            _print_tuned_prefill(prewarm.tune_model_attention(args.model_config))
+            lines = [*tune.gemm_report(prewarm.tune_model_linears(args.model_config, args.tune_m)),
+                     *tune.prefill_report(prewarm.tune_model_attention(args.model_config))]
+        print("\n".join(lines))
+        print(f"recorded in {disk.cache_root() / 'tuning'}")
     return 0
-
-
-def _shape_nk(text: str) -> tuple[int, int]:
-    n, sep, k = text.lower().partition("x")
-    try:
-        return int(n), int(k)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--nk takes NxK (the weight's shape, e.g. 4096x4096), got {text!r}") from None
-
-
-def _tune(args) -> int:
-    from kernforge.ops.attention import prefill
-    from kernforge.ops.gemm import bf16
-
-    if args.threads:
-        set_num_threads(args.threads)
-    dtype = TORCH_DTYPES[dtype_name(args.dtype)]
-    if args.op == "prefill":
-        head_dims = [(d, args.head_dim_vo or d) for d in args.head_dim]
-        _print_tuned_prefill(prefill.tune_prefill(head_dims, args.group, dtype, length=args.length))
-        return 0
-    if not args.m or not args.nk:
-        raise ValueError("tune gemm needs --m and --nk")
-    _print_tuned(bf16.tune_gemm(args.m, args.nk, dtype))
-    return 0
-
-
-def _print_tuned_prefill(results: list[dict]) -> None:
-    for r in results:
-        timings = "  ".join(f"{'x'.join(map(str, tile))} {s * 1e3:.2f}ms" for tile, s in r["seconds"].items())
-        print(f"prefill {r['dtype']}/{r['kv_dtype']} head_dim {r['head_dim_qk']}/{r['head_dim_vo']} group "
-              f"{r['group']} {r['tier']}: tile {'x'.join(map(str, r['tile']))} (default "
-              f"{'x'.join(map(str, r['default']))})  [{timings}]")
-    print(f"recorded in {disk.cache_root() / 'tuning'}")
-
-
-def _print_tuned(results: list[dict]) -> None:
-    """One line per tuned shape: the winner, the default and every candidate's time."""
-    from kernforge.ops.gemm.bf16 import config_name
-
-    for r in results:
-        timings = "  ".join(f"{name} {s * 1e6:.1f}us" for name, s in r["seconds"].items())
-        print(f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
-              f"{config_name(r['config'])} (default {config_name(r['default'])})  [{timings}]")
-    print(f"recorded in {disk.cache_root() / 'tuning'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,19 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"with --tune: rows of x to tune for (default {' '.join(map(str, prewarm.TUNE_ROWS))})")
     p.add_argument("--threads", type=int, help="with --tune: threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_prewarm)
-    p = sub.add_parser("tune", help="time the tile candidates of an op on this machine and record the winners")
-    p.add_argument("op", choices=["gemm", "prefill"],
-                   help="gemm: weight_packed_linear's register tile, rows per task, K block and thread split; "
-                        "prefill: the prefill kernel's tile (query rows per item, keys per block)")
-    p.add_argument("--m", type=int, nargs="+", help="gemm: rows of x to tune for (each picks an M bucket)")
-    p.add_argument("--nk", type=_shape_nk, nargs="+", help="gemm: weight shapes NxK (repeatable list)")
-    p.add_argument("--head-dim", type=int, nargs="+", default=[128], help="prefill: head_dim_qk values (default 128)")
-    p.add_argument("--head-dim-vo", type=int, help="prefill: head_dim_vo (default: head_dim_qk)")
-    p.add_argument("--group", type=int, nargs="+", default=[4], help="prefill: GQA group sizes (default 4)")
-    p.add_argument("--length", type=int, default=1024, help="prefill: causal request length timed (default 1024)")
-    p.add_argument("--dtype", default="bf16", help="dtype of x (default bf16)")
-    p.add_argument("--threads", type=int, help="threads to tune with (default: kernforge's setting)")
-    p.set_defaults(run=_tune)
+    tune.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -113,7 +113,7 @@ TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
 
 def tune_model_attention(config: dict | str | Path, measure=None) -> list[dict]:
     """Run :func:`kernforge.tune_prefill` for the model's head_dim and GQA group, in its dtype."""
-    from kernforge.ops.attention.prefill import tune_prefill
+    from kernforge.tune import tune_prefill
 
     model = manifest_from_model_config(config)["model"]
     group = model["num_attention_heads"] // model["num_key_value_heads"]
@@ -125,7 +125,7 @@ def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None
     """Run :func:`kernforge.tune_gemm` for each distinct linear shape of the model (``config.json``,
     path or dict) at each M of ``m_list``, x in the model's dtype, on the tier in use: the winners
     are recorded where ``weight_packed_linear``'s dispatch finds them. ``measure`` as tune_gemm's."""
-    from kernforge.ops.gemm.bf16 import tune_gemm
+    from kernforge.tune import tune_gemm
 
     model = manifest_from_model_config(config)["model"]
     shapes = list(dict.fromkeys(tuple(nk) for nk in model["linear_shapes"].values()))  # distinct, in order

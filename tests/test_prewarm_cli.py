@@ -25,7 +25,7 @@ import kernforge
 from kernforge.ops.attention import prefill
 from conftest import TEST_TEMPLATES, clean_env
 from kernels import AXPY
-from kernforge import cli
+from kernforge import cli, tune
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render, tuning
 
@@ -200,12 +200,12 @@ def test_tune_prefill_records_the_winner_where_plan_finds_it(cache):
     """A fake measure makes the (32, 64) tile fastest by far: tune_prefill records it and plan()
     then builds that variant; a 1% win does not displace the default."""
     fast = prefill.TILES[1]
-    results = prefill.tune_prefill([(64, 64)], [2], length=40,
+    results = tune.tune_prefill([(64, 64)], [2], length=40,
                                    measure=lambda tile, run: (run(), 1.0 if tile == fast else 2.0)[1])
     assert results[0]["tile"] == fast and results[0]["default"] == prefill.TILES[0]
     params = prefill.prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 64, 64, 2)
     assert params["tile"] == fast
-    results = prefill.tune_prefill([(64, 64)], [2], length=40,
+    results = tune.tune_prefill([(64, 64)], [2], length=40,
                                    measure=lambda tile, run: 0.99 if tile == fast else 1.0)
     assert results[0]["tile"] == prefill.TILES[0]
 
@@ -501,3 +501,13 @@ def test_cli_without_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main([])
     assert info.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_every_kernel_with_candidates_has_a_tuner_on_the_cli(cache, monkeypatch, capsys):
+    """python -m kernforge tune offers a tuner per registered Candidates, each runnable from the CLI."""
+    assert {id(t.candidates) for t in tune.TUNERS.values()} == {id(c) for c in tuning.REGISTERED}
+    monkeypatch.setattr(tuning, "time_call", lambda run: 1.0)  # no timing here: the defaults win
+    assert cli.main(["tune", "gemm", "--m", "1", "--nk", "64x32"]) == 0
+    assert "bf16 m=1 (bucket 1) n=64 k=32" in capsys.readouterr().out
+    assert cli.main(["tune", "prefill", "--head-dim", "16", "--group", "1", "--length", "8"]) == 0
+    assert "prefill bf16/bf16 head_dim 16/16 group 1" in capsys.readouterr().out

@@ -475,52 +475,6 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
 
-def tune_prefill(head_dims=((128, 128),), groups=(4,), dtype: torch.dtype = torch.bfloat16,
-                 kv_dtype: torch.dtype | None = None, length: int = 1024, measure=None) -> list[dict]:
-    """Time every tile candidate of the prefill kernel on a causal request of ``length`` tokens
-    (two KV heads, so every thread has work) for each ``(head_dim_qk, head_dim_vo)`` and GQA group,
-    and record the fastest per (dtypes, head dims, group) for this tier and CPU model, where
-    plan() finds it. The default is always timed and is displaced only by a candidate more than
-    3% faster, so the record is never slower than the default as measured. ``measure(tile, run)``
-    returns seconds (default: the median wall time of ``run()``). Returns one dict per shape."""
-    from kernforge.jit import tuning
-
-    kv_dtype = kv_dtype or dtype
-    measure = measure or (lambda tile, run: tuning.time_call(run))
-    tier, results = isa.selected_tier(), []
-    generator = torch.Generator().manual_seed(0)
-    workspace = torch.empty(64 << 20, dtype=torch.uint8)
-    indptr = torch.tensor([0, int(length)], dtype=torch.int32)
-    for head_dim_qk, head_dim_vo in head_dims:
-        for group in groups:
-            num_kv_heads = 2
-            q = torch.randn(length, num_kv_heads * group, head_dim_qk, generator=generator).to(dtype)
-            k = torch.randn(length, num_kv_heads, head_dim_qk, generator=generator).to(kv_dtype)
-            v = torch.randn(length, num_kv_heads, head_dim_vo, generator=generator).to(kv_dtype)
-            out = torch.empty(length, num_kv_heads * group, head_dim_vo, dtype=dtype)
-            timings = {}
-
-            def seconds(candidate: Candidate) -> float:
-                tile = candidate.params["tile"]
-                wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace)
-                wrapper._make_plan(indptr, indptr, None, None, num_kv_heads * group, num_kv_heads, head_dim_qk,
-                                   head_dim_vo, 1, None, None, True, "NONE", -1, None, None, dtype, kv_dtype, dtype,
-                                   tile)
-                timings[tile] = measure(tile, lambda: wrapper.run(q, k, v, out=out))
-                return timings[tile]
-
-            params = prefill_variant_params(dtype, kv_dtype, dtype, head_dim_qk, head_dim_vo, group, TILES[0])
-            shape = tile_shape(params, group)
-            winner = TILE_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=0.03)
-            results.append({"head_dim_qk": head_dim_qk, "head_dim_vo": head_dim_vo, "group": group,
-                            "dtype": params["q_dtype"], "kv_dtype": params["kv_dtype"],
-                            "tier": PREFILL.built_tier(tier), "tile": winner.params["tile"],
-                            "default": TILE_CANDIDATES.default(shape, PREFILL.built_tier(tier)).params["tile"],
-                            "seconds": timings})
-    return results
-
-
-export("tune_prefill", tune_prefill)
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 

@@ -22,14 +22,13 @@ except bf16 on avx512 with K over one block, which takes the 512-deep K block).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
-from kernforge.jit import tuning
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
 from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
@@ -258,51 +257,3 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
     except RuntimeError:
         raise ValueError(f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
                          "dimensions cannot be merged into one row index without a copy") from None
-
-
-def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16,
-              measure: Callable[[dict, Callable[[], object]], float] | None = None,
-              min_gain: float = 0.03) -> list[dict]:
-    """Time every applicable candidate of ``weight_packed_linear`` (register tile, rows per task, K
-    block, thread split: ``TILE_CANDIDATES``) for each M of ``m_list`` and each ``(N, K)`` of
-    ``nk_list`` (x in ``dtype``, at the current :func:`kernforge.ops.num_threads`), and record the
-    winner per (dtype, M bucket, N, K) for this tier and CPU model in the cache's tuning store, where
-    dispatch finds it.
-
-    The candidates always include the tier's default, and another candidate wins only when it is
-    more than ``min_gain`` (a fraction) faster than the default in the same run: the recorded
-    choice is never slower than the default as measured. ``measure(config, run)`` returns seconds
-    (default: the median wall time of ``run()``), ``config`` being the candidate's parameters.
-    Returns one dict per shape: the winner's and the default's ``config`` and every timing by
-    :func:`config_name`."""
-    if dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be one of {', '.join(map(str, DTYPE_NAMES))}, got {dtype}")
-    m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
-    if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
-        raise ValueError(f"tune_gemm needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
-    measure = measure or (lambda config, run: tuning.time_call(run))
-    tier = GEMM.built_tier(isa.selected_tier())
-    results = []
-    generator = torch.Generator().manual_seed(0)
-    for n, k in nk_list:
-        packed = convert_weight_packed(torch.randn(n, k, generator=generator).bfloat16())
-        for m in m_list:
-            x = torch.randn(m, k, generator=generator).to(dtype)
-            out = torch.empty(m, n, dtype=dtype)
-            timings = {}
-
-            def seconds(candidate: Candidate) -> float:
-                config = dict(candidate.params)
-                timings[config_name(config)] = measure(config, lambda: linear_with_config(x, packed, config, out=out))
-                return timings[config_name(config)]
-
-            shape = tile_shape(dtype, m, n, k)
-            winner = TILE_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=min_gain)
-            results.append({"m": m, "n": n, "k": k, "dtype": shape["dtype"], "m_bucket": shape["m"], "tier": tier,
-                            "config": dict(winner.params), "default": dict(TILE_CANDIDATES.default(shape, tier).params),
-                            "seconds": timings})
-    reset_tile_choices()
-    return results
-
-
-export("tune_gemm", tune_gemm)
