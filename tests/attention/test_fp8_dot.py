@@ -6,9 +6,10 @@ The table conversion is checked exactly: all 256 bit patterns of e4m3 and e5m2 a
 rearranged into that order by ``arrange_q`` (what makes q.k need no reordering). One score tile and
 p.V over odd and even token counts (with the accumulator unscrambled) are checked against float64
 on the same rounded inputs; then whole decode runs (bf16 q, fp8 KV) over head dims 64/128/256 and
-GQA groups 1, 2, 8 and MQA, with odd token counts and a partly filled last page, against
-tests/attention/test_decode.py's reference. The piece tests need the avx512 tier with both extensions and
-skip elsewhere; the decode runs hold on any tier (other tiers take the fp32 path).
+GQA groups 1, 2, 8 and MQA, with odd token counts and a partly filled last page, through
+test_decode's run_case (against references.attention_reference). The piece tests need the avx512
+tier with both extensions and skip elsewhere; the decode runs hold on any tier (other tiers take
+the fp32 path).
 """
 
 from __future__ import annotations
