@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_sampling.py
 
 # The newest release of every dependency (transformers past pyproject's tested bound too), in
-# .venv-latest, then the suite (LATEST_TESTS=tests/test_transformers_integration.py for a quick
+# .venv-latest, then the suite (LATEST_TESTS=tests/integrations/test_transformers_integration.py for a quick
 # look). It writes what it installed to .venv-latest/constraints.txt.
 test-latest:
 	test -x $(LATEST)/bin/python || python3 -m venv $(LATEST)
@@ -56,4 +56,4 @@ test-transformers:
 	test -n "$(TRANSFORMERS)" || { echo "usage: make test-transformers TRANSFORMERS=<version>"; exit 2; }
 	test -x .venv-transformers-$(TRANSFORMERS)/bin/python || python3 -m venv .venv-transformers-$(TRANSFORMERS)
 	.venv-transformers-$(TRANSFORMERS)/bin/python -m pip install --quiet torch==2.13.0 transformers==$(TRANSFORMERS) -e '.[test]'
-	.venv-transformers-$(TRANSFORMERS)/bin/python -m pytest -q tests/test_transformers_integration.py
+	.venv-transformers-$(TRANSFORMERS)/bin/python -m pytest -q tests/integrations/test_transformers_integration.py

@@ -1,5 +1,12 @@
 """Shared fixtures and the suite's shape.
 
+* Layout: one folder per op family, as in FlashInfer (``attention/``, ``gemm/``, ``ops/`` for
+  norm/activation/rope/sampling, ``jit/`` for the JIT core and the tools, ``integrations/``); the
+  helpers every family imports stay here (``op_helpers``, ``references``, ``kernels``, this file),
+  importable by their bare names because pytest puts this folder on ``sys.path``. The folders have
+  no ``__init__.py``: test modules import by basename, so a basename must be unique in the suite.
+  Paths to other parts of the repository come from here (``TESTS_DIR``, ``REPO_ROOT``,
+  ``EXAMPLES_DIR``, ``TEST_TEMPLATES``), not from a test file's own location.
 * The cache: every run compiles on demand into its own brand-new private
   ``KERNFORGE_CACHE_DIR`` (so a stale cache can never make CI green), or, with
   ``--reuse-cache`` (local runs), into a persistent private one
@@ -218,7 +225,11 @@ def pytest_collection_modifyitems(config, items):
 
 # --------------------------------------------------------------------------- templates, caches, environments
 
-TEST_TEMPLATES = Path(__file__).resolve().parent / "templates"
+# Paths for the test files, whatever family folder they sit in.
+TESTS_DIR = Path(__file__).resolve().parent  # on sys.path: conftest, kernels, op_helpers, references
+REPO_ROOT = TESTS_DIR.parent
+EXAMPLES_DIR = REPO_ROOT / "examples"
+TEST_TEMPLATES = TESTS_DIR / "templates"
 # Settings a JIT/cache test must not inherit from the caller's environment.
 _JIT_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE",
                  "KERNFORGE_LOCK_TIMEOUT")

@@ -23,14 +23,13 @@ import torch
 
 import kernforge
 from kernforge.ops.attention import prefill
-from conftest import TEST_TEMPLATES, clean_env
+from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
 from kernels import AXPY
 from kernforge import cli, tune
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render, tuning
 
 prewarm = importlib.import_module("kernforge.prewarm")  # the module (``kernforge.prewarm`` is the function)
-TESTS_DIR = Path(__file__).resolve().parent
 
 LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
          "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8}

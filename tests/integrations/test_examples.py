@@ -3,13 +3,11 @@ module interface (declare, template, call), and nothing else compiles them."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import kernforge
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from conftest import EXAMPLES_DIR as EXAMPLES
 
 
 @pytest.mark.slow  # a child process: imports torch, compiles the example on every tier

@@ -26,6 +26,7 @@ from kernforge.ops.gemm.bf16 import GEMM, TILE_CANDIDATES, convert_weight_packed
 from kernforge.ops.gemm.int8 import (GEMM_INT8, convert_weight_packed_int8, int8_accumulate, int8_scaled_mm,
                                      per_token_quant_int8)
 from op_helpers import seeded
+from references import int8_accumulate_reference, int8_linear_reference, linear_reference
 
 pytestmark = pytest.mark.usefixtures("test_templates")
 
@@ -215,7 +216,7 @@ def test_emulated_bf16_tiles_match_the_operation_order_and_torch(gemm_emulated, 
     out = _run_linear(gemm_emulated, "linear_tiles", x, packed, bias)
     assert _no_faults(gemm_emulated) == _expected_dot_products(m, n, k, STEP_K["bf16"], TASK_COLUMNS["bf16"])
     assert torch.equal(out, _tile_order_model(x, w, bias))
-    reference = x.float() @ w.float().T + bias.float()
+    reference = linear_reference(x, w, bias)
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k ** 0.5)
 
 
@@ -229,7 +230,7 @@ def test_emulated_bf16_linear_takes_tiles_from_min_rows(gemm_emulated):
         dots = _no_faults(gemm_emulated)
         if m < MIN_ROWS:
             assert dots == 0, f"m={m} took the tile path"
-            torch.testing.assert_close(out.float(), x.float() @ w.float().T + bias.float(), rtol=1e-2,
+            torch.testing.assert_close(out.float(), linear_reference(x, w, bias), rtol=1e-2,
                                        atol=1e-2 * k ** 0.5)
         else:
             assert dots == _expected_dot_products(m, n, k, STEP_K["bf16"], TASK_COLUMNS["bf16"])
@@ -273,7 +274,7 @@ def test_emulated_int8_tiles_are_bit_exact(int8_emulated, m, n, k):
     packed = convert_weight_packed_int8(w, scale)
     out = _accumulate(int8_emulated, "accumulate_tiles", a_q, packed)
     assert _no_faults(int8_emulated) == _expected_dot_products(m, n, k, STEP_K["int8"], TASK_COLUMNS["int8"])
-    exact = (a_q.double() - 128) @ w.double().T  # every partial sum is an integer below 2^53
+    exact = int8_accumulate_reference(a_q, w)  # every partial sum is an integer below 2^53
     assert torch.equal(out.double(), exact)
     assert torch.equal(out, int8_accumulate(a_q, packed))  # the vpdpbusd path, bit for bit
 
@@ -359,7 +360,7 @@ def amx():
 def test_amx_bf16_linear_matches_torch(amx, m, n, k):
     x, w, bias = _bf16_operands(m, n, k, ("hardware",))
     out = weight_packed_linear(x, convert_weight_packed(w), bias)
-    reference = x.float() @ w.float().T + bias.float()
+    reference = linear_reference(x, w, bias)
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k ** 0.5)
 
 
@@ -367,9 +368,9 @@ def test_amx_bf16_linear_matches_torch(amx, m, n, k):
 def test_amx_int8_is_bit_exact(amx, m, n, k):
     a_q, w, scale = _int8_operands(m, n, k, ("hardware",))
     packed = convert_weight_packed_int8(w, scale)
-    assert torch.equal(int8_accumulate(a_q, packed).double(), (a_q.double() - 128) @ w.double().T)
+    assert torch.equal(int8_accumulate(a_q, packed).double(), int8_accumulate_reference(a_q, w))
     x = torch.randn(m, k, generator=seeded("amx-int8-x", m, k)).bfloat16()
     q, q_scale = per_token_quant_int8(x)
-    ref = ((q.float() - 128) @ w.float().T) * q_scale[:, None] * scale
+    ref = int8_linear_reference(q, q_scale, w, scale)
     torch.testing.assert_close(int8_scaled_mm(q, packed, q_scale).float(), ref, rtol=1e-2,
                                atol=1e-2 * ref.abs().max().item())

@@ -10,6 +10,7 @@ from torch import nn
 
 import kernforge.nn as knn
 from op_helpers import seeded
+from references import fp8_block_dequantize
 
 # bf16 rounds x and W (and the output); int8 quantizes both per row/channel: ~1/254 relative per operand;
 # e4m3 keeps 3 mantissa bits: up to 1/16 relative per weight (x stays bf16)
@@ -52,7 +53,7 @@ def test_fp8_block_matches_its_dequantized_weight(dtype):
     module = knn.Linear.from_linear(layer, dtype=dtype, quant="fp8_block")
     w_q, scale = knn.quantize_weight_fp8_block(layer.weight.detach())
     assert module.weight_scale.shape == scale.shape == (2, 3) and torch.equal(module.weight_scale, scale)
-    dequantized = w_q.float() * scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    dequantized = fp8_block_dequantize(w_q, scale, (128, 128))
     x = _x((9, 300), key=("fp8",)).to(dtype)
     with torch.no_grad():
         expected = x.float() @ dequantized.T + layer.bias

@@ -1,13 +1,14 @@
 """Tests for prefill attention: ``BatchPrefillWithPagedKVCacheWrapper``,
 ``BatchPrefillWithRaggedKVCacheWrapper`` and ``single_prefill_with_kv_cache``.
 
-The reference is plain PyTorch in float64, request by request, with the mask built explicitly:
-causal bottom-right (query i of a request with qo_len queries and kv_len keys sees keys
-j <= kv_len - qo_len + i), a custom mask instead of the causal one when given, window_left w keeping
-j >= kv_len - qo_len + i - w, soft cap ``cap * tanh(x / cap)``; LSE is base 2 (``log2(e) *
-logsumexp``); a query that sees no key gives zeros and -inf. It sees the same rounded inputs as the
-kernel (fp8 KV dequantized exactly), so only the kernel's arithmetic differs: out within the
-tolerance of the coarsest dtype (bf16 1e-2, fp16 1e-3, fp32 1e-5), cosine > 0.9999, LSE to 1e-3.
+The reference is plain PyTorch in float64, request by request (``references.attention_reference``),
+with the mask built explicitly: causal bottom-right (query i of a request with qo_len queries and
+kv_len keys sees keys j <= kv_len - qo_len + i), a custom mask instead of the causal one when given,
+window_left w keeping j >= kv_len - qo_len + i - w, soft cap ``cap * tanh(x / cap)``; LSE is base 2
+(``log2(e) * logsumexp``); a query that sees no key gives zeros and -inf. It sees the same rounded
+inputs as the kernel (fp8 KV dequantized exactly), so only the kernel's arithmetic differs: out
+within the tolerance of the coarsest dtype (bf16 1e-2, fp16 1e-3, fp32 1e-5), cosine > 0.9999, LSE
+to 1e-3.
 
 Variants are keyed by (q, KV, out dtype, head dims, tile, tier); the scenario matrix runs on a few,
 the geometry tests (head dims 64/128/256 and MLA's 192/128, GQA 1/4/8, every tile the tuner may
@@ -32,8 +33,8 @@ from kernforge.jit import core
 from kernforge.jit.module import Entry, Module
 from kernforge.ops.attention import prefill
 from kernforge.ops.attention.decode import PlanStateError
+from references import attention_reference
 
-LOG2E = 1.0 / math.log(2.0)
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 MIN_COSINE = 0.9999
 FP8 = torch.float8_e4m3fn
@@ -51,33 +52,6 @@ def seeded(*key) -> torch.Generator:
 def rand(shape, dtype, g):
     x = torch.randn(shape, generator=g)
     return x.to(dtype)
-
-
-def reference(q, k, v, causal=False, window_left=-1, soft_cap=0.0, mask=None, sm_scale=None, v_scale=1.0):
-    """One request: q [qo, Hq, D], k/v [kv, Hk, D] (any dtype) -> out [qo, Hq, Dvo] f64, lse [qo, Hq]."""
-    qo_len, num_qo_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[:2]
-    group = num_qo_heads // num_kv_heads
-    kk = k.double().repeat_interleave(group, 1)
-    vv = v.double().repeat_interleave(group, 1)
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    logits = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    if soft_cap > 0:
-        logits = soft_cap * torch.tanh(logits / soft_cap)
-    i = torch.arange(qo_len)[:, None]
-    j = torch.arange(kv_len)[None, :]
-    keep = torch.ones(qo_len, kv_len, dtype=torch.bool)
-    if mask is not None:
-        keep &= mask
-    elif causal:
-        keep &= j <= kv_len - qo_len + i
-    if window_left >= 0:
-        keep &= j >= kv_len - qo_len + i - window_left
-    logits = logits.masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(logits, -1).T * LOG2E
-    probabilities = torch.softmax(logits, -1).nan_to_num(0.0)
-    out = torch.einsum("hqk,khd->qhd", probabilities, vv) * v_scale
-    return out, lse
 
 
 def check(out, lse, ref_out, ref_lse, dtype, what="", v_scale=1.0):
@@ -113,7 +87,7 @@ def check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, what="", **ref_
     """Each request of a ragged batch (k/v NHD) against the reference; ``lse`` may be None."""
     for b in range(qo_indptr.numel() - 1):
         rq, rk = (slice(int(p[b]), int(p[b + 1])) for p in (qo_indptr, kv_indptr))
-        ref_out, ref_lse = reference(q[rq], k[rk], v[rk], **ref_kwargs)
+        ref_out, ref_lse = attention_reference(q[rq], k[rk], v[rk], **ref_kwargs)
         check(out[rq], None if lse is None else lse[rq], ref_out, ref_lse, dtype, f"{what} request {b}")
 
 
@@ -167,7 +141,7 @@ def check_paged(q, cache, indices, result, qo_lens, kv_lens, layout, dtype, mask
         k = gather(cache, indptr, pages, kv_len, b, layout, 0)
         v = gather(cache, indptr, pages, kv_len, b, layout, 1)
         mask = None if masks is None else masks[b]
-        ref_out, ref_lse = reference(q[rows], k, v, mask=mask, **ref_kwargs)
+        ref_out, ref_lse = attention_reference(q[rows], k, v, mask=mask, **ref_kwargs)
         check(out[rows], lse[rows], ref_out, ref_lse, dtype, f"request {b} (qo {qo_len}, kv {kv_len})",
               v_scale)
 
@@ -314,7 +288,7 @@ def test_ragged_and_single_rows_without_keys(tier, workspace):
     check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.float16, causal=True)
     check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), "ragged")
     out, lse = kernforge.single_prefill_with_kv_cache(q[:50], k[:20], v[:20], causal=True, return_lse=True)
-    check(out, lse, *reference(q[:50], k[:20], v[:20], causal=True), torch.float16, "single")
+    check(out, lse, *attention_reference(q[:50], k[:20], v[:20], causal=True), torch.float16, "single")
     check_rows_without_keys(out, lse, torch.arange(30), "single")
 
 
@@ -344,7 +318,7 @@ def test_masked_blocks_are_skipped(workspace):
                            None, torch.bfloat16, None, None, tile)
         out = wrapper.run(q, k, v)
         counts[causal] = wrapper.computed_blocks()
-        check(out, None, reference(q, k, v, causal=causal)[0], None, torch.bfloat16, f"causal={causal}")
+        check(out, None, attention_reference(q, k, v, causal=causal)[0], None, torch.bfloat16, f"causal={causal}")
     tiles = length // 16
     assert counts[False] == tiles * (length // 64)
     assert counts[True] == sum((16 * t + 15) // 64 + 1 for t in range(tiles))
@@ -362,7 +336,7 @@ def test_keyless_tiles_visit_no_block(workspace):
                        None, None, 4, 1, 64, None, 1, None, None, True, "NONE", -1, None, None, torch.bfloat16, None,
                        None, tile)
     out, lse = wrapper.run_return_lse(q, k, v)
-    check(out, lse, *reference(q, k, v, causal=True), torch.bfloat16)
+    check(out, lse, *attention_reference(q, k, v, causal=True), torch.bfloat16)
     check_rows_without_keys(out, lse, keyless_causal_rows([qo_len], [kv_len]))
     last_keys = [min(kv_len, kv_len - qo_len + 16 * t + 16) for t in range(qo_len // 16)]  # hi of each last query
     assert wrapper.computed_blocks() == sum(-(-hi // 64) for hi in last_keys if hi > 0)
@@ -430,7 +404,7 @@ def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dty
             out, lse = kernforge.single_prefill_with_kv_cache(guarded(q)[rq], kk[:, rk] if layout == "HND" else kk[rk],
                                                               vv[:, rk] if layout == "HND" else vv[rk], causal=causal,
                                                               kv_layout=layout, return_lse=True)
-            check(out, lse, *reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
+            check(out, lse, *attention_reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
 
 
 @pytest.mark.parametrize("tile", prefill.TILES)
@@ -457,10 +431,10 @@ def test_single_prefill(tier, layout, dtype):
     k, v = (rand((47, 2, 128), dtype, g) for _ in range(2))
     kk, vv = (t.transpose(0, 1).contiguous() if layout == "HND" else t for t in (k, v))
     out, lse = kernforge.single_prefill_with_kv_cache(q, kk, vv, causal=True, kv_layout=layout, return_lse=True)
-    check(out, lse, *reference(q, k, v, causal=True), dtype)
+    check(out, lse, *attention_reference(q, k, v, causal=True), dtype)
     mask = torch.rand(31, 47, generator=g) < 0.5
     out = kernforge.single_prefill_with_kv_cache(q, kk, vv, custom_mask=mask, kv_layout=layout)
-    check(out, None, reference(q, k, v, mask=mask)[0], None, dtype)
+    check(out, None, attention_reference(q, k, v, mask=mask)[0], None, dtype)
 
 
 def test_strided_q_out_lse(tier, workspace):
@@ -474,7 +448,7 @@ def test_strided_q_out_lse(tier, workspace):
     indptr = torch.tensor([0, 40], dtype=torch.int32)
     wrapper.plan(indptr, indptr, 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
     out, lse = wrapper.run(q, k, v, out=out_buffer[:, 1:9], lse=lse_buffer[:, :8], return_lse=True)
-    check(out, lse, *reference(q, k, v, causal=True), torch.bfloat16)
+    check(out, lse, *attention_reference(q, k, v, causal=True), torch.bfloat16)
     assert (out_buffer[:, [0, 9]] == 7).all() and (lse_buffer[:, 8] == 7).all()
 
 
@@ -662,6 +636,6 @@ def test_kv_split_when_tiles_are_fewer_than_threads(tier, workspace, threads_set
             results[disable] = wrapper.run_return_lse(q, k, v)
     finally:
         kernforge.set_num_threads(None)
-    ref_out, ref_lse = reference(q, k, v, causal=True, window_left=900)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True, window_left=900)
     check(*results[False], ref_out, ref_lse, torch.bfloat16, "split")
     torch.testing.assert_close(results[False][0].float(), results[True][0].float(), atol=1e-2, rtol=1e-2)

@@ -1,15 +1,15 @@
 """Tests for decode attention over a paged KV cache: ``BatchDecodeWithPagedKVCacheWrapper``
 (plan / run / work_lists) and ``single_decode_with_kv_cache``.
 
-The reference is plain PyTorch, per request, in float64: the request's pages are gathered from
-the cache in page-table order, the logits ``sm_scale * q_scale * k_scale * q.k`` are soft-capped
-(``cap * tanh(x / cap)``), keys outside the window (``window_left = w`` keeps positions
-``>= kv_len - 1 - w``) are masked explicitly, and out = softmax . V * v_scale. LSE is FlashInfer's:
-base 2 of the final logits, ``log2(e) * logsumexp``; an empty request gives zeros and -inf. It sees
-the same rounded inputs as the kernel (an fp8 cache is dequantized as ``cache.float() * scale``),
-so only the kernel's arithmetic and its output rounding differ: out within the tolerance of the
-coarsest of the q, KV and out dtypes (bf16 1e-2, fp16 1e-3, fp32 1e-5; bf16 q and KV may multiply
-in bf16), cosine > 0.9999 per request, LSE to 1e-4.
+The reference is plain PyTorch, per request, in float64 (``references.attention_reference``, with
+qo_len 1): the request's pages are gathered from the cache in page-table order, the logits
+``sm_scale * q_scale * k_scale * q.k`` are soft-capped (``cap * tanh(x / cap)``), keys outside the
+window (``window_left = w`` keeps positions ``>= kv_len - 1 - w``) are masked explicitly, and out =
+softmax . V * v_scale. LSE is FlashInfer's: base 2 of the final logits, ``log2(e) * logsumexp``; an
+empty request gives zeros and -inf. It sees the same rounded inputs as the kernel (an fp8 cache is
+dequantized as ``cache.float() * scale``), so only the kernel's arithmetic and its output rounding
+differ: out within the tolerance of the coarsest of the q, KV and out dtypes (bf16 1e-2, fp16 1e-3,
+fp32 1e-5; bf16 q and KV may multiply in bf16), cosine > 0.9999 per request, LSE to 1e-4.
 
 Compiled variants are keyed by (q, KV, out dtype, head_dim, group or 0 above 8, tier); the tests
 use nine of them per tier: the scenario matrix (batch shapes, page sizes, cache forms, windows,
@@ -34,8 +34,8 @@ import torch
 import kernforge
 from kernforge.ops.attention.decode import PlanStateError
 from op_helpers import assert_outside_untouched, make_rows, randn, seeded
+from references import attention_reference
 
-LOG2E = 1.0 / math.log(2.0)
 LSE_TOL = dict(atol=1e-4, rtol=1e-4)  # LSE is float32 whatever the dtypes
 MIN_COSINE = 0.9999
 LAYOUTS = ["NHD", "HND"]
@@ -141,27 +141,19 @@ def as_cache(k, v, form, layout, g):
 
 def reference(q, k, v, batch, *, sm_scale, window_left=-1, soft_cap=0.0, k_scale=1.0, v_scale=1.0):
     """float64 decode attention of q [B, Hq, D] over the NHD planes k, v [pages, ps, Hkv, D] of
-    ``batch``. Returns (out [B, Hq, D], lse [B, Hq] base 2) as float32."""
+    ``batch``: each request's pages gathered in page-table order, then ``attention_reference``.
+    Returns (out [B, Hq, D], lse [B, Hq] base 2) as float32."""
     B, Hq, D = q.shape
     Hkv = k.shape[2]
-    group = Hq // Hkv
     out = torch.zeros(B, Hq, D, dtype=torch.float64)
     lse = torch.full((B, Hq), -math.inf, dtype=torch.float64)
     for b, kv_len in enumerate(batch.lengths):
-        if kv_len == 0:
-            continue
         pages = batch.pages(b).long()
-        kb = k[pages].reshape(-1, Hkv, D)[:kv_len].double() * k_scale
-        vb = v[pages].reshape(-1, Hkv, D)[:kv_len].double() * v_scale
-        qb = q[b].double().reshape(Hkv, group, D)
-        logits = torch.einsum("hgd,khd->hgk", qb, kb) * sm_scale
-        if soft_cap:
-            logits = soft_cap * torch.tanh(logits / soft_cap)
-        positions = torch.arange(kv_len)
-        visible = positions >= kv_len - 1 - window_left if window_left >= 0 else torch.ones(kv_len, dtype=torch.bool)
-        logits = logits.masked_fill(~visible, -math.inf)
-        out[b] = torch.einsum("hgk,khd->hgd", torch.softmax(logits, dim=-1), vb).reshape(Hq, D)
-        lse[b] = torch.logsumexp(logits, dim=-1).reshape(Hq) * LOG2E
+        kb = k[pages].reshape(-1, Hkv, D)[:kv_len]
+        vb = v[pages].reshape(-1, Hkv, D)[:kv_len]
+        ob, lb = attention_reference(q[b:b + 1], kb, vb, sm_scale=sm_scale, window_left=window_left,
+                                     soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+        out[b], lse[b] = ob[0], lb[0]
     return out.float(), lse.float()
 
 

@@ -19,6 +19,7 @@ import kernforge
 from kernforge.ops.gemm import fp8
 from kernforge.ops.gemm.fp8 import LAYOUT_VERSION, PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
 from op_helpers import seeded
+from references import fp8_block_linear_reference
 
 ROWS = [1, 2, 7, 33]
 NK = [(1, 1), (17, 129), (129, 17), (300, 300), (1, 300)]
@@ -47,13 +48,6 @@ def _activation(m, k, dtype=torch.bfloat16, key=()):
     return torch.randn(m, k, generator=seeded("gemm-fp8-x", m, k, *key)).to(dtype)
 
 
-def _reference(x, w, scale, block, bias=None):
-    n, k = w.shape
-    expanded = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    ref = x.float() @ (w.float() * expanded).T
-    return ref if bias is None else ref + bias.float()
-
-
 def _assert_matches(actual, expected, dtype, k):
     assert actual.dtype is dtype
     rtol = TOLERANCE[dtype]
@@ -73,7 +67,7 @@ def test_matches_dequantized_fp32(tier, path, m, n, k, with_bias):
     x = _activation(m, k)
     bias = torch.randn(n, generator=seeded("gemm-fp8-b", n)) if with_bias else None
     out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale, BLOCK), scale, BLOCK, bias)
-    _assert_matches(out, _reference(x, w, scale, BLOCK, bias), torch.bfloat16, k)
+    _assert_matches(out, fp8_block_linear_reference(x, w, scale, BLOCK, bias), torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("block", [(1, 1), (16, 48), (64, 300), (200, 7)])
@@ -83,7 +77,7 @@ def test_other_block_sizes(tier, path, block):
     w, scale = _weight(n, k, block)
     x = _activation(9, k)
     out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale, block), scale, block)
-    _assert_matches(out, _reference(x, w, scale, block), torch.bfloat16, k)
+    _assert_matches(out, fp8_block_linear_reference(x, w, scale, block), torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -91,7 +85,7 @@ def test_fp16_and_fp32_activations(path, dtype):
     w, scale = _weight(70, 260)
     x = _activation(5, 260, dtype)
     out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale), scale, out_dtype=dtype)
-    _assert_matches(out, _reference(x, w, scale, BLOCK), dtype, 260)
+    _assert_matches(out, fp8_block_linear_reference(x, w, scale, BLOCK), dtype, 260)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -122,7 +116,7 @@ def test_large_m_tasks_and_deep_k_blocks(tier, path):
         w, scale = _weight(100, 600, block, key=("large",))
         x = _activation(300, 600, key=("large",))
         out = fp8_scaled_mm(x, convert_weight_packed_fp8(w, scale, block), scale, block)
-        _assert_matches(out, _reference(x, w, scale, block), torch.bfloat16, 600)
+        _assert_matches(out, fp8_block_linear_reference(x, w, scale, block), torch.bfloat16, 600)
 
 
 def test_nan_weights_are_refused():
@@ -139,7 +133,7 @@ def test_leading_dims_and_strided_rows(tier, path):
     x = wide[:, ::2]  # rows 2 * 130 apart, elements 2 apart: read through a copy, never past the end
     out = fp8_scaled_mm(x.reshape(2, 3, 130), packed, scale)
     assert out.shape == (2, 3, 40)
-    _assert_matches(out.reshape(6, 40), _reference(x, w, scale, BLOCK), torch.bfloat16, 130)
+    _assert_matches(out.reshape(6, 40), fp8_block_linear_reference(x, w, scale, BLOCK), torch.bfloat16, 130)
 
 
 def test_thread_counts_agree(path):

@@ -23,6 +23,7 @@ from kernforge.ops.gemm.bf16 import (DEFAULT_BLOCKING, GEMM, LAYOUT_VERSION, TIL
                                 convert_weight_packed, gemm_config, linear_with_config, linear_with_tile, tile_shape,
                                 weight_packed_linear)
 from op_helpers import seeded
+from references import linear_reference
 
 ROWS = [1, 2, 7, 16, 33, 256]
 NK = [(1, 1), (15, 17), (17, 15), (1, 17), (1000, 1030)]
@@ -37,11 +38,6 @@ def _operands(m, n, k, dtype=torch.bfloat16, bias=False, key=()):
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, b
-
-
-def _reference(x, w, b):
-    ref = x.float() @ w.float().T
-    return ref if b is None else ref + b.float()
 
 
 def _assert_matches(actual, expected, dtype, k):
@@ -60,7 +56,7 @@ def test_linear_matches_fp32_matmul(tier, m, n, k, with_bias):
     x, w, b = _operands(m, n, k, bias=with_bias)
     out = weight_packed_linear(x, convert_weight_packed(w), b)
     assert out.shape == (m, n)
-    _assert_matches(out, _reference(x, w, b), torch.bfloat16, k)
+    _assert_matches(out, linear_reference(x, w, b), torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("n,k", LARGE_NK, ids=[f"n{n}_k{k}" for n, k in LARGE_NK])
@@ -68,13 +64,13 @@ def test_large_n_and_k_match_fp32_matmul(tier, n, k):
     x, w, b = _operands(33, n, k, bias=True, key=("large",))
     packed = convert_weight_packed(w)
     for rows in (x[:1], x):  # the one-row path and a row block with a tail of every tile
-        _assert_matches(weight_packed_linear(rows, packed, b), _reference(rows, w, b), torch.bfloat16, k)
+        _assert_matches(weight_packed_linear(rows, packed, b), linear_reference(rows, w, b), torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_linear_takes_fp32_and_fp16_activations(dtype):
     x, w, b = _operands(33, 47, 129, dtype, bias=True)
-    _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), _reference(x, w, b), dtype, 129)
+    _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), linear_reference(x, w, b), dtype, 129)
 
 
 def test_leading_dims_and_strided_rows_never_touch_outside(tier):
@@ -89,7 +85,7 @@ def test_leading_dims_and_strided_rows_never_touch_outside(tier):
     out = out_backing[..., :n]
     result = weight_packed_linear(x, convert_weight_packed(w), b, out=out)
     assert result is out
-    _assert_matches(out, _reference(x, w, b), torch.bfloat16, k)
+    _assert_matches(out, linear_reference(x, w, b), torch.bfloat16, k)
     assert torch.all(out_backing[..., n:] == -7.0)
 
 
@@ -133,7 +129,7 @@ def _assert_every_candidate_matches(dtype, m, n, k, key):
     """Each applicable candidate on the current tier against fp32 matmul, on 2 threads (both splits of
     the tasks between threads)."""
     x, w, b = _operands(m, n, k, dtype, bias=True, key=key)
-    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    packed, expected = convert_weight_packed(w), linear_reference(x, w, b)
     rtol, atol = TOLERANCE[dtype]
     try:
         kernforge.ops.set_num_threads(2)
@@ -225,7 +221,8 @@ def test_tuned_config_is_dispatched_for_its_bucket_only(tuning_cache):
     assert set(result["seconds"]) == {config_name(c) for c in configs}
     for m in (129, 256):  # one bucket: 129..256 rows
         x, w, b = _operands(m, n, k, bias=True, key=("tuned",))
-        _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), _reference(x, w, b), torch.bfloat16, k)
+        _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), linear_reference(x, w, b),
+                        torch.bfloat16, k)
         assert _dispatched(m, n, k) == forced
     assert _dispatched(128, n, k) == default  # another bucket
     assert _dispatched(200, n, k + 2) == default  # another K
@@ -251,7 +248,7 @@ def test_recorded_config_is_used_and_a_corrupt_record_is_ignored(tuning_cache, c
     recorded = {**configs[-1], "tile": list(configs[-1]["tile"])}  # as JSON has it
     tuning.TuningStore().record("weight_packed_linear", bucket, tier, recorded, {})
     x, w, b = _operands(m, n, k, bias=True, key=("recorded",))
-    packed, expected = convert_weight_packed(w), _reference(x, w, b)
+    packed, expected = convert_weight_packed(w), linear_reference(x, w, b)
     _assert_matches(weight_packed_linear(x, packed, b), expected, torch.bfloat16, k)
     assert _dispatched(m, n, k) == configs[-1]
 
@@ -340,7 +337,8 @@ def test_packed_layout_is_the_same_on_every_tier():
     assert all(torch.equal(packed[t].packed, packed[tiers[0]].packed) for t in tiers)
     for packed_under, run_under in zip(tiers, [*tiers[1:], tiers[0]]):
         with kernforge.use_isa(run_under):
-            _assert_matches(weight_packed_linear(x, packed[packed_under], b), _reference(x, w, b), torch.bfloat16, k)
+            _assert_matches(weight_packed_linear(x, packed[packed_under], b), linear_reference(x, w, b),
+                            torch.bfloat16, k)
 
 
 def test_packed_weight_of_another_layout_is_refused():

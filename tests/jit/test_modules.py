@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernforge
-from conftest import clean_env
+from conftest import EXAMPLES_DIR, clean_env
 from kernforge.jit import core, isa, render, tuning
 from kernforge.jit.module import (
     ALL_TIERS,
@@ -32,8 +32,7 @@ from kernforge.jit.module import (
     Struct,
 )
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))
+sys.path.insert(0, str(EXAMPLES_DIR))
 import planned_op  # noqa: E402  (the README's plan/run example)
 
 pytestmark = pytest.mark.usefixtures("test_templates")

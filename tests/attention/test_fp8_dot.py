@@ -6,14 +6,13 @@ The table conversion is checked exactly: all 256 bit patterns of e4m3 and e5m2 a
 rearranged into that order by ``arrange_q`` (what makes q.k need no reordering). One score tile and
 p.V over odd and even token counts (with the accumulator unscrambled) are checked against float64
 on the same rounded inputs; then whole decode runs (bf16 q, fp8 KV) over head dims 64/128/256 and
-GQA groups 1, 2, 8 and MQA, with odd token counts and a partly filled last page, against
-tests/test_decode.py's reference. The piece tests need the avx512 tier with both extensions and
-skip elsewhere; the decode runs hold on any tier (other tiers take the fp32 path).
+GQA groups 1, 2, 8 and MQA, with odd token counts and a partly filled last page, through
+test_decode's run_case (against references.attention_reference). The piece tests need the avx512
+tier with both extensions and skip elsewhere; the decode runs hold on any tier (other tiers take
+the fp32 path).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,10 +21,10 @@ import torch
 import kernforge
 from kernforge.jit import core, isa, render
 from kernforge.jit.module import Entry, Module
+from conftest import TEST_TEMPLATES
 from op_helpers import seeded
 from test_decode import Case, run_case
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
 KINDS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2)}
 HEAD_DIM = 128  # of the score and value entries
 
@@ -48,7 +47,7 @@ def fp8_dot():
     if not isa.runnable("avx512"):
         pytest.skip("no avx512 tier on this CPU")
     saved = list(render._user_dirs)
-    kernforge.register_template_dir(TEMPLATES)
+    kernforge.register_template_dir(TEST_TEMPLATES)
     try:
         kernel = core.load_kernel(FP8_DOT, {}, "avx512")
     finally:

@@ -19,6 +19,7 @@ import kernforge
 from kernforge.ops.gemm.int8 import (LAYOUT_VERSION, PackedInt8Weight, convert_weight_packed_int8, int8_accumulate,
                                      int8_scaled_mm, int8_scaled_mm_with_quant, per_token_quant_int8)
 from op_helpers import seeded
+from references import int8_accumulate_reference, int8_linear_reference
 
 ROWS = [1, 2, 7, 33, 256]
 NK = [(1, 1), (15, 17), (17, 15), (1, 4095), (1000, 1030)]
@@ -41,11 +42,6 @@ def _weight(n, k, key=()):
 
 def _activation(m, k, dtype=torch.bfloat16, key=()):
     return torch.randn(m, k, generator=seeded("gemm-int8-x", m, k, *key)).to(dtype)
-
-
-def _dequantized_reference(a_q, a_scale, w, w_scale, bias):
-    ref = ((a_q.float() - 128) @ w.float().T) * a_scale.reshape(-1, 1) * w_scale
-    return ref if bias is None else ref + bias.float()
 
 
 def _assert_matches(actual, expected, dtype):
@@ -85,7 +81,7 @@ def test_int32_accumulation_is_exact(tier, m, n, k):
     a_q[0, 0], a_q[-1, -1] = 0, 255
     acc = int8_accumulate(a_q, convert_weight_packed_int8(w, w_scale))
     assert acc.dtype is torch.int32
-    assert torch.equal(acc, ((a_q.double() - 128) @ w.double().T).to(torch.int32))
+    assert torch.equal(acc, int8_accumulate_reference(a_q, w).to(torch.int32))
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -99,7 +95,7 @@ def test_scaled_mm_matches_dequantized_fp32(tier, m, n, k, with_bias):
     a_q, a_scale = per_token_quant_int8(x)
     out = int8_scaled_mm(a_q, packed, a_scale, bias)
     assert out.shape == (m, n)
-    _assert_matches(out, _dequantized_reference(a_q, a_scale, w, w_scale, bias), torch.bfloat16)
+    _assert_matches(out, int8_linear_reference(a_q, a_scale, w, w_scale, bias), torch.bfloat16)
     # The fused op quantizes the same way inside the call: identical bits.
     assert torch.equal(int8_scaled_mm_with_quant(x, packed, bias), out)
 
@@ -112,7 +108,7 @@ def test_fp32_and_fp16_outputs(dtype):
     packed = convert_weight_packed_int8(w, w_scale.view(47, 1))  # [N, 1] scales, as sgl-kernel allows
     a_q, a_scale = per_token_quant_int8(x)
     out = int8_scaled_mm(a_q, packed, a_scale.view(33, 1), bias, out_dtype=dtype)
-    _assert_matches(out, _dequantized_reference(a_q, a_scale, w, w_scale, bias), dtype)
+    _assert_matches(out, int8_linear_reference(a_q, a_scale, w, w_scale, bias), dtype)
     assert torch.equal(int8_scaled_mm_with_quant(x, packed, bias, out_dtype=dtype), out)
 
 
@@ -127,7 +123,7 @@ def test_leading_dims_and_strided_rows_never_read_outside(tier):
     out = int8_scaled_mm_with_quant(x, packed)
     a_q, a_scale = per_token_quant_int8(x)
     assert a_q.shape == (2, 3, k) and a_scale.shape == (2, 3) and out.shape == (2, 3, n)
-    expected = _dequantized_reference(a_q.view(6, k), a_scale, w, w_scale, None).view(2, 3, n)
+    expected = int8_linear_reference(a_q.view(6, k), a_scale, w, w_scale, None).view(2, 3, n)
     _assert_matches(out, expected, torch.bfloat16)
     q_backing = torch.full((2, 3, k + 5), 7, dtype=torch.uint8)
     q_backing[..., :k] = a_q

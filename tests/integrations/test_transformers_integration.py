@@ -415,9 +415,9 @@ def test_a_supported_model_optimizes_without_warnings(llama):
 def test_example_runs_and_agrees(kernforge_cache_dir):
     import subprocess
     import sys
-    from pathlib import Path
+    from conftest import EXAMPLES_DIR
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "llama_generate.py"
+    example = EXAMPLES_DIR / "llama_generate.py"
     result = subprocess.run([sys.executable, str(example), "--layers", "1", "--prompt-len", "48", "--new-tokens", "4"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -30,12 +30,11 @@ import pytest
 import torch
 
 import kernforge
-from conftest import TEST_TEMPLATES, clean_env
+from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
 from kernels import AXPY, BROKEN
 from kernforge.cache import disk
 from kernforge.jit import Bool, Entry, Enum, Int, Module, Struct, compiler, core, loader, render
 
-TESTS_DIR = Path(__file__).resolve().parent
 CHILD_TIMEOUT = 180
 _COMPILING = re.compile(r"^kernforge: compiling (\S+) \.\.\.$", re.MULTILINE)
 

@@ -1,0 +1,95 @@
+"""Reference implementations that more than one test family checks against.
+
+Plain PyTorch on the same, already-rounded inputs the kernel sees, so only the kernel's own
+arithmetic and its output rounding differ from them. Attention is computed in float64 (its
+callers' tolerances assume it); the GEMM references are the float32 matmuls their tests' tolerances
+were set against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_reference(q, k, v, *, sm_scale=None, causal=False, window_left=-1, soft_cap=0.0, mask=None,
+                        k_scale=1.0, v_scale=1.0):
+    """float64 attention of one request, FlashInfer's conventions.
+
+    q [qo_len, Hq, D_qk], k [kv_len, Hkv, D_qk], v [kv_len, Hkv, D_vo] (any dtype; an fp8 cache
+    dequantizes exactly), Hq a multiple of Hkv (GQA: query head h reads KV head h // (Hq / Hkv));
+    D_qk and D_vo may differ (MLA). Logits are ``sm_scale * k_scale * q.k`` (``sm_scale`` defaults
+    to 1/sqrt(D_qk)), soft-capped as ``cap * tanh(x / cap)`` when ``soft_cap`` is set. Query i sees
+    key j when: ``mask[i, j]`` if a custom mask [qo_len, kv_len] is given, else j <= kv_len -
+    qo_len + i if ``causal`` (bottom-right aligned), else always; and, when ``window_left`` w >= 0,
+    j >= kv_len - qo_len + i - w. A decode step is qo_len 1 (causal or not, the same).
+
+    Returns (out [qo_len, Hq, D_vo], lse [qo_len, Hq]) in float64, out = softmax . V * v_scale and
+    lse base 2 (``log2(e) * logsumexp``); a query that sees no key (or an empty request) gives
+    zeros and -inf.
+    """
+    qo_len, num_qo_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[:2]
+    group = num_qo_heads // num_kv_heads
+    kk = k.double().repeat_interleave(group, 1)
+    vv = v.double().repeat_interleave(group, 1)
+    scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale) * k_scale
+    logits = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if soft_cap:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    i = torch.arange(qo_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    keep = torch.ones(qo_len, kv_len, dtype=torch.bool)
+    if mask is not None:
+        keep &= mask
+    elif causal:
+        keep &= j <= kv_len - qo_len + i
+    if window_left >= 0:
+        keep &= j >= kv_len - qo_len + i - window_left
+    logits = logits.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(logits, -1).T * LOG2E
+    probabilities = torch.softmax(logits, -1).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probabilities, vv) * v_scale
+    return out, lse
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+def linear_reference(x, w, bias=None):
+    """float32 ``x @ w.T (+ bias)``: the bf16 GEMM (w [N, K]) on the rounded inputs."""
+    ref = x.float() @ w.float().T
+    return ref if bias is None else ref + bias.float()
+
+
+def int8_accumulate_reference(a_q, w):
+    """The exact integer sums of the int8 GEMM, ``(a_q - 128) @ w.T``, in float64 (every partial sum
+    is an integer below 2^53): a_q uint8 with zero point 128, w int8 [N, K]."""
+    return (a_q.double() - 128) @ w.double().T
+
+
+def int8_linear_reference(a_q, a_scale, w, w_scale, bias=None):
+    """float32 int8 GEMM with per-row activation scales a_scale [M] and per-channel weight scales
+    w_scale [N]: ``((a_q - 128) @ w.T) * a_scale[:, None] * w_scale (+ bias)``."""
+    ref = ((a_q.float() - 128) @ w.float().T) * a_scale.reshape(-1, 1) * w_scale
+    return ref if bias is None else ref + bias.float()
+
+
+def fp8_block_dequantize(w, scale, block):
+    """float32 ``w * S``, S the [N, K] expansion of the per-block scales (block = (rows, columns);
+    the edge blocks may be partial)."""
+    n, k = w.shape
+    expanded = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return w.float() * expanded
+
+
+def fp8_block_linear_reference(x, w, scale, block, bias=None):
+    """float32 ``x @ (w * S).T (+ bias)`` over the dequantized block-scaled fp8 weight."""
+    ref = x.float() @ fp8_block_dequantize(w, scale, block).T
+    return ref if bias is None else ref + bias.float()
