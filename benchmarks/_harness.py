@@ -211,7 +211,7 @@ def copy_bandwidth(levels=("L2", "L3", "DRAM"), budget_s: float = 0.4) -> dict[s
         dst = torch.zeros(n, dtype=torch.float32)
         t = measure(lambda: dst.copy_(src), budget_s=budget_s, min_samples=9)
         found[level] = ws / t.median_ns  # bytes/ns == GB/s
-        del src, dst
+        src = dst = None  # free this level's buffers before the next one
     return found
 
 
@@ -262,7 +262,7 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
             res[name] = nbytes * reps / t.median_ns
         res["rw"] = max(res["copy"], res.get("copy_nt", 0.0))
         found[level] = res
-        del src, dst
+        src = dst = None  # free this level's buffers before the next one
     return found
 
 

@@ -33,6 +33,7 @@ from kernforge.jit import core
 from kernforge.jit.module import Entry, Module
 from kernforge.ops.attention import prefill
 from kernforge.ops.attention.decode import PlanStateError
+from op_helpers import seeded
 from references import attention_reference
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -43,10 +44,6 @@ FP8 = torch.float8_e4m3fn
 @pytest.fixture(scope="module")
 def workspace():
     return torch.empty(16 << 20, dtype=torch.uint8)
-
-
-def seeded(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
 
 
 def rand(shape, dtype, g):
@@ -619,7 +616,6 @@ def test_amx_tier_matches_reference(workspace):
 def test_kv_split_when_tiles_are_fewer_than_threads(tier, workspace, threads_setting):
     """One tile of a long request on more threads than tiles: plan() cuts its keys into pieces
     whose partial states run() merges by LSE; the result equals the reference and the unsplit run."""
-    qo, kv = [10], [1100]
     g = seeded("split", threads_setting)
     q = rand((10, 2, 64), torch.bfloat16, g)
     k, v = (rand((1100, 1, 64), torch.bfloat16, g) for _ in range(2))

@@ -40,18 +40,18 @@ What is compared, and how:
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import kernforge
+from conftest import TEST_TEMPLATES
 from kernforge.jit import core, isa, render
 from kernforge.jit.module import DeclarationError, DType, Entry, Module
 from kernforge.ops._registry import FP8_DTYPE_NAMES
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+TEMPLATES = TEST_TEMPLATES
 
 _ENTRIES = {
     "width": "",
