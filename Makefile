@@ -10,11 +10,13 @@ CONSTRAINTS := constraints.txt
 LATEST := .venv-latest
 LATEST_TESTS ?= tests
 
-.PHONY: demo test test-fast bench test-latest pins test-transformers
+.PHONY: demo test test-fast bench lint format test-latest pins test-transformers
+PY_SOURCES := kernforge tests benchmarks examples
+CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,6 +24,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Style: ruff (lint and format) over the Python, clang-format over the C++ headers. CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_HEADERS)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix $(PY_SOURCES)
+	$(VENV)/bin/ruff format $(PY_SOURCES)
+	$(VENV)/bin/clang-format -i $(CXX_HEADERS)
 
 # Local iteration: no multi-process or long tests (-m "not slow"), kernels kept between runs in a
 # private cache (--reuse-cache). CI runs `make test`, which runs everything.

@@ -36,9 +36,6 @@ from kernforge.jit.module import Module
 log = logging.getLogger("kernforge")
 
 
-REGISTERED: list["Candidates"] = []  # every Candidates made, in order
-
-
 def _always(shape: Mapping[str, int]) -> bool:
     return True
 
@@ -69,7 +66,6 @@ class Candidates:
                  bucket: Callable[[Mapping[str, int]], str]):
         self.kernel, self.module, self.reference, self.bucket = kernel, module, reference, bucket
         self.candidates = sorted(candidates, key=lambda c: c.rank)
-        REGISTERED.append(self)  # every kernel with candidates has a tuner (kernforge.tune; a test checks)
 
     def applicable(self, shape: Mapping[str, int], tier: str) -> list[Candidate]:
         """Candidates for ``shape`` on the built ``tier``, best-ranked first, the reference last."""
