@@ -30,9 +30,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -46,6 +46,7 @@ THREADS = 2
 
 
 # --------------------------------------------------------------------------- timing
+
 
 @dataclass
 class Timing:
@@ -127,17 +128,32 @@ class _Sampler:
         return _summarize(self.values, self.inner)
 
 
-def measure(fn: Callable[[], object], *, budget_s: float = 0.5, min_samples: int = 7, max_samples: int = 20_000,
-            warmup: int = 3, warmup_s: float = 0.02, sample_ns: float = 20_000) -> Timing:
+def measure(
+    fn: Callable[[], object],
+    *,
+    budget_s: float = 0.5,
+    min_samples: int = 7,
+    max_samples: int = 20_000,
+    warmup: int = 3,
+    warmup_s: float = 0.02,
+    sample_ns: float = 20_000,
+) -> Timing:
     """Median time of ``fn()`` after warm-up, over many samples within ``budget_s``."""
     s = _Sampler(fn, warmup, warmup_s, sample_ns)
     s.run(budget_s, min_samples, max_samples)
     return s.timing()
 
 
-def compare(fns: dict[str, Callable[[], object]], *, budget_s: float = 0.5, rounds: int = 3,
-            min_samples: int = 7, warmup: int = 3, warmup_s: float = 0.02,
-            sample_ns: float = 20_000) -> dict[str, Timing]:
+def compare(
+    fns: dict[str, Callable[[], object]],
+    *,
+    budget_s: float = 0.5,
+    rounds: int = 3,
+    min_samples: int = 7,
+    warmup: int = 3,
+    warmup_s: float = 0.02,
+    sample_ns: float = 20_000,
+) -> dict[str, Timing]:
     """Median times of several implementations, sampled round-robin.
 
     ``budget_s`` is per implementation, split over ``rounds``."""
@@ -151,6 +167,7 @@ def compare(fns: dict[str, Callable[[], object]], *, budget_s: float = 0.5, roun
 
 # --------------------------------------------------------------------------- limits
 
+
 def timed(fns: dict[str, Callable[[], object]], args, warmup_s: float = 0.05) -> tuple[dict, float]:
     """compare() under a LoadMeter, with the budget options of base_parser's benchmarks: measured
     again (after waiting for quiet) while other processes took more than args.max_bg of the CPUs,
@@ -160,14 +177,19 @@ def timed(fns: dict[str, Callable[[], object]], args, warmup_s: float = 0.05) ->
             wait_for_quiet(args.retry_wait)
         t0 = time.perf_counter()
         with LoadMeter() as m:
-            t = compare(fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples,
-                        warmup=1, warmup_s=warmup_s)
+            t = compare(
+                fns, budget_s=args.budget, rounds=args.rounds, min_samples=args.min_samples, warmup=1, warmup_s=warmup_s
+            )
         took = time.perf_counter() - t0
         if m.other <= args.max_bg:
             break
         again = attempt < args.retries and took < 30
-        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
-              f"{'measuring again' if again else 'keeping it, flagged'})", file=sys.stderr, flush=True)
+        print(
+            f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
+            f"{'measuring again' if again else 'keeping it, flagged'})",
+            file=sys.stderr,
+            flush=True,
+        )
         if not again:
             break
     return t, m.other
@@ -237,10 +259,18 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
             return None
         kernforge.register_template_dir(BENCH_DIR / "templates")
         stream = Module(
-            "bench_stream", "bench_stream.cpp.jinja", params={},
-            entries=[Entry("run", "int64_t dst, int64_t src, int64_t n, int64_t mode, int64_t reps, "
-                                  "int64_t num_threads", returns="double")],
-            tiers={"avx512": "avx512"}, register=False,
+            "bench_stream",
+            "bench_stream.cpp.jinja",
+            params={},
+            entries=[
+                Entry(
+                    "run",
+                    "int64_t dst, int64_t src, int64_t n, int64_t mode, int64_t reps, int64_t num_threads",
+                    returns="double",
+                )
+            ],
+            tiers={"avx512": "avx512"},
+            register=False,
         )
         fn = core.load_kernel(stream, {}, "avx512").run
     except Exception as exc:  # a sanity figure: never fail a benchmark over it
@@ -257,8 +287,7 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
         for name, mode, nbytes in (("copy", 0, 2 * size), ("copy_nt", 1, 2 * size), ("r", 2, size)):
             if name == "copy_nt" and level != "DRAM":
                 continue
-            t = measure(lambda: fn(dp, sp, n, mode, reps, threads), budget_s=budget_s, min_samples=7,
-                        sample_ns=0)
+            t = measure(lambda: fn(dp, sp, n, mode, reps, threads), budget_s=budget_s, min_samples=7, sample_ns=0)
             res[name] = nbytes * reps / t.median_ns
         res["rw"] = max(res["copy"], res.get("copy_nt", 0.0))
         found[level] = res
@@ -267,6 +296,7 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
 
 
 # --------------------------------------------------------------------------- machine state
+
 
 def _cpu_model() -> str:
     try:
@@ -370,8 +400,13 @@ def print_header(title: str, args=None, extra: dict | None = None) -> dict:
     print()
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["isa"].items())
     print(f"- date {info['date']}; {info['cpu']}, {info['cores']} cores ({flags})")
-    print(f"- python {info['python']}, torch {info['torch']}, kernforge {info['kernforge']} (tier {info['kernforge_tier']})")
-    print(f"- threads: {info['torch_threads']} (torch.set_num_threads({info['torch_threads']}); kernforge follows torch)")
+    print(
+        f"- python {info['python']}, torch {info['torch']}, kernforge {info['kernforge']} "
+        f"(tier {info['kernforge_tier']})"
+    )
+    print(
+        f"- threads: {info['torch_threads']} (torch.set_num_threads({info['torch_threads']}); kernforge follows torch)"
+    )
     print(f"- command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"- load average at start: {' '.join(info['loadavg'])}")
     for k, v in (extra or {}).items():
@@ -392,12 +427,13 @@ def setup_threads(n: int = THREADS) -> None:
 
 # --------------------------------------------------------------------------- output
 
+
 def fmt(value, digits: int = 1, suffix: str = "") -> str:
     if value is None:
         return "n/a"
     if isinstance(value, str):
         return value
-    if value != 0 and abs(value) < 10 ** -digits * 5:
+    if value != 0 and abs(value) < 10**-digits * 5:
         return f"{value:.2g}{suffix}"
     return f"{value:,.{digits}f}{suffix}"
 
@@ -430,8 +466,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke run: fewer cases, short budgets")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--threads", type=int, default=THREADS, help=f"threads (default {THREADS})")
-    p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
-                   help="first wait up to S seconds for other processes to go idle (< 10%% CPU)")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0,
+        metavar="S",
+        help="first wait up to S seconds for other processes to go idle (< 10%% CPU)",
+    )
     return p
 
 

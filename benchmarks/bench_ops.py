@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import kernforge  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 HIDDEN = 4096
 INTER = 11008
@@ -71,6 +71,7 @@ TOKENS = (1, 16, 256, 2048)
 
 
 # --------------------------------------------------------------------------- torch references
+
 
 def t_rmsnorm(x, w):
     return F.rms_norm(x, (x.shape[-1],), w, EPS)
@@ -122,13 +123,18 @@ def _act_out(act):
         else:
             torch._C._nn.gelu(x[..., :d], approximate="tanh", out=tmp)
         return torch.mul(tmp, x[..., d:], out=out)
+
     return fn
 
 
 TORCH_REF = {
-    "rmsnorm": t_rmsnorm, "gemma_rmsnorm": t_gemma_rmsnorm,
-    "fused_add_rmsnorm": t_fused_add_rmsnorm, "gemma_fused_add_rmsnorm": t_gemma_fused_add_rmsnorm,
-    "silu_and_mul": t_silu_and_mul, "gelu_and_mul": t_gelu_and_mul, "gelu_tanh_and_mul": t_gelu_tanh_and_mul,
+    "rmsnorm": t_rmsnorm,
+    "gemma_rmsnorm": t_gemma_rmsnorm,
+    "fused_add_rmsnorm": t_fused_add_rmsnorm,
+    "gemma_fused_add_rmsnorm": t_gemma_fused_add_rmsnorm,
+    "silu_and_mul": t_silu_and_mul,
+    "gelu_and_mul": t_gelu_and_mul,
+    "gelu_tanh_and_mul": t_gelu_tanh_and_mul,
 }
 ACT_NAME = {"silu_and_mul": "silu", "gelu_and_mul": "gelu", "gelu_tanh_and_mul": "gelu_tanh"}
 
@@ -165,6 +171,7 @@ def _close(a, b, dtype) -> bool:
 
 # --------------------------------------------------------------------------- one case
 
+
 def timed(fns, args):
     """H.compare under a LoadMeter; if other processes took > --max-bg of the CPUs meanwhile,
     wait for a quiet machine and measure again (up to --retries times). Returns (timings, load)."""
@@ -175,8 +182,12 @@ def timed(fns, args):
             t = H.compare(fns, budget_s=args.budget, rounds=args.rounds)
         if m.other <= args.max_bg:
             break
-        print(f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
-              f"{'measuring again' if attempt < args.retries else 'keeping it, flagged'})", file=sys.stderr, flush=True)
+        print(
+            f"  (other processes used {100 * m.other:.0f}% of the CPUs during this case: "
+            f"{'measuring again' if attempt < args.retries else 'keeping it, flagged'})",
+            file=sys.stderr,
+            flush=True,
+        )
     return t, m.other
 
 
@@ -214,6 +225,7 @@ def make_fns(op, dtype, sets, with_alloc, use_compile, compile_stats):
         def call():
             s = rot.next()
             return f(*[pick(s, a) for a in args], **{k: pick(s, a) for k, a in kwargs.items()})
+
         return call
 
     def compile_and_warm(*keys):
@@ -285,7 +297,9 @@ def check_case(op, dtype, s) -> str:
         ok = _close(kf_op(s["x"], s["w"], EPS), ref(s["x"], s["w"]), dtype)
     else:
         want = ref(s["x"])
-        ok = _close(kf_op(s["x"]), want, dtype) and _close(_act_out(ACT_NAME[op])(s["x"], s["tmp"], s["out"]), want, dtype)
+        ok = _close(kf_op(s["x"]), want, dtype) and _close(
+            _act_out(ACT_NAME[op])(s["x"], s["tmp"], s["out"]), want, dtype
+        )
     return "ok" if ok else "MISMATCH"
 
 
@@ -313,18 +327,47 @@ def bench_case(op, dname, T, args, now_bw, compile_stats):
         for mode, kf_key, eager_key, eager_is_alloc in modes:
             cp = t.get("compile")
             comp = t.get("composite") if op == "rmsnorm" else None
-            record.append({
-                "op": op, "dtype": dname, "T": T, "mode": mode + suffix, "bytes": nbytes, "level": level,
-                "footprint": fbytes, "buffer_sets": len(sets), "now_gbs": now_bw[level],
-                "kf": t[kf_key].to_json(), "eager": t[eager_key].to_json(), "eager_marked_alloc": eager_is_alloc,
-                "compile": cp.to_json() if cp else None, "composite": comp.to_json() if comp else None,
-                "check": check, "background_load": bg,
-            })
+            record.append(
+                {
+                    "op": op,
+                    "dtype": dname,
+                    "T": T,
+                    "mode": mode + suffix,
+                    "bytes": nbytes,
+                    "level": level,
+                    "footprint": fbytes,
+                    "buffer_sets": len(sets),
+                    "now_gbs": now_bw[level],
+                    "kf": t[kf_key].to_json(),
+                    "eager": t[eager_key].to_json(),
+                    "eager_marked_alloc": eager_is_alloc,
+                    "compile": cp.to_json() if cp else None,
+                    "composite": comp.to_json() if comp else None,
+                    "check": check,
+                    "background_load": bg,
+                }
+            )
     return record
 
 
-HEADERS = ["op", "dtype", "T", "mode", "kf µs", "eager µs", "compile µs", "eager/kf", "compile/kf",
-           "kf GB/s", "% roof", "% now", "composite µs", "kf spread", "bg", "check"]
+HEADERS = [
+    "op",
+    "dtype",
+    "T",
+    "mode",
+    "kf µs",
+    "eager µs",
+    "compile µs",
+    "eager/kf",
+    "compile/kf",
+    "kf GB/s",
+    "% roof",
+    "% now",
+    "composite µs",
+    "kf spread",
+    "bg",
+    "check",
+]
 
 
 def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
@@ -341,8 +384,11 @@ def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
 
     kf, eg, cp, comp = ns("kf"), ns("eager"), ns("compile"), ns("composite")
     kfs = [r["kf"]["median_ns"] for r in reps]
-    spread = (max(kfs) - min(kfs)) / kf if len(reps) > 1 else \
-        (r0["kf"]["p75_ns"] - r0["kf"]["p25_ns"]) / r0["kf"]["median_ns"]
+    spread = (
+        (max(kfs) - min(kfs)) / kf
+        if len(reps) > 1
+        else (r0["kf"]["p75_ns"] - r0["kf"]["p25_ns"]) / r0["kf"]["median_ns"]
+    )
     gbs = r0["bytes"] / kf
     level = r0["level"]
     roof_bw = H.roof_gbs(roof, level, "rw", args.threads)
@@ -351,23 +397,48 @@ def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
     checks = {r["check"] for r in reps}
     us = lambda v: H.us(H.Timing(v, v, v, 1, 1)) if v is not None else "n/a"  # noqa: E731
     row = [
-        r0["op"], r0["dtype"], r0["T"], mode, us(kf),
+        r0["op"],
+        r0["dtype"],
+        r0["T"],
+        mode,
+        us(kf),
         us(eg) + (" (a)" if r0["eager_marked_alloc"] else ""),
         (us(cp) + (" (a)" if mode.startswith("out=") else "")) if cp else "n/a",
-        H.fmt(eg / kf, 2), H.fmt(cp / kf, 2) if cp else "n/a",
-        H.fmt(gbs, 1), f"{100 * gbs / roof_bw:.0f}% {level}", f"{100 * gbs / now:.0f}%",
-        us(comp) if comp else "", f"{100 * spread:.0f}%",
+        H.fmt(eg / kf, 2),
+        H.fmt(cp / kf, 2) if cp else "n/a",
+        H.fmt(gbs, 1),
+        f"{100 * gbs / roof_bw:.0f}% {level}",
+        f"{100 * gbs / now:.0f}%",
+        us(comp) if comp else "",
+        f"{100 * spread:.0f}%",
         f"{100 * bg:.0f}%" + (" !" if bg > args.max_bg else ""),
         "ok" if checks == {"ok"} else "MISMATCH",
     ]
     summary = {
-        "op": r0["op"], "dtype": r0["dtype"], "T": r0["T"], "mode": mode, "bytes": r0["bytes"],
-        "footprint": r0["footprint"], "level": level, "buffer_sets": r0["buffer_sets"],
-        "kf_us": kf / 1e3, "eager_us": eg / 1e3, "compile_us": cp / 1e3 if cp else None,
-        "composite_us": comp / 1e3 if comp else None, "kf_us_repeats": [v / 1e3 for v in kfs],
-        "speedup_eager": eg / kf, "speedup_compile": cp / kf if cp else None, "kf_gbs": gbs,
-        "roof_gbs": roof_bw, "pct_roof": 100 * gbs / roof_bw, "now_gbs": now, "pct_now": 100 * gbs / now,
-        "kf_spread": spread, "background_load_max": bg, "check": row[-1], "repeats": reps,
+        "op": r0["op"],
+        "dtype": r0["dtype"],
+        "T": r0["T"],
+        "mode": mode,
+        "bytes": r0["bytes"],
+        "footprint": r0["footprint"],
+        "level": level,
+        "buffer_sets": r0["buffer_sets"],
+        "kf_us": kf / 1e3,
+        "eager_us": eg / 1e3,
+        "compile_us": cp / 1e3 if cp else None,
+        "composite_us": comp / 1e3 if comp else None,
+        "kf_us_repeats": [v / 1e3 for v in kfs],
+        "speedup_eager": eg / kf,
+        "speedup_compile": cp / kf if cp else None,
+        "kf_gbs": gbs,
+        "roof_gbs": roof_bw,
+        "pct_roof": 100 * gbs / roof_bw,
+        "now_gbs": now,
+        "pct_now": 100 * gbs / now,
+        "kf_spread": spread,
+        "background_load_max": bg,
+        "check": row[-1],
+        "repeats": reps,
     }
     return row, summary
 
@@ -379,11 +450,17 @@ def main() -> int:
     p.add_argument("--ops", nargs="*", help="only these ops")
     p.add_argument("--tokens", nargs="*", type=int, help="only these T")
     p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="only these dtypes")
-    p.add_argument("--max-bg", type=float, default=0.10,
-                   help="re-measure a case if other processes used more than this share of the CPUs (0.10)")
+    p.add_argument(
+        "--max-bg",
+        type=float,
+        default=0.10,
+        help="re-measure a case if other processes used more than this share of the CPUs (0.10)",
+    )
     p.add_argument("--retries", type=int, default=3, help="re-measurements per noisy case (3)")
     p.add_argument("--retry-wait", type=float, default=120, help="seconds to wait for quiet before a retry")
-    p.add_argument("--repeat", type=int, help="passes over all cases; cells are medians over passes (default 3, quick 1)")
+    p.add_argument(
+        "--repeat", type=int, help="passes over all cases; cells are medians over passes (default 3, quick 1)"
+    )
     args = p.parse_args()
     args.budget = 0.06 if args.quick else 0.3
     args.repeat = args.repeat or (1 if args.quick else 3)
@@ -404,18 +481,26 @@ def main() -> int:
     stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
     now_bw = {lv: stream[lv]["rw"] for lv in stream} if stream else copy_bw
     now_what = "the in-run stream probe's copy" if stream else "the in-run torch copy_"
-    info = H.print_header("bench_ops: kernforge vs torch eager vs torch.compile", args, {
-        "roof": f"{roof_path} ({args.threads} threads: " + ", ".join(
-            f"{lv} copy {H.roof_gbs(roof, lv, 'rw', args.threads):.0f}" for lv in ("L2", "L3", "DRAM")) + " GB/s)",
-        "roof measured now, stream probe (GB/s; copy, copy with NT stores, read-only)": ", ".join(
-            f"{lv} " + "/".join(f"{v[k]:.0f}" for k in ("copy", "copy_nt", "r") if k in v)
-            for lv, v in stream.items()) if stream else "unavailable",
-        "torch copy_ measured now (GB/s, read+write)": ", ".join(f"{k} {v:.0f}" for k, v in copy_bw.items()),
-        "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
-        "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
-                  f"{args.budget:.2f} s per implementation and case and pass; {args.repeat} passes over all "
-                  "cases, cells are the median over passes",
-    })
+    info = H.print_header(
+        "bench_ops: kernforge vs torch eager vs torch.compile",
+        args,
+        {
+            "roof": f"{roof_path} ({args.threads} threads: "
+            + ", ".join(f"{lv} copy {H.roof_gbs(roof, lv, 'rw', args.threads):.0f}" for lv in ("L2", "L3", "DRAM"))
+            + " GB/s)",
+            "roof measured now, stream probe (GB/s; copy, copy with NT stores, read-only)": ", ".join(
+                f"{lv} " + "/".join(f"{v[k]:.0f}" for k in ("copy", "copy_nt", "r") if k in v)
+                for lv, v in stream.items()
+            )
+            if stream
+            else "unavailable",
+            "torch copy_ measured now (GB/s, read+write)": ", ".join(f"{k} {v:.0f}" for k, v in copy_bw.items()),
+            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
+            "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
+            f"{args.budget:.2f} s per implementation and case and pass; {args.repeat} passes over all "
+            "cases, cells are the median over passes",
+        },
+    )
     kernforge.prewarm({"kernels": [{"op": op, "dtype": list(dtypes)} for op in ops]}, progress=False)
 
     records, compile_stats, now_all = {}, [], [now_bw]
@@ -430,10 +515,13 @@ def main() -> int:
                 for T in tokens:
                     for r in bench_case(op, dname, T, args, now_bw, compile_stats):
                         records.setdefault((r["op"], r["dtype"], r["T"], r["mode"]), []).append(r)
-                        print(f"  [{rep + 1}/{args.repeat}] {r['op']} {r['dtype']} {r['T']} {r['mode']}: kf "
-                              f"{r['kf']['median_ns'] / 1e3:.1f} µs, eager {r['eager']['median_ns'] / 1e3:.1f} µs"
-                              + (f", compile {r['compile']['median_ns'] / 1e3:.1f} µs" if r["compile"] else ""),
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"  [{rep + 1}/{args.repeat}] {r['op']} {r['dtype']} {r['T']} {r['mode']}: kf "
+                            f"{r['kf']['median_ns'] / 1e3:.1f} µs, eager {r['eager']['median_ns'] / 1e3:.1f} µs"
+                            + (f", compile {r['compile']['median_ns'] / 1e3:.1f} µs" if r["compile"] else ""),
+                            file=sys.stderr,
+                            flush=True,
+                        )
     elapsed = time.perf_counter() - t_start
     bg_end = H.background_load(1.0)
     copy_end = H.copy_bandwidth(budget_s=0.15 if args.quick else 0.5)
@@ -450,31 +538,60 @@ def main() -> int:
     print("µs: median per call. eager/kf, compile/kf: speedup of kernforge (> 1 = kernforge faster).")
     print("(a): that implementation allocates its output (no out= form), same figure as the alloc row.")
     print("% roof: kernforge GB/s against roof.json's copy bandwidth for the level named (2 threads);")
-    print(f"% now: against {now_what} bandwidth of that level, measured at the start of each pass of this run "
-          "(median over passes; DRAM: the better of regular and non-temporal stores, as roof.json).")
+    print(
+        f"% now: against {now_what} bandwidth of that level, measured at the start of each pass of this run "
+        "(median over passes; DRAM: the better of regular and non-temporal stores, as roof.json)."
+    )
     print("composite µs: torch eager x.float() * rsqrt(mean(x²) + eps) * w.float(), back to dtype (allocating).")
-    print(f"Cells: median over {args.repeat} passes (each pass: the median of many samples); kf spread: "
-          "(max - min) / median of kernforge's per-pass figures (one pass: its samples' IQR / median).")
-    print(f"bg: CPU share other processes used while the case was timed; '!' = above {100 * args.max_bg:.0f}% "
-          f"after {args.retries} re-measurements (figure suspect).")
+    print(
+        f"Cells: median over {args.repeat} passes (each pass: the median of many samples); kf spread: "
+        "(max - min) / median of kernforge's per-pass figures (one pass: its samples' IQR / median)."
+    )
+    print(
+        f"bg: CPU share other processes used while the case was timed; '!' = above {100 * args.max_bg:.0f}% "
+        f"after {args.retries} re-measurements (figure suspect)."
+    )
     if compile_stats:
-        print(f"torch.compile: {len(compile_stats)} graphs, first call (compile) median "
-              f"{sorted(compile_stats)[len(compile_stats) // 2]:.1f} s, max {max(compile_stats):.1f} s.")
+        print(
+            f"torch.compile: {len(compile_stats)} graphs, first call (compile) median "
+            f"{sorted(compile_stats)[len(compile_stats) // 2]:.1f} s, max {max(compile_stats):.1f} s."
+        )
     if stream and stream_end:
-        print("stream probe copy GB/s at start / end of the run: " + ", ".join(
-            f"{k} " + " / ".join(f"{nb[k]:.0f}" for nb in now_all) + f" / {stream_end[k]['rw']:.0f}" for k in stream)
-            + " (one figure per pass, then the end; % now uses the median of the per-pass figures)")
-    print("torch copy_ GB/s at start / end of the run: " + ", ".join(
-        f"{k} {copy_bw[k]:.0f} / {copy_end[k]:.0f}" for k in copy_bw))
-    print(f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
-          f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+        print(
+            "stream probe copy GB/s at start / end of the run: "
+            + ", ".join(
+                f"{k} " + " / ".join(f"{nb[k]:.0f}" for nb in now_all) + f" / {stream_end[k]['rw']:.0f}" for k in stream
+            )
+            + " (one figure per pass, then the end; % now uses the median of the per-pass figures)"
+        )
+    print(
+        "torch copy_ GB/s at start / end of the run: "
+        + ", ".join(f"{k} {copy_bw[k]:.0f} / {copy_end[k]:.0f}" for k in copy_bw)
+    )
+    print(
+        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
+        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
     mism = [r for r in summaries if r["check"] != "ok"]
     if mism:
         print(f"WARNING: {len(mism)} rows where kernforge and torch disagree beyond tolerance")
-    H.write_json(args.json, {"info": info, "roof": roof, "roof_path": str(roof_path), "copy_gbs": copy_bw, "copy_gbs_end": copy_end,
-                             "stream_gbs": stream, "stream_gbs_end": stream_end,
-                             "stream_gbs_per_pass": now_all, "background_load": [bg, bg_end], "rows": summaries,
-                             "compile_seconds": compile_stats, "repeat": args.repeat})
+    H.write_json(
+        args.json,
+        {
+            "info": info,
+            "roof": roof,
+            "roof_path": str(roof_path),
+            "copy_gbs": copy_bw,
+            "copy_gbs_end": copy_end,
+            "stream_gbs": stream,
+            "stream_gbs_end": stream_end,
+            "stream_gbs_per_pass": now_all,
+            "background_load": [bg, bg_end],
+            "rows": summaries,
+            "compile_seconds": compile_stats,
+            "repeat": args.repeat,
+        },
+    )
     return 0
 
 

@@ -18,10 +18,11 @@ import sys
 
 import torch
 
-import _harness as H
 import kernforge
 from kernforge.ops import num_threads
 from kernforge.ops.attention.page import unpack_paged_kv_cache
+
+import _harness as H
 
 HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 8, 128, 16, torch.bfloat16
 CONTEXT = (500, 1500)  # tokens already in each request's pages, drawn uniformly
@@ -48,8 +49,16 @@ def _case(requests: int, tokens_per_request: int, as_tuple: bool) -> dict:
         cache = (torch.zeros_like(cache[:, 0]), torch.zeros_like(cache[:, 1]))
     key = torch.randn(nnz, HEADS, HEAD_DIM, generator=g).to(DTYPE)
     value = torch.randn(nnz, HEADS, HEAD_DIM, generator=g).to(DTYPE)
-    return dict(append_key=key, append_value=value, batch_indices=batch_indices, positions=positions,
-                paged_kv_cache=cache, kv_indices=kv_indices, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+    return dict(
+        append_key=key,
+        append_value=value,
+        batch_indices=batch_indices,
+        positions=positions,
+        paged_kv_cache=cache,
+        kv_indices=kv_indices,
+        kv_indptr=kv_indptr,
+        kv_last_page_len=kv_last_page_len,
+    )
 
 
 def _raw_call(a: dict):
@@ -57,11 +66,30 @@ def _raw_call(a: dict):
     cache = unpack_paged_kv_cache(a["paged_kv_cache"], "NHD")
     kernel = kernforge.append_paged_kv_cache.kernels.variant(DTYPE).kernel()
     key, value = a["append_key"], a["append_value"]
-    args = (key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
-            a["batch_indices"].data_ptr(), a["positions"].data_ptr(), len(key),
-            cache.k_ptr, *cache.k_strides, cache.v_ptr, *cache.v_strides,
-            a["kv_indices"].data_ptr(), len(a["kv_indices"]), a["kv_indptr"].data_ptr(), len(a["kv_indptr"]) - 1,
-            cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, num_threads())
+    args = (
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        a["batch_indices"].data_ptr(),
+        a["positions"].data_ptr(),
+        len(key),
+        cache.k_ptr,
+        *cache.k_strides,
+        cache.v_ptr,
+        *cache.v_strides,
+        a["kv_indices"].data_ptr(),
+        len(a["kv_indices"]),
+        a["kv_indptr"].data_ptr(),
+        len(a["kv_indptr"]) - 1,
+        cache.num_pages,
+        cache.page_size,
+        cache.num_kv_heads,
+        cache.head_dim,
+        num_threads(),
+    )
     append = kernel.append
     return lambda: append(*args)
 
@@ -70,7 +98,12 @@ def _torch_scatter(a: dict):
     """torch's way: page of each token from the page table, then index_put_ into K and V."""
     cache = a["paged_kv_cache"]
     k, v = cache if isinstance(cache, tuple) else cache.unbind(1)
-    kv_indices, kv_indptr, batch_indices, positions = a["kv_indices"], a["kv_indptr"], a["batch_indices"], a["positions"]
+    kv_indices, kv_indptr, batch_indices, positions = (
+        a["kv_indices"],
+        a["kv_indptr"],
+        a["batch_indices"],
+        a["positions"],
+    )
     key, value = a["append_key"], a["append_value"]
 
     def scatter():
@@ -107,11 +140,19 @@ def main() -> int:
         }
         t = H.compare(fns, budget_s=budget, rounds=3, min_samples=9)
         moved = 2 * 2 * a["append_key"].numel() * a["append_key"].element_size()  # K and V, read + write
-        rows.append([name, H.us(t["op"]), H.us(t["raw"]), H.us(t["unpack"]), H.us(t["torch"]),
-                     f"{t['torch'].us / t['op'].us:.1f}x", H.fmt(moved / t["raw"].median_ns)])
+        rows.append(
+            [
+                name,
+                H.us(t["op"]),
+                H.us(t["raw"]),
+                H.us(t["unpack"]),
+                H.us(t["torch"]),
+                f"{t['torch'].us / t['op'].us:.1f}x",
+                H.fmt(moved / t["raw"].median_ns),
+            ]
+        )
         results[name] = {k: v.to_json() for k, v in t.items()}
-    print(H.table(["case", "op µs", "raw call µs", "unpack µs", "torch µs", "op vs torch", "raw GB/s (r+w)"],
-                  rows))
+    print(H.table(["case", "op µs", "raw call µs", "unpack µs", "torch µs", "op vs torch", "raw GB/s (r+w)"], rows))
     H.write_json(args.json, {"machine": info, "results": results})
     return 0
 

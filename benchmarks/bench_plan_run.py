@@ -35,8 +35,12 @@ def main() -> int:
     threads = 1
     workspace = torch.empty(64, dtype=torch.uint8)
     kernel.plan(indptr.data_ptr(), 1, threads, workspace.data_ptr())
-    raw, bound = kernel.run, kernel.bind("run", indptr=indptr.data_ptr(), batch=1, dim=16,
-                                         workspace=workspace.data_ptr(), num_threads=threads)
+    raw, bound = (
+        kernel.run,
+        kernel.bind(
+            "run", indptr=indptr.data_ptr(), batch=1, dim=16, workspace=workspace.data_ptr(), num_threads=threads
+        ),
+    )
     xp, op, ip, wp = x.data_ptr(), out.data_ptr(), indptr.data_ptr(), workspace.data_ptr()
     wrapper._run = bound  # the wrapper's own plan, on one thread like the raw calls
 

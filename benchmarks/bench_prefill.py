@@ -32,17 +32,28 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import kernforge  # noqa: E402
 from kernforge.ops.attention import prefill  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 LENGTHS, QUICK_LENGTHS = [1024, 4096, 8192], [1024, 4096]
 PREFIX_BATCH, NEW_TOKENS, PREFIX = 8, 512, 3584
 PAGE_SIZE = 16
-HEADERS = ["case", "kf ms", "SDPA ms", "blockwise ms", "vs SDPA", "vs blockwise", "GFLOP/s", "% bf16 peak",
-           "tile", "tuned vs default", "bg"]
+HEADERS = [
+    "case",
+    "kf ms",
+    "SDPA ms",
+    "blockwise ms",
+    "vs SDPA",
+    "vs blockwise",
+    "GFLOP/s",
+    "% bf16 peak",
+    "tile",
+    "tuned vs default",
+    "bg",
+]
 
 
 def blockwise(q, k, v, prefix: int, block: int = 512):
@@ -71,8 +82,28 @@ def _tuned_and_default(group: int):
 def _ragged_wrapper(workspace, length, tile=None):
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     indptr = torch.tensor([0, length], dtype=torch.int32)
-    wrapper._make_plan(indptr, indptr, None, None, HEADS, KV_HEADS, HEAD_DIM, None, 1, None, None, True, "NONE", -1,
-                       None, None, torch.bfloat16, None, None, tile)
+    wrapper._make_plan(
+        indptr,
+        indptr,
+        None,
+        None,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        None,
+        1,
+        None,
+        None,
+        True,
+        "NONE",
+        -1,
+        None,
+        None,
+        torch.bfloat16,
+        None,
+        None,
+        tile,
+    )
     return wrapper
 
 
@@ -81,9 +112,19 @@ def _row(case, t, flops, peak, tuned, bg):
     gflops = flops / kf
     ms = lambda name: H.fmt(t[name].median_ns / 1e6, 1) if name in t else "n/a"  # noqa: E731
     ratio = lambda name: H.fmt(t[name].median_ns / kf, 2) if name in t else "n/a"  # noqa: E731
-    return [case, ms("kf"), ms("SDPA"), ms("blockwise"), ratio("SDPA"), ratio("blockwise"), H.fmt(gflops, 0),
-            f"{100 * gflops / peak:.0f}%", "x".join(map(str, tuned[0])),
-            ratio("kf default") if "kf default" in t else "default", f"{100 * bg:.0f}%"]
+    return [
+        case,
+        ms("kf"),
+        ms("SDPA"),
+        ms("blockwise"),
+        ratio("SDPA"),
+        ratio("blockwise"),
+        H.fmt(gflops, 0),
+        f"{100 * gflops / peak:.0f}%",
+        "x".join(map(str, tuned[0])),
+        ratio("kf default") if "kf default" in t else "default",
+        f"{100 * bg:.0f}%",
+    ]
 
 
 def single_case(length, args, workspace, peak):
@@ -103,8 +144,11 @@ def single_case(length, args, workspace, peak):
     fns["blockwise"] = lambda: blockwise(q, k, v, 0)
     t, bg = H.timed(fns, args)
     flops = 4 * HEAD_DIM * HEADS * length * (length + 1) / 2
-    return _row(f"single {length}", t, flops, peak, tuned, bg), {"case": f"single {length}", "bg": bg,
-                                                                     **{n: x.to_json() for n, x in t.items()}}
+    return _row(f"single {length}", t, flops, peak, tuned, bg), {
+        "case": f"single {length}",
+        "bg": bg,
+        **{n: x.to_json() for n, x in t.items()},
+    }
 
 
 def prefix_case(args, workspace, peak):
@@ -119,22 +163,39 @@ def prefix_case(args, workspace, peak):
     indices = torch.randperm(PREFIX_BATCH * pages_per, generator=g).to(torch.int32)
     last = torch.full((PREFIX_BATCH,), PAGE_SIZE, dtype=torch.int32)
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
-    wrapper.plan(qo_indptr, kv_indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=True,
-                 q_data_type=torch.bfloat16)
+    wrapper.plan(
+        qo_indptr,
+        kv_indptr,
+        indices,
+        last,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        PAGE_SIZE,
+        causal=True,
+        q_data_type=torch.bfloat16,
+    )
     # torch sees each request's K/V gathered once (outside the timing), as a contiguous tensor.
     pages = indices.view(PREFIX_BATCH, pages_per).long()
     ks = [cache[pages[b], 0].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(PREFIX_BATCH)]
     vs = [cache[pages[b], 1].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(PREFIX_BATCH)]
-    qs = [q[b * NEW_TOKENS:(b + 1) * NEW_TOKENS] for b in range(PREFIX_BATCH)]
+    qs = [q[b * NEW_TOKENS : (b + 1) * NEW_TOKENS] for b in range(PREFIX_BATCH)]
     mask = torch.arange(kv_len)[None, :] <= torch.arange(NEW_TOKENS)[:, None] + PREFIX
 
     def sdpa():
         for b in range(PREFIX_BATCH):
-            F.scaled_dot_product_attention(qs[b].transpose(0, 1)[None], ks[b].transpose(0, 1)[None],
-                                           vs[b].transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+            F.scaled_dot_product_attention(
+                qs[b].transpose(0, 1)[None],
+                ks[b].transpose(0, 1)[None],
+                vs[b].transpose(0, 1)[None],
+                attn_mask=mask,
+                enable_gqa=True,
+            )
 
-    fns = {"kf": lambda: wrapper.run(q, cache, out=out), "blockwise": lambda: [blockwise(qs[b], ks[b], vs[b], PREFIX)
-                                                                               for b in range(PREFIX_BATCH)]}
+    fns = {
+        "kf": lambda: wrapper.run(q, cache, out=out),
+        "blockwise": lambda: [blockwise(qs[b], ks[b], vs[b], PREFIX) for b in range(PREFIX_BATCH)],
+    }
     if not args.no_sdpa:
         fns["SDPA"] = sdpa
     t, bg = H.timed(fns, args)
@@ -142,15 +203,22 @@ def prefix_case(args, workspace, peak):
     case = f"prefix {PREFIX_BATCH}x{NEW_TOKENS}+{PREFIX}"
     tuned = _tuned_and_default(HEADS // KV_HEADS)
     return _row(case, t, 4 * HEAD_DIM * HEADS * pairs, peak, tuned, bg), {
-        "case": case, "bg": bg, **{n: x.to_json() for n, x in t.items()}}
+        "case": case,
+        "bg": bg,
+        **{n: x.to_json() for n, x in t.items()},
+    }
 
 
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--lengths", nargs="*", type=int, help="single-request lengths")
     p.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (slow at 8192)")
-    p.add_argument("--max-bg", type=float, default=0.10,
-                   help="re-measure a case if other processes used more than this share of the CPUs")
+    p.add_argument(
+        "--max-bg",
+        type=float,
+        default=0.10,
+        help="re-measure a case if other processes used more than this share of the CPUs",
+    )
     p.add_argument("--retries", type=int, default=1, help="re-measurements per noisy case (1)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry")
     args = p.parse_args()
@@ -160,10 +228,14 @@ def main() -> int:
     roof, roof_path = H.load_roof()
     H.wait_for_quiet(args.wait_quiet)
     peak = roof[str(args.threads)]["bf16_gflops"]
-    info = H.print_header("bench_prefill: prefill attention vs torch SDPA vs torch block-wise (bf16)", args, {
-        "roof": f"{roof_path.name}: bf16 peak {peak:.0f} GFLOP/s",
-        "shape": f"{HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, causal",
-    })
+    info = H.print_header(
+        "bench_prefill: prefill attention vs torch SDPA vs torch block-wise (bf16)",
+        args,
+        {
+            "roof": f"{roof_path.name}: bf16 peak {peak:.0f} GFLOP/s",
+            "shape": f"{HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, causal",
+        },
+    )
     workspace = torch.empty(64 << 20, dtype=torch.uint8)
     rows, records = [], []
     for row, record in [single_case(n, args, workspace, peak) for n in lengths] + [prefix_case(args, workspace, peak)]:

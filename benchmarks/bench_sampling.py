@@ -57,16 +57,16 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import kernforge  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 VOCAB = 128256
 BATCHES = (1, 16, 64, 256)
@@ -80,11 +80,13 @@ MALLOC_KEEPS = "MALLOC_MMAP_THRESHOLD_" in os.environ
 
 # --------------------------------------------------------------------------- torch paths
 
+
 def _arange_ge(n: int, k: int, device=None) -> torch.Tensor:
     return (torch.arange(n, device=device) >= k).unsqueeze(0)
 
 
 # sort: the full-sort path (probs input unless named *_logits)
+
 
 def sort_top_p_sample(probs, p, g):
     ps, idx = probs.sort(-1, descending=True)
@@ -134,17 +136,18 @@ def sort_top_p_renorm(probs, p):
 
 
 def sort_top_k_renorm(probs, k):
-    thr = probs.sort(-1, descending=True).values[:, k - 1:k]
+    thr = probs.sort(-1, descending=True).values[:, k - 1 : k]
     out = probs.masked_fill(probs < thr, 0.0)
     return out / out.sum(-1, keepdim=True)
 
 
 def sort_top_k_mask_logits(logits, k):
-    thr = logits.sort(-1, descending=True).values[:, k - 1:k]
+    thr = logits.sort(-1, descending=True).values[:, k - 1 : k]
     return logits.masked_fill(logits < thr, float("-inf"))
 
 
 # plain torch paths (no sort in engines either)
+
 
 def torch_sample(probs, g):
     return torch.multinomial(probs, 1, generator=g).squeeze(-1)
@@ -161,6 +164,7 @@ def torch_softmax(logits):
 
 
 # topk: torch.topk where a top-k is given
+
 
 def topk_top_k_sample(probs, k, g):
     v, idx = probs.topk(k, -1)
@@ -199,6 +203,7 @@ def topk_top_k_mask_logits(logits, k):
 
 
 # --------------------------------------------------------------------------- the contract, float64
+
 
 def _top_p_keep(x: torch.Tensor, p: float, slack: float) -> torch.Tensor:
     """keep x_i iff (mass of x_j > x_i) < (p + slack) * S, x_i > 0; ties at the cut all kept."""
@@ -283,40 +288,118 @@ def check_softmax(out: torch.Tensor, logits: torch.Tensor) -> str:
 
 # --------------------------------------------------------------------------- cases
 
+
 @dataclass
 class Case:
-    name: str        # kernforge op
-    label: str       # the op with its parameters, for the table
-    src: str         # "probs" or "logits": the input tensor
-    kf_args: tuple   # after the input tensor
+    name: str  # kernforge op
+    label: str  # the op with its parameters, for the table
+    src: str  # "probs" or "logits": the input tensor
+    kf_args: tuple  # after the input tensor
     sampling: bool
-    sort: Callable | None      # (x, *args[, g]) the sort path, or the plain torch path
-    sort_plain: bool           # True: the "sort" column is the plain torch path (no sort)
+    sort: Callable | None  # (x, *args[, g]) the sort path, or the plain torch path
+    sort_plain: bool  # True: the "sort" column is the plain torch path (no sort)
     topk: Callable | None
     torch_args: tuple
     check_kind: str = "all"
 
 
 CASES = [
-    Case("top_k_top_p_sampling_from_probs", f"top_k_top_p_sampling_from_probs k={TOP_K} p={TOP_P}", "probs",
-         (TOP_K, TOP_P), True, sort_top_k_top_p_sample, False, topk_top_k_top_p_sample, (TOP_K, TOP_P),
-         "top_k_top_p"),
-    Case("top_p_sampling_from_probs", f"top_p_sampling_from_probs p={TOP_P}", "probs", (TOP_P,), True,
-         sort_top_p_sample, False, None, (TOP_P,), "top_p"),
-    Case("top_k_sampling_from_probs", f"top_k_sampling_from_probs k={TOP_K}", "probs", (TOP_K,), True,
-         sort_top_k_sample, False, topk_top_k_sample, (TOP_K,), "top_k"),
-    Case("min_p_sampling_from_probs", f"min_p_sampling_from_probs min_p={MIN_P}", "probs", (MIN_P,), True,
-         torch_min_p_sample, True, None, (MIN_P,), "min_p"),
+    Case(
+        "top_k_top_p_sampling_from_probs",
+        f"top_k_top_p_sampling_from_probs k={TOP_K} p={TOP_P}",
+        "probs",
+        (TOP_K, TOP_P),
+        True,
+        sort_top_k_top_p_sample,
+        False,
+        topk_top_k_top_p_sample,
+        (TOP_K, TOP_P),
+        "top_k_top_p",
+    ),
+    Case(
+        "top_p_sampling_from_probs",
+        f"top_p_sampling_from_probs p={TOP_P}",
+        "probs",
+        (TOP_P,),
+        True,
+        sort_top_p_sample,
+        False,
+        None,
+        (TOP_P,),
+        "top_p",
+    ),
+    Case(
+        "top_k_sampling_from_probs",
+        f"top_k_sampling_from_probs k={TOP_K}",
+        "probs",
+        (TOP_K,),
+        True,
+        sort_top_k_sample,
+        False,
+        topk_top_k_sample,
+        (TOP_K,),
+        "top_k",
+    ),
+    Case(
+        "min_p_sampling_from_probs",
+        f"min_p_sampling_from_probs min_p={MIN_P}",
+        "probs",
+        (MIN_P,),
+        True,
+        torch_min_p_sample,
+        True,
+        None,
+        (MIN_P,),
+        "min_p",
+    ),
     Case("sampling_from_probs", "sampling_from_probs", "probs", (), True, torch_sample, True, None, (), "all"),
-    Case("top_k_top_p_sampling_from_logits", f"top_k_top_p_sampling_from_logits k={TOP_K} p={TOP_P}", "logits",
-         (TOP_K, TOP_P), True, sort_top_k_top_p_sample_logits, False, topk_top_k_top_p_sample_logits,
-         (TOP_K, TOP_P), "top_k_top_p"),
-    Case("top_p_renorm_probs", f"top_p_renorm_probs p={TOP_P}", "probs", (TOP_P,), False, sort_top_p_renorm, False,
-         None, (TOP_P,), "top_p"),
-    Case("top_k_renorm_probs", f"top_k_renorm_probs k={TOP_K}", "probs", (TOP_K,), False, sort_top_k_renorm, False,
-         topk_top_k_renorm, (TOP_K,), "top_k"),
-    Case("top_k_mask_logits", f"top_k_mask_logits k={TOP_K}", "logits", (TOP_K,), False, sort_top_k_mask_logits,
-         False, topk_top_k_mask_logits, (TOP_K,)),
+    Case(
+        "top_k_top_p_sampling_from_logits",
+        f"top_k_top_p_sampling_from_logits k={TOP_K} p={TOP_P}",
+        "logits",
+        (TOP_K, TOP_P),
+        True,
+        sort_top_k_top_p_sample_logits,
+        False,
+        topk_top_k_top_p_sample_logits,
+        (TOP_K, TOP_P),
+        "top_k_top_p",
+    ),
+    Case(
+        "top_p_renorm_probs",
+        f"top_p_renorm_probs p={TOP_P}",
+        "probs",
+        (TOP_P,),
+        False,
+        sort_top_p_renorm,
+        False,
+        None,
+        (TOP_P,),
+        "top_p",
+    ),
+    Case(
+        "top_k_renorm_probs",
+        f"top_k_renorm_probs k={TOP_K}",
+        "probs",
+        (TOP_K,),
+        False,
+        sort_top_k_renorm,
+        False,
+        topk_top_k_renorm,
+        (TOP_K,),
+        "top_k",
+    ),
+    Case(
+        "top_k_mask_logits",
+        f"top_k_mask_logits k={TOP_K}",
+        "logits",
+        (TOP_K,),
+        False,
+        sort_top_k_mask_logits,
+        False,
+        topk_top_k_mask_logits,
+        (TOP_K,),
+    ),
     Case("softmax", "softmax", "logits", (), False, torch_softmax, True, None, ()),
 ]
 SAMPLING_OPS = [c.name for c in CASES if c.sampling]
@@ -394,27 +477,52 @@ def input_stats(probs: torch.Tensor) -> dict:
 
 # --------------------------------------------------------------------------- main
 
-HEADERS = ["op", "B", "kf µs", "kf out= µs", "sort µs", "topk µs", "sort/kf", "topk/kf", "kf GB/s", "% roof", "kf spread",
-           "bg", "check"]
+HEADERS = [
+    "op",
+    "B",
+    "kf µs",
+    "kf out= µs",
+    "sort µs",
+    "topk µs",
+    "sort/kf",
+    "topk/kf",
+    "kf GB/s",
+    "% roof",
+    "kf spread",
+    "bg",
+    "check",
+]
 
 
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
-    p.add_argument("--batch", nargs="*", type=int, help=f"batch sizes (default {' '.join(map(str, BATCHES))}; "
-                   "quick: 1 64)")
+    p.add_argument(
+        "--batch", nargs="*", type=int, help=f"batch sizes (default {' '.join(map(str, BATCHES))}; quick: 1 64)"
+    )
     p.add_argument("--ops", nargs="*", choices=[c.name for c in CASES], help="only these ops")
-    p.add_argument("--logit-scale", type=float, default=LOGIT_SCALE,
-                   help=f"logits = randn * this (default {LOGIT_SCALE})")
-    p.add_argument("--compile", action="store_true",
-                   help="also time torch.compile(dynamic=False) of the sort path (one graph per op and batch)")
+    p.add_argument(
+        "--logit-scale", type=float, default=LOGIT_SCALE, help=f"logits = randn * this (default {LOGIT_SCALE})"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(dynamic=False) of the sort path (one graph per op and batch)",
+    )
     p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.4, quick 0.08)")
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
-    p.add_argument("--min-samples", type=int, default=3,
-                   help="samples per implementation at least, however slow (3: the sort path at B=256 "
-                        "takes seconds per call)")
-    p.add_argument("--max-bg", type=float, default=0.10,
-                   help="re-measure a case if other processes used more than this share of the CPUs (0.10)")
+    p.add_argument(
+        "--min-samples",
+        type=int,
+        default=3,
+        help="samples per implementation at least, however slow (3: the sort path at B=256 takes seconds per call)",
+    )
+    p.add_argument(
+        "--max-bg",
+        type=float,
+        default=0.10,
+        help="re-measure a case if other processes used more than this share of the CPUs (0.10)",
+    )
     p.add_argument("--retries", type=int, default=2, help="re-measurements per noisy case (2)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry (60)")
     args = p.parse_args()
@@ -442,23 +550,45 @@ def main() -> int:
         inputs[B] = {"logits": logits, "probs": probs}
         stats[B] = input_stats(probs)
 
-    info = H.print_header("bench_sampling: kernforge sampling ops vs torch sort / topk paths", args, {
-        "inputs": f"fp32 [B, {V}], logits = randn * {args.logit_scale:g}, probs = softmax(logits); "
-                  f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; batches {' '.join(map(str, batches))}",
-        "roof": f"{roof_path} ({args.threads} threads, read-only: " + ", ".join(
-            f"{lv} {H.roof_gbs(roof, lv, 'r', args.threads):.0f}" for lv in ("L2", "L3", "DRAM")) + " GB/s)",
-        "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
-        "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
-                  f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each",
-        "malloc": "MALLOC_MMAP_THRESHOLD_=" + os.environ["MALLOC_MMAP_THRESHOLD_"] if MALLOC_KEEPS else
-                  "glibc defaults (outputs > 32 MiB are freshly mapped every call)",
-        "torch.compile": "timed (--compile)" if args.compile else "not run (see the note under the table)",
-    })
-    print(H.table(["B", "mean top-1 p", f"top-p {TOP_P} nucleus: median (min..max) tokens",
-                   f"mass of top {TOP_K}", f"tokens kept by min_p {MIN_P}"],
-                  [[B, f"{s['top1_mean']:.3f}", f"{s['nucleus_median']:.0f} ({s['nucleus_min']:.0f}.."
-                    f"{s['nucleus_max']:.0f})", f"{s['topk_mass_mean']:.3f}", f"{s['min_p_kept_mean']:.1f}"]
-                   for B, s in stats.items()]))
+    info = H.print_header(
+        "bench_sampling: kernforge sampling ops vs torch sort / topk paths",
+        args,
+        {
+            "inputs": f"fp32 [B, {V}], logits = randn * {args.logit_scale:g}, probs = softmax(logits); "
+            f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; batches {' '.join(map(str, batches))}",
+            "roof": f"{roof_path} ({args.threads} threads, read-only: "
+            + ", ".join(f"{lv} {H.roof_gbs(roof, lv, 'r', args.threads):.0f}" for lv in ("L2", "L3", "DRAM"))
+            + " GB/s)",
+            "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
+            "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
+            f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each",
+            "malloc": "MALLOC_MMAP_THRESHOLD_=" + os.environ["MALLOC_MMAP_THRESHOLD_"]
+            if MALLOC_KEEPS
+            else "glibc defaults (outputs > 32 MiB are freshly mapped every call)",
+            "torch.compile": "timed (--compile)" if args.compile else "not run (see the note under the table)",
+        },
+    )
+    print(
+        H.table(
+            [
+                "B",
+                "mean top-1 p",
+                f"top-p {TOP_P} nucleus: median (min..max) tokens",
+                f"mass of top {TOP_K}",
+                f"tokens kept by min_p {MIN_P}",
+            ],
+            [
+                [
+                    B,
+                    f"{s['top1_mean']:.3f}",
+                    f"{s['nucleus_median']:.0f} ({s['nucleus_min']:.0f}..{s['nucleus_max']:.0f})",
+                    f"{s['topk_mass_mean']:.3f}",
+                    f"{s['min_p_kept_mean']:.1f}",
+                ]
+                for B, s in stats.items()
+            ],
+        )
+    )
     print()
     sys.stdout.flush()
 
@@ -481,75 +611,120 @@ def main() -> int:
             level = H.roof_level(nbytes, args.threads)
             kf = t["kf"]
             r = {
-                "op": case.name, "label": case.label, "B": B, "bytes": nbytes, "level": level,
+                "op": case.name,
+                "label": case.label,
+                "B": B,
+                "bytes": nbytes,
+                "level": level,
                 "fresh_output": not case.sampling and nbytes > FRESH_OUTPUT_BYTES and not MALLOC_KEEPS,
-                "roof_gbs": H.roof_gbs(roof, level, "r", args.threads), "sort_plain": case.sort_plain,
-                "kf": kf.to_json(), **{k: t[k].to_json() for k in t if k != "kf"},
-                "kf_gbs": nbytes / kf.median_ns, "check": check, "background_load": bg,
+                "roof_gbs": H.roof_gbs(roof, level, "r", args.threads),
+                "sort_plain": case.sort_plain,
+                "kf": kf.to_json(),
+                **{k: t[k].to_json() for k in t if k != "kf"},
+                "kf_gbs": nbytes / kf.median_ns,
+                "check": check,
+                "background_load": bg,
             }
             for k in ("sort", "topk", "compile"):
                 if k in t:
                     r[f"{k}_over_kf"] = t[k].median_ns / kf.median_ns
             results.append(r)
-            print(f"  {case.name} B={B}: kf {kf.us:.1f} µs" + "".join(
-                f", {k} {t[k].us:.1f} µs" for k in t if k != "kf") + f" [{check}]", file=sys.stderr, flush=True)
+            print(
+                f"  {case.name} B={B}: kf {kf.us:.1f} µs"
+                + "".join(f", {k} {t[k].us:.1f} µs" for k in t if k != "kf")
+                + f" [{check}]",
+                file=sys.stderr,
+                flush=True,
+            )
     elapsed = time.perf_counter() - t_start
     bg_end = H.background_load(1.0)
 
-    headers = HEADERS if not args.compile else \
-        HEADERS[:6] + ["compile µs"] + HEADERS[6:8] + ["compile/kf"] + HEADERS[8:]
+    headers = (
+        HEADERS if not args.compile else HEADERS[:6] + ["compile µs"] + HEADERS[6:8] + ["compile/kf"] + HEADERS[8:]
+    )
     rows = []
     for r in results:
         if "error" in r:
             rows.append([r["label"], r["B"], "error", *([""] * (len(headers) - 4)), r["check"]])
             continue
         ts = {k: H.Timing(**r[k]) for k in ("kf", "kf_out", "sort", "topk", "compile") if k in r}
-        row = [r["label"], r["B"], H.us(ts["kf"]) + (" (f)" if r["fresh_output"] else ""),
-               H.us(ts["kf_out"]) if "kf_out" in ts else "",
-               H.us(ts["sort"]) + ("*" if r["sort_plain"] else ""), H.us(ts["topk"]) if "topk" in ts else ""]
+        row = [
+            r["label"],
+            r["B"],
+            H.us(ts["kf"]) + (" (f)" if r["fresh_output"] else ""),
+            H.us(ts["kf_out"]) if "kf_out" in ts else "",
+            H.us(ts["sort"]) + ("*" if r["sort_plain"] else ""),
+            H.us(ts["topk"]) if "topk" in ts else "",
+        ]
         if args.compile:
             row.append(H.us(ts["compile"]) if "compile" in ts else "")
-        row += [H.fmt(r["sort_over_kf"], 2) + ("*" if r["sort_plain"] else ""),
-                H.fmt(r["topk_over_kf"], 2) if "topk_over_kf" in r else ""]
+        row += [
+            H.fmt(r["sort_over_kf"], 2) + ("*" if r["sort_plain"] else ""),
+            H.fmt(r["topk_over_kf"], 2) if "topk_over_kf" in r else "",
+        ]
         if args.compile:
             row.append(H.fmt(r["compile_over_kf"], 2) if "compile_over_kf" in r else "")
-        row += [H.fmt(r["kf_gbs"], 1), f"{100 * r['kf_gbs'] / r['roof_gbs']:.0f}% {r['level']}",
-                f"{100 * ts['kf'].spread():.0f}%", f"{100 * r['background_load']:.0f}%"
-                + (" !" if r["background_load"] > args.max_bg else ""), r["check"]]
+        row += [
+            H.fmt(r["kf_gbs"], 1),
+            f"{100 * r['kf_gbs'] / r['roof_gbs']:.0f}% {r['level']}",
+            f"{100 * ts['kf'].spread():.0f}%",
+            f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
+            r["check"],
+        ]
         rows.append(row)
     print(H.table(headers, rows, "l" + "r" * (len(headers) - 2) + "l"))
     print()
-    print("µs: median per call. kf out=: the renorm/mask/softmax ops into a preallocated out= (kf: allocating, as "
-          "FlashInfer's signature does). sort/kf, topk/kf: torch time / allocating kernforge time (> 1 = kernforge "
-          "faster).")
-    print("sort: the full-sort torch path; '*': no sort (sampling_from_probs: torch.multinomial; min_p: amax, "
-          "mask, multinomial; softmax: torch.softmax). topk: torch.topk(k) path, only where a top-k is given.")
-    print("Note: torch.multinomial over a full row is itself slow on CPU (see the sampling_from_probs row), and "
-          "it is part of every sampling sort path.")
-    print(f"GB/s: B x {V} x 4 bytes (input read once) / kf time; % roof: against roof.json's read-only bandwidth "
-          f"of the level the input falls in ({args.threads} threads; L2 <= {args.threads} MiB, L3 < 32 MiB, "
-          "else DRAM). Inputs are hot (the same tensor every call).")
+    print(
+        "µs: median per call. kf out=: the renorm/mask/softmax ops into a preallocated out= (kf: allocating, as "
+        "FlashInfer's signature does). sort/kf, topk/kf: torch time / allocating kernforge time (> 1 = kernforge "
+        "faster)."
+    )
+    print(
+        "sort: the full-sort torch path; '*': no sort (sampling_from_probs: torch.multinomial; min_p: amax, "
+        "mask, multinomial; softmax: torch.softmax). topk: torch.topk(k) path, only where a top-k is given."
+    )
+    print(
+        "Note: torch.multinomial over a full row is itself slow on CPU (see the sampling_from_probs row), and "
+        "it is part of every sampling sort path."
+    )
+    print(
+        f"GB/s: B x {V} x 4 bytes (input read once) / kf time; % roof: against roof.json's read-only bandwidth "
+        f"of the level the input falls in ({args.threads} threads; L2 <= {args.threads} MiB, L3 < 32 MiB, "
+        "else DRAM). Inputs are hot (the same tensor every call)."
+    )
     if any(r.get("fresh_output") for r in results):
-        print("(f): the op returns a new B x V fp32 tensor above 32 MiB, glibc's largest mmap threshold, so every "
-              "call (kernforge and torch alike) writes into freshly mapped pages: the time includes the page faults "
-              "and varies between runs (seen: 10 vs 55 ms for the same case). "
-              "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 keeps freed memory and times "
-              "the kernels alone.")
-    print("kf spread: interquartile range / median of kernforge's samples. bg: CPU share other processes used "
-          f"while the case was timed; '!' = above {100 * args.max_bg:.0f}% (figure suspect).")
-    print(f"check: kernforge's output against the contract in float64 ({CHECK_DRAWS} calls' samples in the kept "
-          "set; renorm support and values; mask exact; softmax 1e-4 relative), once per case, untimed.")
+        print(
+            "(f): the op returns a new B x V fp32 tensor above 32 MiB, glibc's largest mmap threshold, so every "
+            "call (kernforge and torch alike) writes into freshly mapped pages: the time includes the page faults "
+            "and varies between runs (seen: 10 vs 55 ms for the same case). "
+            "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 keeps freed memory and times "
+            "the kernels alone."
+        )
+    print(
+        "kf spread: interquartile range / median of kernforge's samples. bg: CPU share other processes used "
+        f"while the case was timed; '!' = above {100 * args.max_bg:.0f}% (figure suspect)."
+    )
+    print(
+        f"check: kernforge's output against the contract in float64 ({CHECK_DRAWS} calls' samples in the kept "
+        "set; renorm support and values; mask exact; softmax 1e-4 relative), once per case, untimed."
+    )
     if args.compile:
         cs = [s for _, _, s in compile_stats]
         if cs:
-            print(f"torch.compile: {len(cs)} graphs, first call (compile) median {sorted(cs)[len(cs) // 2]:.1f} s, "
-                  f"max {max(cs):.1f} s.")
+            print(
+                f"torch.compile: {len(cs)} graphs, first call (compile) median {sorted(cs)[len(cs) // 2]:.1f} s, "
+                f"max {max(cs):.1f} s."
+            )
     else:
-        print(f"torch.compile of the sort path: not run (skipped by default: one graph per op and batch, "
-              f"{sum(not c.sort_plain for c in cases) * len(batches)} here, several seconds of compile each on "
-              "this 2-core VM, which would about double the run; pass --compile to add the column).")
-    print(f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
-          f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+        print(
+            f"torch.compile of the sort path: not run (skipped by default: one graph per op and batch, "
+            f"{sum(not c.sort_plain for c in cases) * len(batches)} here, several seconds of compile each on "
+            "this 2-core VM, which would about double the run; pass --compile to add the column)."
+        )
+    print(
+        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
+        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
 
     # ------------------------------------------------------------------ targets
     print()
@@ -567,14 +742,20 @@ def main() -> int:
     if r:
         kf_ms = r["kf"]["median_ns"] / 1e6
         verdict(f"top_k_top_p_sampling_from_probs k={TOP_K} p={TOP_P} B=64 <= 2 ms", kf_ms <= 2.0, f"{kf_ms:.3f} ms")
-        verdict(f"top_k_top_p_sampling_from_probs k={TOP_K} p={TOP_P} B=64 >= 2.5x torch topk path",
-                r["topk_over_kf"] >= 2.5, f"{r['topk_over_kf']:.3f}x")
+        verdict(
+            f"top_k_top_p_sampling_from_probs k={TOP_K} p={TOP_P} B=64 >= 2.5x torch topk path",
+            r["topk_over_kf"] >= 2.5,
+            f"{r['topk_over_kf']:.3f}x",
+        )
     else:
         verdict("top_k_top_p_sampling_from_probs B=64", None, "not measured")
     r = by.get(("top_p_sampling_from_probs", 64))
     if r:
-        verdict(f"top_p_sampling_from_probs p={TOP_P} B=64 >= 50x torch sort path", r["sort_over_kf"] >= 50,
-                f"{r['sort_over_kf']:.2f}x")
+        verdict(
+            f"top_p_sampling_from_probs p={TOP_P} B=64 >= 50x torch sort path",
+            r["sort_over_kf"] >= 50,
+            f"{r['sort_over_kf']:.2f}x",
+        )
     else:
         verdict("top_p_sampling_from_probs B=64", None, "not measured")
     for op, path in (("top_p_renorm_probs", "sort"), ("top_k_renorm_probs", "sort"), ("top_k_renorm_probs", "topk")):
@@ -584,9 +765,12 @@ def main() -> int:
             continue
         ratios = {x["B"]: x[f"{path}_over_kf"] for x in rs}
         miss = [B for B, v in ratios.items() if v < 20]
-        verdict(f"{op} >= 20x torch {path} path (every batch)", not miss,
-                ", ".join(f"B={B} {v:.2f}x" for B, v in ratios.items())
-                + (f"; below 20x at B={', '.join(map(str, miss))}" if miss else ""))
+        verdict(
+            f"{op} >= 20x torch {path} path (every batch)",
+            not miss,
+            ", ".join(f"B={B} {v:.2f}x" for B, v in ratios.items())
+            + (f"; below 20x at B={', '.join(map(str, miss))}" if miss else ""),
+        )
     for op in SAMPLING_OPS:
         if not any(c.name == op for c in cases):
             continue
@@ -600,11 +784,25 @@ def main() -> int:
     fails = [r for r in results if r["check"] != "ok"]
     if fails:
         print()
-        print(f"WARNING: {len(fails)} cases where kernforge's output breaks the contract: "
-              + "; ".join(f"{r['op']} B={r['B']}: {r['check']}" for r in fails))
-    H.write_json(args.json, {"info": info, "args": vars(args), "roof": roof, "roof_path": str(roof_path),
-                             "input_stats": stats, "background_load": [bg0, bg_end], "rows": results,
-                             "compile_seconds": compile_stats, "targets": verdicts, "elapsed_s": elapsed})
+        print(
+            f"WARNING: {len(fails)} cases where kernforge's output breaks the contract: "
+            + "; ".join(f"{r['op']} B={r['B']}: {r['check']}" for r in fails)
+        )
+    H.write_json(
+        args.json,
+        {
+            "info": info,
+            "args": vars(args),
+            "roof": roof,
+            "roof_path": str(roof_path),
+            "input_stats": stats,
+            "background_load": [bg0, bg_end],
+            "rows": results,
+            "compile_seconds": compile_stats,
+            "targets": verdicts,
+            "elapsed_s": elapsed,
+        },
+    )
     return 1 if fails else 0
 
 

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-
 import torch  # noqa: E402
 
 import kernforge  # noqa: E402
+
+import _harness as H  # noqa: E402
 
 
 def gomp_files() -> list[str]:
@@ -56,26 +56,48 @@ def scenarios(quick: bool):
     a = torch.randn(256, 4096, generator=g).to(bf)
     b = torch.randn(4096, 4096, generator=g).to(bf)
     c = torch.empty(256, 4096, dtype=bf)
-    x1, w1, o1 = torch.randn(256, 4096, generator=g).to(bf), torch.ones(4096, dtype=bf), torch.empty(256, 4096, dtype=bf)
-    s.append(("torch.mm [256,4096]x[4096,4096] bf16 out= / kf.rmsnorm [256,4096] bf16 out=",
-              lambda: torch.mm(a, b, out=c), lambda: kernforge.rmsnorm(x1, w1, out=o1), lambda: o1.copy_(x1),
-              6 if quick else 20))
+    x1, w1, o1 = (
+        torch.randn(256, 4096, generator=g).to(bf),
+        torch.ones(4096, dtype=bf),
+        torch.empty(256, 4096, dtype=bf),
+    )
+    s.append(
+        (
+            "torch.mm [256,4096]x[4096,4096] bf16 out= / kf.rmsnorm [256,4096] bf16 out=",
+            lambda: torch.mm(a, b, out=c),
+            lambda: kernforge.rmsnorm(x1, w1, out=o1),
+            lambda: o1.copy_(x1),
+            6 if quick else 20,
+        )
+    )
     # 2: DRAM-sized elementwise torch op, DRAM-sized norm
     p = torch.randn(4 << 20, generator=g)
     q = torch.randn(4 << 20, generator=g)
     r = torch.empty(4 << 20)
     x2, o2 = torch.randn(2048, 4096, generator=g).to(bf), torch.empty(2048, 4096, dtype=bf)
-    s.append(("torch.add 4M fp32 out= / kf.rmsnorm [2048,4096] bf16 out=",
-              lambda: torch.add(p, q, out=r), lambda: kernforge.rmsnorm(x2, w1, out=o2), lambda: o2.copy_(x2),
-              20 if quick else 100))
+    s.append(
+        (
+            "torch.add 4M fp32 out= / kf.rmsnorm [2048,4096] bf16 out=",
+            lambda: torch.add(p, q, out=r),
+            lambda: kernforge.rmsnorm(x2, w1, out=o2),
+            lambda: o2.copy_(x2),
+            20 if quick else 100,
+        )
+    )
     # 3: short ops (tens of µs), both multi-threaded: the case where a pool handoff would show
     u = torch.randn(256 << 10, generator=g)
     v = torch.randn(256 << 10, generator=g)
     y = torch.empty(256 << 10)
     x3, o3 = torch.randn(16, 4096, generator=g).to(bf), torch.empty(16, 4096, dtype=bf)
-    s.append(("torch.add 256K fp32 out= / kf.rmsnorm [16,4096] bf16 out=",
-              lambda: torch.add(u, v, out=y), lambda: kernforge.rmsnorm(x3, w1, out=o3), lambda: o3.copy_(x3),
-              300 if quick else 2000))
+    s.append(
+        (
+            "torch.add 256K fp32 out= / kf.rmsnorm [16,4096] bf16 out=",
+            lambda: torch.add(u, v, out=y),
+            lambda: kernforge.rmsnorm(x3, w1, out=o3),
+            lambda: o3.copy_(x3),
+            300 if quick else 2000,
+        )
+    )
     return s
 
 
@@ -103,11 +125,15 @@ def main() -> int:
     trials = args.trials or (3 if args.quick else 9)
     H.setup_threads(args.threads)
     bg = H.wait_for_quiet(args.wait_quiet)
-    info = H.print_header("bench_threads: torch and kernforge ops alternating", args, {
-        "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
-        "OMP_WAIT_POLICY / GOMP_SPINCOUNT": f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')} / "
-                                            f"{os.environ.get('GOMP_SPINCOUNT', '(unset)')}",
-    })
+    info = H.print_header(
+        "bench_threads: torch and kernforge ops alternating",
+        args,
+        {
+            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
+            "OMP_WAIT_POLICY / GOMP_SPINCOUNT": f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')} / "
+            f"{os.environ.get('GOMP_SPINCOUNT', '(unset)')}",
+        },
+    )
 
     sc = scenarios(args.quick)
     # bring torch's pool up first, then kernforge's kernels
@@ -125,18 +151,25 @@ def main() -> int:
     print(f"- libgomp files mapped after torch ops: {len(gomp_torch)} {gomp_torch}")
     print(f"- libgomp files mapped after kernforge ops too: {len(gomp_both)} {gomp_both}")
     print(f"- OS threads in this process: {threads_torch} after torch ops, {threads_both} after kernforge ops")
-    kso = sorted({l.split()[-1] for l in open("/proc/self/maps")
-                  if l.rstrip().endswith("kernel.so") and "/norm_" in l})
+    kso = sorted(
+        {
+            line.split()[-1]
+            for line in open("/proc/self/maps")
+            if line.rstrip().endswith("kernel.so") and "/norm_" in line
+        }
+    )
     if kso:
         import subprocess
 
         try:
             dyn = subprocess.run(["readelf", "-d", kso[0]], capture_output=True, text=True).stdout
-            needed = [l.split("[")[-1].rstrip("]") for l in dyn.splitlines() if "NEEDED" in l]
+            needed = [line.split("[")[-1].rstrip("]") for line in dyn.splitlines() if "NEEDED" in line]
         except OSError:
             needed = ["(readelf not available)"]
-        print(f"- the rmsnorm kernel.so NEEDS {needed}: libgomp by soname, which the loader satisfies with "
-              "the libgomp.so.1 torch already loaded")
+        print(
+            f"- the rmsnorm kernel.so NEEDS {needed}: libgomp by soname, which the loader satisfies with "
+            "the libgomp.so.1 torch already loaded"
+        )
     print()
 
     results = []
@@ -154,22 +187,59 @@ def main() -> int:
         ctrl = [c / (a + b) for a, b, c in zip(times["a"], times["b_ctrl"], times["c_ctrl"])]
         med = {k: statistics.median(v) / n / 1e3 for k, v in times.items()}
         ratio, ratio_ctrl = statistics.median(ratios), statistics.median(ctrl)
-        rows.append([name, n, f"{med['a']:.1f}", f"{med['b']:.1f}", f"{med['c']:.1f}", f"{ratio:.3f}",
-                     f"{min(ratios):.3f}-{max(ratios):.3f}", f"{ratio_ctrl:.3f}", f"{100 * meter.other:.0f}%"])
-        results.append({"scenario": name, "n": n, "us_per_iter": med, "ratio": ratio, "ratios": ratios,
-                        "ratio_control": ratio_ctrl, "ratios_control": ctrl, "background_load": meter.other})
+        rows.append(
+            [
+                name,
+                n,
+                f"{med['a']:.1f}",
+                f"{med['b']:.1f}",
+                f"{med['c']:.1f}",
+                f"{ratio:.3f}",
+                f"{min(ratios):.3f}-{max(ratios):.3f}",
+                f"{ratio_ctrl:.3f}",
+                f"{100 * meter.other:.0f}%",
+            ]
+        )
+        results.append(
+            {
+                "scenario": name,
+                "n": n,
+                "us_per_iter": med,
+                "ratio": ratio,
+                "ratios": ratios,
+                "ratio_control": ratio_ctrl,
+                "ratios_control": ctrl,
+                "background_load": meter.other,
+            }
+        )
         print(f"  done: {name}", file=sys.stderr, flush=True)
 
     print(f"## timings ({trials} trials, medians; µs per iteration)\n")
-    print(H.table(["scenario (a) torch / (b) kernforge", "N", "(a) µs", "(b) µs", "(c) a+b alternating µs",
-                   "(c)/((a)+(b))", "range", "control", "bg"], rows, "lrrrrrrrr"))
+    print(
+        H.table(
+            [
+                "scenario (a) torch / (b) kernforge",
+                "N",
+                "(a) µs",
+                "(b) µs",
+                "(c) a+b alternating µs",
+                "(c)/((a)+(b))",
+                "range",
+                "control",
+                "bg",
+            ],
+            rows,
+            "lrrrrrrrr",
+        )
+    )
     print("\n(c)/((a)+(b)) ~ 1.00: alternating costs nothing extra. control: the same ratio with the kernforge op")
     print("replaced by torch's copy_ of the same buffers (same bytes, torch's pool only): what alternating costs")
     print("through the caches alone (the torch op evicts the other op's data). bg: CPU share other processes used.")
     bg_end = H.background_load(1.0)
     print(f"background CPU load at end {100 * bg_end:.0f}% of all cores")
-    H.write_json(args.json, {"info": info, "gomp_files": gomp_both, "threads": [threads_torch, threads_both],
-                             "results": results})
+    H.write_json(
+        args.json, {"info": info, "gomp_files": gomp_both, "threads": [threads_torch, threads_both], "results": results}
+    )
     return 0
 
 

@@ -18,7 +18,8 @@ kernforge.register_template_dir(Path(__file__).parent / "templates")
 
 # out [rows, d] = relu(x[:, :d])^2 * x[:, d:] for x [rows, 2d]; addresses travel as int64.
 RELU2_AND_MUL = Module(
-    "relu2_and_mul", "relu2_and_mul.cpp.jinja",
+    "relu2_and_mul",
+    "relu2_and_mul.cpp.jinja",
     params={"dtype": DType()},
     entries=[Entry("run", "int64_t out, int64_t input, int64_t rows, int64_t d, int64_t num_threads")],
 )

@@ -31,7 +31,7 @@ def reference(q, cache, indices, indptr, last_page_len):
     """Attention of each request's query over its gathered pages, in fp32."""
     out = []
     for b in range(q.shape[0]):
-        pages = indices[indptr[b]:indptr[b + 1]].long()
+        pages = indices[indptr[b] : indptr[b + 1]].long()
         length = (len(pages) - 1) * PAGE + int(last_page_len[b])
         k, v = (cache[pages, i].reshape(-1, KV_HEADS, HEAD_DIM)[:length].float() for i in (0, 1))
         k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
@@ -54,9 +54,9 @@ def main():
 
     for layer, cache in enumerate(caches):
         qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(DTYPE)  # a fused qkv projection
-        q = qkv[:, :HEADS * HEAD_DIM].view(batch, HEADS, HEAD_DIM)
-        k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(batch, KV_HEADS, HEAD_DIM)
-        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(batch, KV_HEADS, HEAD_DIM)
+        q = qkv[:, : HEADS * HEAD_DIM].view(batch, HEADS, HEAD_DIM)
+        k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(batch, KV_HEADS, HEAD_DIM)
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(batch, KV_HEADS, HEAD_DIM)
         kernforge.apply_rope_pos_ids_inplace(q, k, positions)  # writes through the views into qkv
         kernforge.append_paged_kv_cache(k, v, batch_indices, positions, cache, indices, indptr, last_page_len)
         out = decode.run(q, cache)

@@ -36,21 +36,38 @@ def torch_fused_add(x, r, scale):
 
 def main():
     info = kernforge.cpu_info()
-    print(f"kernforge {kernforge.__version__}: tier {info['selected_tier']} "
-          f"(runnable: {', '.join(info['runnable_tiers'])}), {torch.get_num_threads()} threads")
+    print(
+        f"kernforge {kernforge.__version__}: tier {info['selected_tier']} "
+        f"(runnable: {', '.join(info['runnable_tiers'])}), {torch.get_num_threads()} threads"
+    )
 
     print("\n== pre-warm (the ops below: bf16 and fp32; the sampler: fp32 probs; attention and linear: bf16) ==")
-    model_ops = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
-                 "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
-    results = kernforge.prewarm({"kernels": [
-        *({"op": op, "dtype": ["bf16", "fp32"]} for op in model_ops),
-        {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},
-        {"module": "decode", "params": {"q_dtype": "bf16", "kv_dtype": "bf16", "out_dtype": "bf16",
-                                        "head_dim": 128, "group": 4}},
-        {"module": "prefill", "params": prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16,
-                                                               128, 128, 4)},
-        {"op": "weight_packed_linear", "dtype": "bf16"},
-    ]})
+    model_ops = (
+        "rmsnorm",
+        "fused_add_rmsnorm",
+        "gemma_rmsnorm",
+        "gemma_fused_add_rmsnorm",
+        "silu_and_mul",
+        "gelu_and_mul",
+        "gelu_tanh_and_mul",
+    )
+    results = kernforge.prewarm(
+        {
+            "kernels": [
+                *({"op": op, "dtype": ["bf16", "fp32"]} for op in model_ops),
+                {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},
+                {
+                    "module": "decode",
+                    "params": {"q_dtype": "bf16", "kv_dtype": "bf16", "out_dtype": "bf16", "head_dim": 128, "group": 4},
+                },
+                {
+                    "module": "prefill",
+                    "params": prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 128, 128, 4),
+                },
+                {"op": "weight_packed_linear", "dtype": "bf16"},
+            ]
+        }
+    )
     compiled = [r for r in results if r.compiled]
     print(f"{len(compiled)} compiled, {len(results) - len(compiled)} already cached")
     for r in compiled:
@@ -64,28 +81,51 @@ def main():
     d = INTERMEDIATE
     # (name, kernforge call, torch eager call, fp32 reference of the kernforge result)
     cases = [
-        ("rmsnorm", lambda: kernforge.rmsnorm(x, w, EPS), lambda: F.rms_norm(x, (HIDDEN,), w, EPS),
-         lambda: F.rms_norm(x.float(), (HIDDEN,), w.float(), EPS)),
-        ("gemma_rmsnorm", lambda: kernforge.gemma_rmsnorm(x, w, EPS),
-         lambda: F.rms_norm(x, (HIDDEN,), 1 + w, EPS),
-         lambda: F.rms_norm(x.float(), (HIDDEN,), 1 + w.float(), EPS)),
-        ("silu_and_mul", lambda: kernforge.silu_and_mul(h), lambda: F.silu(h[:, :d]) * h[:, d:],
-         lambda: F.silu(h[:, :d].float()) * h[:, d:].float()),
-        ("gelu_and_mul", lambda: kernforge.gelu_and_mul(h), lambda: F.gelu(h[:, :d]) * h[:, d:],
-         lambda: F.gelu(h[:, :d].float()) * h[:, d:].float()),
-        ("gelu_tanh_and_mul", lambda: kernforge.gelu_tanh_and_mul(h),
-         lambda: F.gelu(h[:, :d], approximate="tanh") * h[:, d:],
-         lambda: F.gelu(h[:, :d].float(), approximate="tanh") * h[:, d:].float()),
+        (
+            "rmsnorm",
+            lambda: kernforge.rmsnorm(x, w, EPS),
+            lambda: F.rms_norm(x, (HIDDEN,), w, EPS),
+            lambda: F.rms_norm(x.float(), (HIDDEN,), w.float(), EPS),
+        ),
+        (
+            "gemma_rmsnorm",
+            lambda: kernforge.gemma_rmsnorm(x, w, EPS),
+            lambda: F.rms_norm(x, (HIDDEN,), 1 + w, EPS),
+            lambda: F.rms_norm(x.float(), (HIDDEN,), 1 + w.float(), EPS),
+        ),
+        (
+            "silu_and_mul",
+            lambda: kernforge.silu_and_mul(h),
+            lambda: F.silu(h[:, :d]) * h[:, d:],
+            lambda: F.silu(h[:, :d].float()) * h[:, d:].float(),
+        ),
+        (
+            "gelu_and_mul",
+            lambda: kernforge.gelu_and_mul(h),
+            lambda: F.gelu(h[:, :d]) * h[:, d:],
+            lambda: F.gelu(h[:, :d].float()) * h[:, d:].float(),
+        ),
+        (
+            "gelu_tanh_and_mul",
+            lambda: kernforge.gelu_tanh_and_mul(h),
+            lambda: F.gelu(h[:, :d], approximate="tanh") * h[:, d:],
+            lambda: F.gelu(h[:, :d].float(), approximate="tanh") * h[:, d:].float(),
+        ),
     ]
     print(f"\n== ops, bf16, [{TOKENS}, ...], output allocated per call, {torch.get_num_threads()} threads ==")
     print("correct: within bf16 tolerance (1e-2) of a float32 torch reference")
     print(f"{'op':26} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
     for name, ours, theirs, reference in cases:
         t_ours, t_theirs = median_us(ours), median_us(theirs)
-        print(f"{name:26} {str(_matches(ours(), reference())):>8} {t_ours:13.1f} {t_theirs:9.1f} {t_theirs / t_ours:7.2f}x")
+        print(
+            f"{name:26} {str(_matches(ours(), reference())):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+            f"{t_theirs / t_ours:7.2f}x"
+        )
 
-    for name, fused, scale in (("fused_add_rmsnorm", kernforge.fused_add_rmsnorm, lambda w: w.float()),
-                               ("gemma_fused_add_rmsnorm", kernforge.gemma_fused_add_rmsnorm, lambda w: 1 + w.float())):
+    for name, fused, scale in (
+        ("fused_add_rmsnorm", kernforge.fused_add_rmsnorm, lambda w: w.float()),
+        ("gemma_fused_add_rmsnorm", kernforge.gemma_fused_add_rmsnorm, lambda w: 1 + w.float()),
+    ):
         xa, ra = x.clone(), torch.randn_like(x)
         xb, rb = xa.clone(), ra.clone()
         s = xa.float() + ra.float()
@@ -125,12 +165,16 @@ def decode_demo(batch=16, kv_len=2048, heads=32, kv_heads=8, head_dim=128, page=
     t_ours = median_us(lambda: wrapper.run(q, cache, out=out))
     t_theirs = median_us(sdpa, reps=5)
     gbs = cache.numel() * cache.element_size() / t_ours / 1e3
-    print(f"\n== decode attention, bf16 paged KV: batch {batch}, KV length {kv_len}, {heads} q / {kv_heads} KV heads, "
-          f"head_dim {head_dim}, page {page} ==")
+    print(
+        f"\n== decode attention, bf16 paged KV: batch {batch}, KV length {kv_len}, {heads} q / {kv_heads} KV heads, "
+        f"head_dim {head_dim}, page {page} =="
+    )
     print("correct: within bf16 tolerance of torch SDPA (enable_gqa) on a dense copy; torch us: that SDPA call")
     print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
-    print(f"{'BatchDecode...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
-          f"{t_theirs / t_ours:7.1f}x   ({gbs:.1f} GB/s of KV read)")
+    print(
+        f"{'BatchDecode...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+        f"{t_theirs / t_ours:7.1f}x   ({gbs:.1f} GB/s of KV read)"
+    )
 
 
 def prefill_demo(length=1024, heads=32, kv_heads=8, head_dim=128):
@@ -144,17 +188,23 @@ def prefill_demo(length=1024, heads=32, kv_heads=8, head_dim=128):
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        ).transpose(0, 1)
 
     correct = _matches(wrapper.run(q, k, v, out=out), sdpa())
     t_ours = median_us(lambda: wrapper.run(q, k, v, out=out), reps=5)
     t_theirs = median_us(sdpa, reps=3)
     gflops = 4 * head_dim * heads * length * (length + 1) / 2 / t_ours / 1e3
-    print(f"\n== prefill attention, bf16, causal: {length} tokens, {heads} q / {kv_heads} KV heads, head_dim {head_dim} ==")
+    print(
+        f"\n== prefill attention, bf16, causal: {length} tokens, {heads} q / {kv_heads} KV heads, "
+        f"head_dim {head_dim} =="
+    )
     print("correct: within bf16 tolerance of torch SDPA (is_causal, enable_gqa); torch us: that SDPA call")
     print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
-    print(f"{'BatchPrefill...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
-          f"{t_theirs / t_ours:7.1f}x   ({gflops:.0f} GFLOP/s)")
+    print(
+        f"{'BatchPrefill...Wrapper.run':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+        f"{t_theirs / t_ours:7.1f}x   ({gflops:.0f} GFLOP/s)"
+    )
 
 
 def linear_demo(n=4096, k=4096):
@@ -170,8 +220,10 @@ def linear_demo(n=4096, k=4096):
         correct = _matches(kernforge.weight_packed_linear(x, packed, out=out), x.float() @ weight.float().T)
         t_ours = median_us(lambda: kernforge.weight_packed_linear(x, packed, out=out), reps=10)
         t_theirs = median_us(lambda: F.linear(x, weight), reps=10)
-        print(f"{f'weight_packed_linear M={m}':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
-              f"{t_theirs / t_ours:7.2f}x")
+        print(
+            f"{f'weight_packed_linear M={m}':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+            f"{t_theirs / t_ours:7.2f}x"
+        )
 
 
 def sampling_demo(batch=16, vocab=128256, top_k=50, top_p=0.9):
@@ -186,8 +238,10 @@ def sampling_demo(batch=16, vocab=128256, top_k=50, top_p=0.9):
     print(f"\n== sampling, fp32 probs [{batch}, {vocab}], top_k={top_k}, top_p={top_p} ==")
     print("correct: every sample lies in the set a sort-based torch reference keeps")
     print(f"{'op':32} {'correct':>8} {'kernforge us':>13} {'torch us':>9} {'speedup':>8}")
-    print(f"{'top_k_top_p_sampling_from_probs':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
-          f"{t_theirs / t_ours:7.1f}x")
+    print(
+        f"{'top_k_top_p_sampling_from_probs':32} {str(correct):>8} {t_ours:13.1f} {t_theirs:9.1f} "
+        f"{t_theirs / t_ours:7.1f}x"
+    )
 
 
 def _top_k_top_p_kept(probs, top_k, top_p):
@@ -213,6 +267,7 @@ def _torch_top_k_top_p_sample(probs, top_k, top_p):
 
 def _matches(result, reference) -> bool:
     return torch.allclose(result.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
 
 if __name__ == "__main__":
     main()

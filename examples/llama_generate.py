@@ -28,11 +28,27 @@ from kernforge.integrations import transformers as kft
 
 # Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B), for random weights.
 LLAMA_3_2_1B = dict(
-    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    hidden_act="silu",
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 )
 
 
@@ -41,11 +57,15 @@ def build_model(checkpoint: str | None = None, layers: int | None = None, seed: 
     weights (``layers`` overrides the depth)."""
     if checkpoint:
         overrides = {"num_hidden_layers": layers} if layers else {}
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, local_files_only=True,
-                                                     attn_implementation="sdpa", **overrides)
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, local_files_only=True, attn_implementation="sdpa", **overrides
+        )
         return model.eval()
-    config = LlamaConfig(**{**LLAMA_3_2_1B, **({"num_hidden_layers": layers} if layers else {})},
-                         dtype="bfloat16", attn_implementation="sdpa")
+    config = LlamaConfig(
+        **{**LLAMA_3_2_1B, **({"num_hidden_layers": layers} if layers else {})},
+        dtype="bfloat16",
+        attn_implementation="sdpa",
+    )
     with no_init_weights():  # skip transformers' slow per-module init; the weights are drawn below
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)
@@ -67,8 +87,8 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 1) -> tuple[torch
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(0, vocab, (length,), generator=generator)
-        mask[row, width - length:] = 1
+        ids[row, width - length :] = torch.randint(0, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
     return ids, (mask if len(lengths) > 1 else None)
 
 
@@ -100,16 +120,33 @@ def timed_generate(generate, ids, mask, new_tokens: int) -> tuple[torch.Tensor, 
 
 def stock_generate(model, output_logits: bool = False):
     def run(ids, mask, new_tokens, streamer):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0, streamer=streamer, output_logits=output_logits,
-                              return_dict_in_generate=output_logits)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+            output_logits=output_logits,
+            return_dict_in_generate=output_logits,
+        )
+
     return run
 
 
 def kernforge_generate(model):
     def run(ids, mask, new_tokens, streamer):
-        return kft.generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
-                            pad_token_id=0, streamer=streamer)
+        return kft.generate(
+            model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            eos_token_id=[],
+            pad_token_id=0,
+            streamer=streamer,
+        )
+
     return run
 
 
@@ -127,8 +164,10 @@ def agreement(stock_out, ours: torch.Tensor, prompt_width: int) -> list[str]:
         top, margin = logits.max().item(), logits.max().item() - logits[got[step]].item()
         bf16_step = 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - 7)
         verdict = "a near-tie" if margin <= 2 * bf16_step else "NOT a near-tie"
-        lines.append(f"sequence {row}: first difference at token {step} ({int(expected[step])} vs {int(got[step])}): "
-                     f"{margin:.4g} below stock's best logit {top:.4g}, bf16 step {bf16_step:.3g}: {verdict}")
+        lines.append(
+            f"sequence {row}: first difference at token {step} ({int(expected[step])} vs {int(got[step])}): "
+            f"{margin:.4g} below stock's best logit {top:.4g}, bf16 step {bf16_step:.3g}: {verdict}"
+        )
     return lines
 
 
@@ -157,9 +196,11 @@ def main() -> int:
     stock_out, stock_times = timed_generate(stock_generate(stock, output_logits=True), ids, mask, args.new_tokens)
     ours_out, ours_times = timed_generate(kernforge_generate(ours), ids, mask, args.new_tokens)
 
-    print(f"{stock.config.model_type}, {stock.config.num_hidden_layers} layers, hidden {stock.config.hidden_size}, "
-          f"prompts {lengths}, {args.new_tokens} new tokens, {args.threads} threads"
-          + (f", kernforge quant={args.quant}" if args.quant else ""))
+    print(
+        f"{stock.config.model_type}, {stock.config.num_hidden_layers} layers, hidden {stock.config.hidden_size}, "
+        f"prompts {lengths}, {args.new_tokens} new tokens, {args.threads} threads"
+        + (f", kernforge quant={args.quant}" if args.quant else "")
+    )
     print(f"{'':18}{'stock (sdpa)':>14}{'kernforge':>14}{'speedup':>10}")
     for name, key, scale in (("TTFT (ms)", "ttft", 1e3), ("TPOT (ms)", "tpot", 1e3)):
         s, k = stock_times[key] * scale, ours_times[key] * scale

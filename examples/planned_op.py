@@ -20,11 +20,18 @@ kernforge.register_template_dir(Path(__file__).parent / "templates")
 
 # What plan() fixes for every run(): one struct, declared once (the prelude emits its C definition
 # and the cffi cdef), filled by field name at plan time.
-SEGMENT_SUM_PLAN = Struct("kf_segment_sum_planned", (
-    ("indptr", "int64_t"), ("dim", "int64_t"), ("workspace", "int64_t"), ("num_threads", "int64_t"),
-))
+SEGMENT_SUM_PLAN = Struct(
+    "kf_segment_sum_planned",
+    (
+        ("indptr", "int64_t"),
+        ("dim", "int64_t"),
+        ("workspace", "int64_t"),
+        ("num_threads", "int64_t"),
+    ),
+)
 SEGMENT_SUM = Module(
-    "segment_sum", "segment_sum.cpp.jinja",
+    "segment_sum",
+    "segment_sum.cpp.jinja",
     params={"dtype": DType()},
     structs=[SEGMENT_SUM_PLAN],
     entries=[
@@ -59,17 +66,24 @@ class SegmentSumWrapper:
         kernel.plan(self._indptr.data_ptr(), batch, threads, self._workspace.data_ptr())
         self._shape, self._out_shape, self._dtype = (int(indptr[-1]), dim), (batch, dim), dtype
         self._kernel = kernel
-        self._plan = kernel.new("kf_segment_sum_planned", {
-            "indptr": self._indptr.data_ptr(), "dim": dim, "workspace": self._workspace.data_ptr(),
-            "num_threads": threads,
-        })
+        self._plan = kernel.new(
+            "kf_segment_sum_planned",
+            {
+                "indptr": self._indptr.data_ptr(),
+                "dim": dim,
+                "workspace": self._workspace.data_ptr(),
+                "num_threads": threads,
+            },
+        )
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("SegmentSumWrapper.run() called before plan()")
         if x.shape != self._shape or x.dtype != self._dtype or x.stride(-1) != 1:
-            raise ValueError(f"x must be a {self._dtype} tensor of shape {self._shape} with contiguous rows, "
-                             f"got {x.dtype} {tuple(x.shape)}")
+            raise ValueError(
+                f"x must be a {self._dtype} tensor of shape {self._shape} with contiguous rows, "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
         if out is None:
             out = torch.empty(self._out_shape, dtype=self._dtype)
         elif out.shape != self._out_shape or out.dtype != self._dtype or not out.is_contiguous():

@@ -1,6 +1,9 @@
 """kernforge: JIT-compiled CPU kernels for LLM inference, with FlashInfer's API."""
 
-from kernforge import ops
+from kernforge import (
+    ops,
+    torch_library,  # noqa: F401,E402  (defines torch.ops.kernforge.*: the ops as graph nodes)
+)
 from kernforge._version import __version__
 from kernforge.jit import (
     CompilerNotFoundError,
@@ -13,11 +16,21 @@ from kernforge.jit import (
     use_isa,
 )
 from kernforge.ops import *  # noqa: F401,F403  (the registered ops, listed once in kernforge.ops)
-from kernforge import torch_library  # noqa: F401,E402  (defines torch.ops.kernforge.*: the ops as graph nodes)
 from kernforge.prewarm import prewarm
 from kernforge.tune import tune_gemm, tune_prefill  # tools: time the tile candidates, record the winners
 
 __all__ = [
-    "__version__", "CompilerNotFoundError", "cpu_info", "IsaError", "KernelCompileError", "KernelNotCachedError",
-    "prewarm", "register_template_dir", "set_isa", "tune_gemm", "tune_prefill", "use_isa", *ops.__all__,
+    "__version__",
+    "CompilerNotFoundError",
+    "cpu_info",
+    "IsaError",
+    "KernelCompileError",
+    "KernelNotCachedError",
+    "prewarm",
+    "register_template_dir",
+    "set_isa",
+    "tune_gemm",
+    "tune_prefill",
+    "use_isa",
+    *ops.__all__,
 ]

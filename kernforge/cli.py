@@ -29,8 +29,10 @@ def _info(args) -> int:
     print(f"cffi mode:       {loader.cffi_mode()}")
     print(f"jit enabled:     {core.jit_enabled()}")
     print(f"cache dir:       {root}")
-    print(f"cache entries:   {sum(meta is not None for _, meta in found)} ready, "
-          f"{sum(meta is None for _, meta in found)} incomplete")
+    print(
+        f"cache entries:   {sum(meta is not None for _, meta in found)} ready, "
+        f"{sum(meta is None for _, meta in found)} incomplete"
+    )
     print(f"cache size:      {disk.size_bytes(root) / 2**20:.1f} MiB")
     return 0
 
@@ -50,7 +52,7 @@ def _clear(args) -> int:
 
 
 def _modules(args) -> int:
-    for name, declared in sorted(module.registered_modules().items()):
+    for declared in dict(sorted(module.registered_modules().items())).values():
         print(json.dumps(declared.schema()))
     return 0
 
@@ -79,8 +81,10 @@ def _prewarm(args) -> int:
     else:
         manifest = prewarm.all_ops_manifest(args.dtype or prewarm.ALL_DTYPES)
     if args.tune and not args.model_config:
-        raise ValueError("--tune times a model's linear and attention shapes: it needs --model-config "
-                         "(python -m kernforge tune gemm takes shapes directly)")
+        raise ValueError(
+            "--tune times a model's linear and attention shapes: it needs --model-config "
+            "(python -m kernforge tune gemm takes shapes directly)"
+        )
     if args.print_manifest:
         print(json.dumps(manifest, indent=2))
         return 0
@@ -89,8 +93,10 @@ def _prewarm(args) -> int:
         if args.threads:
             set_num_threads(args.threads)
         with isa.use_isa(args.isa) if args.isa else contextlib.nullcontext():  # timed on the tier just built
-            lines = [*tune.gemm_report(prewarm.tune_model_linears(args.model_config, args.tune_m)),
-                     *tune.prefill_report(prewarm.tune_model_attention(args.model_config))]
+            lines = [
+                *tune.gemm_report(prewarm.tune_model_linears(args.model_config, args.tune_m)),
+                *tune.prefill_report(prewarm.tune_model_attention(args.model_config)),
+            ]
         print("\n".join(lines))
         print(f"recorded in {disk.cache_root() / 'tuning'}")
     return 0
@@ -106,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prewarm", help="compile variants ahead of time (default: every op and dtype)")
     p.add_argument("manifest", nargs="?", help="JSON manifest of kernels to build")
     p.add_argument("--model-config", help="derive the manifest from a model's config.json")
-    p.add_argument("--kv-cache-dtype", action="append",
-                   help="with --model-config: also build decode for this KV cache dtype, e.g. float8_e4m3fn")
+    p.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        help="with --model-config: also build decode for this KV cache dtype, e.g. float8_e4m3fn",
+    )
     p.add_argument("--quant", choices=["int8"], help="with --model-config: also build the int8 w8a8 GEMM")
     p.add_argument("--op", action="append", help="an op to build (repeatable)")
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
@@ -117,12 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isa", help="tier to build (and with --tune, to tune) for (default: the tier in use)")
     p.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
     p.add_argument("--print-manifest", action="store_true", help="print the manifest instead of building")
-    p.add_argument("--tune", action="store_true",
-                   help="with --model-config: then tune the GEMM for the model's linear shapes (q, k/v, o, "
-                        "gate+up as one, down) and the prefill tile for its head_dim and GQA group, recording "
-                        "the winners where dispatch finds them")
-    p.add_argument("--tune-m", type=int, nargs="+", default=list(prewarm.TUNE_ROWS),
-                   help=f"with --tune: rows of x to tune for (default {' '.join(map(str, prewarm.TUNE_ROWS))})")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="with --model-config: then tune the GEMM for the model's linear shapes (q, k/v, o, "
+        "gate+up as one, down) and the prefill tile for its head_dim and GQA group, recording "
+        "the winners where dispatch finds them",
+    )
+    p.add_argument(
+        "--tune-m",
+        type=int,
+        nargs="+",
+        default=list(prewarm.TUNE_ROWS),
+        help=f"with --tune: rows of x to tune for (default {' '.join(map(str, prewarm.TUNE_ROWS))})",
+    )
     p.add_argument("--threads", type=int, help="with --tune: threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_prewarm)
     tune.add_parser(sub)

@@ -39,7 +39,7 @@ class ModelSpec:
     vocab_size: int | None = None
 
     @classmethod
-    def from_config(cls, config: dict | str | Path) -> "ModelSpec":
+    def from_config(cls, config: dict | str | Path) -> ModelSpec:
         """From a ``config.json`` (path or dict; a multimodal config's ``text_config`` is read too).
         Raises ValueError naming the field that is missing or wrong."""
         if not isinstance(config, dict):
@@ -55,12 +55,22 @@ class ModelSpec:
             head_dim = sizes["hidden_size"] // heads
         activation = config.get("hidden_act") or config.get("hidden_activation") or "silu"
         if activation not in GATED_OP_BY_ACTIVATION:
-            raise ValueError(f"config.json activation {activation!r} has no kernforge gated op; "
-                             f"known: {', '.join(GATED_OP_BY_ACTIVATION)}")
+            raise ValueError(
+                f"config.json activation {activation!r} has no kernforge gated op; "
+                f"known: {', '.join(GATED_OP_BY_ACTIVATION)}"
+            )
         vocab = config.get("vocab_size")
-        return cls(config.get("model_type"), str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
-                   sizes["hidden_size"], sizes["intermediate_size"], heads, kv_heads, head_dim, activation,
-                   vocab if isinstance(vocab, int) and vocab > 0 else None)
+        return cls(
+            config.get("model_type"),
+            str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+            sizes["hidden_size"],
+            sizes["intermediate_size"],
+            heads,
+            kv_heads,
+            head_dim,
+            activation,
+            vocab if isinstance(vocab, int) and vocab > 0 else None,
+        )
 
     @property
     def group(self) -> int:
@@ -81,12 +91,22 @@ class ModelSpec:
         (``PACKED_LINEARS``), and lm_head's when the vocabulary is known."""
         q_width = self.num_attention_heads * self.head_dim
         kv_width = self.num_key_value_heads * self.head_dim
-        widths = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width,
-                  "gate_proj": self.intermediate_size, "up_proj": self.intermediate_size}
-        shapes = {packed: [sum(widths[part] for part in parts), self.hidden_size]
-                  for packed, parts in PACKED_LINEARS.items()}
-        shapes = {"qkv_proj": shapes["qkv_proj"], "o_proj": [self.hidden_size, q_width],
-                  "gate_up_proj": shapes["gate_up_proj"], "down_proj": [self.hidden_size, self.intermediate_size]}
+        widths = {
+            "q_proj": q_width,
+            "k_proj": kv_width,
+            "v_proj": kv_width,
+            "gate_proj": self.intermediate_size,
+            "up_proj": self.intermediate_size,
+        }
+        shapes = {
+            packed: [sum(widths[part] for part in parts), self.hidden_size] for packed, parts in PACKED_LINEARS.items()
+        }
+        shapes = {
+            "qkv_proj": shapes["qkv_proj"],
+            "o_proj": [self.hidden_size, q_width],
+            "gate_up_proj": shapes["gate_up_proj"],
+            "down_proj": [self.hidden_size, self.intermediate_size],
+        }
         if self.vocab_size is not None:
             shapes["lm_head"] = [self.vocab_size, self.hidden_size]
         return shapes

@@ -50,8 +50,9 @@ from kernforge.ops._common import TORCH_DTYPES, dtype_name
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
 
-def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = (),
-                               quant: str | None = None) -> dict:
+def manifest_from_model_config(
+    config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = (), quant: str | None = None
+) -> dict:
     """Ops a decoder model needs, from its ``config.json`` (path or dict). Attention is built for
     a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
     ``"float8_e4m3fn"``); the linear layers' GEMMs for the model's dtype, and with ``quant="int8"``
@@ -63,16 +64,26 @@ def manifest_from_model_config(config: dict | str | Path, kv_cache_dtypes: tuple
     norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if spec.gemma_norms else ["rmsnorm", "fused_add_rmsnorm"]
     linear_shapes = spec.linear_shapes()
     return {
-        "model": {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, **attention,
-                  "dtype": dtype, "activation": spec.activation, "model_type": spec.model_type,
-                  "linear_shapes": linear_shapes},
+        "model": {
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            **attention,
+            "dtype": dtype,
+            "activation": spec.activation,
+            "model_type": spec.model_type,
+            "linear_shapes": linear_shapes,
+        },
         "kernels": [
             *({"op": op, "dtype": dtype} for op in [*norms, spec.gated_op]),
             *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
-            *({"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)} for kv_dtype in
-              [dtype, *kv_cache_dtypes]),
-            *({"module": "prefill", "params": _prefill_params(dtype, kv_dtype, attention)} for kv_dtype in
-              [dtype, *kv_cache_dtypes]),
+            *(
+                {"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)}
+                for kv_dtype in [dtype, *kv_cache_dtypes]
+            ),
+            *(
+                {"module": "prefill", "params": _prefill_params(dtype, kv_dtype, attention)}
+                for kv_dtype in [dtype, *kv_cache_dtypes]
+            ),
             {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
             {"op": "top_k_top_p_sampling_from_logits", "dtype": dtype},  # and on the model's logits
             *_gemm_entries(dtype, linear_shapes.values()),
@@ -90,22 +101,31 @@ def _gemm_entries(dtype: str, shapes) -> list[dict]:
     for n, k in shapes:
         for m in sorted({m_bucket(1 << i) for i in range(11)}):
             config = TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params
-            params = {"dtype": dtype_name(dtype), **{key: list(v) if isinstance(v, tuple) else v
-                                                     for key, v in config.items()}}
+            params = {
+                "dtype": dtype_name(dtype),
+                **{key: list(v) if isinstance(v, tuple) else v for key, v in config.items()},
+            }
             configs[json.dumps(params, sort_keys=True)] = params
     return [{"module": "gemm", "params": params} for params in configs.values()]
 
 
-_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-                    "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
+_KV_CACHE_DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
 
 # Per-layer ops of the attention block besides decode: RoPE on q/k, then writing k/v to the cache.
 _ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
 
 
 def _attention_shape(spec: ModelSpec) -> dict:
-    return {"num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim}
+    return {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+    }
 
 
 TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
@@ -117,8 +137,9 @@ def tune_model_attention(config: dict | str | Path, measure=None) -> list[dict]:
 
     model = manifest_from_model_config(config)["model"]
     group = model["num_attention_heads"] // model["num_key_value_heads"]
-    return tune_prefill([(model["head_dim"], model["head_dim"])], [group], TORCH_DTYPES[dtype_name(model["dtype"])],
-                        measure=measure)
+    return tune_prefill(
+        [(model["head_dim"], model["head_dim"])], [group], TORCH_DTYPES[dtype_name(model["dtype"])], measure=measure
+    )
 
 
 def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None) -> list[dict]:
@@ -251,6 +272,7 @@ class _Progress:
 
     def finish(self) -> None:
         if self.enabled:
-            sys.stderr.write(("\n" if self.tty else "") +
-                             f"kernforge: prewarm done: {self.compiled} compiled, "
-                             f"{self.done - self.compiled} already cached\n")
+            sys.stderr.write(
+                ("\n" if self.tty else "") + f"kernforge: prewarm done: {self.compiled} compiled, "
+                f"{self.done - self.compiled} already cached\n"
+            )

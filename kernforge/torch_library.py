@@ -55,15 +55,15 @@ import functools
 import inspect
 import itertools
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from kernforge.ops import activation, norm, rope, sampling
 from kernforge.ops.attention import decode, page, prefill
-from kernforge.ops.gemm import bf16, int8
 from kernforge.ops.attention._wrapper import WorkspaceWrapper
 from kernforge.ops.attention.page import paged_kv_from_halves, paged_kv_halves
+from kernforge.ops.gemm import bf16, int8
 
 NAMESPACE = "kernforge"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace
@@ -79,12 +79,21 @@ def _define(schema: str, impl: Callable, fake: Callable) -> None:
 
 
 # Python annotation (as written, `from __future__ import annotations`) -> schema type.
-_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "int": "int", "int | None": "int?",
-                 "float": "float", "float | None": "float?", "bool": "bool", "str": "str"}
+_SCHEMA_TYPES = {
+    "torch.Tensor": "Tensor",
+    "torch.Tensor | None": "Tensor?",
+    "int": "int",
+    "int | None": "int?",
+    "float": "float",
+    "float | None": "float?",
+    "bool": "bool",
+    "str": "str",
+}
 
 
-def schema_of(python_op: Callable, returns: str, writes: tuple[str, ...] = (), name: str | None = None,
-              out: bool = False) -> str:
+def schema_of(
+    python_op: Callable, returns: str, writes: tuple[str, ...] = (), name: str | None = None, out: bool = False
+) -> str:
     """The schema of ``python_op`` taking its own arguments, read from its signature (names, types,
     defaults), so the two cannot drift: ``writes`` are the arguments it writes in place
     (``Tensor(a!)``); ``out=True`` makes the ``<op>_out`` variant, whose keyword ``out`` is written."""
@@ -160,8 +169,7 @@ def _gated_fake(input):
 def _define_with_out(python_op: Callable, fake: Callable) -> None:
     """``<op>(...) -> Tensor`` and ``<op>_out(..., *, Tensor(a!) out) -> ()`` of an op with ``out=``."""
     _define(schema_of(python_op, "Tensor"), python_op, fake)
-    _define(schema_of(python_op, "()", name=f"{python_op.__name__}_out", out=True), _writes_only(python_op),
-            _no_output)
+    _define(schema_of(python_op, "()", name=f"{python_op.__name__}_out", out=True), _writes_only(python_op), _no_output)
 
 
 for _python_op in (norm.rmsnorm, norm.gemma_rmsnorm):
@@ -223,6 +231,7 @@ def gelu_tanh_and_mul(input, out=None):
 
 # --------------------------------------------------------------------------- RoPE
 
+
 def _rope_fake(q, k, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k)
 
@@ -232,10 +241,16 @@ for _python_op in (rope.apply_rope_pos_ids, rope.apply_llama31_rope_pos_ids, rop
     _in_place = getattr(rope, f"{_python_op.__name__}_inplace")
     _define(schema_of(_in_place, "()", writes=("q", "k")), _in_place, _no_output)
 
-_define(schema_of(rope.apply_rope_with_cos_sin_cache, "(Tensor, Tensor)"), rope.apply_rope_with_cos_sin_cache,
-        lambda positions, query, key, *args, **kwargs: (torch.empty_like(query), torch.empty_like(key)))
-_define(schema_of(rope.apply_rope_with_cos_sin_cache_inplace, "()", writes=("query", "key")),
-        rope.apply_rope_with_cos_sin_cache_inplace, _no_output)
+_define(
+    schema_of(rope.apply_rope_with_cos_sin_cache, "(Tensor, Tensor)"),
+    rope.apply_rope_with_cos_sin_cache,
+    lambda positions, query, key, *args, **kwargs: (torch.empty_like(query), torch.empty_like(key)),
+)
+_define(
+    schema_of(rope.apply_rope_with_cos_sin_cache_inplace, "()", writes=("query", "key")),
+    rope.apply_rope_with_cos_sin_cache_inplace,
+    _no_output,
+)
 
 apply_rope_pos_ids = _traceable(rope.apply_rope_pos_ids)
 apply_rope_pos_ids_inplace = _traceable(rope.apply_rope_pos_ids_inplace)
@@ -252,26 +267,75 @@ apply_rope_with_cos_sin_cache_inplace = _traceable(rope.apply_rope_with_cos_sin_
 # --------------------------------------------------------------------------- the paged KV cache
 
 
-def _append_impl(append_key, append_value, batch_indices, positions, paged_kv_cache, paged_v_cache, kv_indices,
-                 kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
-    page.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
-                               paged_kv_from_halves(paged_kv_cache, paged_v_cache), kv_indices, kv_indptr, kv_last_page_len,
-                               kv_layout)
+def _append_impl(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    paged_v_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout="NHD",
+) -> None:
+    page.append_paged_kv_cache(
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        paged_kv_from_halves(paged_kv_cache, paged_v_cache),
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        kv_layout,
+    )
 
 
-_define("append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
-        "Tensor(a!) paged_kv_cache, Tensor(b!)? paged_v_cache, Tensor kv_indices, Tensor kv_indptr, "
-        "Tensor kv_last_page_len, str kv_layout=\"NHD\") -> ()", _append_impl, _no_output)
+_define(
+    "append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
+    "Tensor(a!) paged_kv_cache, Tensor(b!)? paged_v_cache, Tensor kv_indices, Tensor kv_indptr, "
+    'Tensor kv_last_page_len, str kv_layout="NHD") -> ()',
+    _append_impl,
+    _no_output,
+)
 
 
 @functools.wraps(page.append_paged_kv_cache)
-def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
-                          kv_last_page_len, kv_layout: str = "NHD") -> None:
+def append_paged_kv_cache(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout: str = "NHD",
+) -> None:
     if not torch.compiler.is_compiling():
-        return page.append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
-                                          kv_indices, kv_indptr, kv_last_page_len, kv_layout)
-    _op("append_paged_kv_cache")(append_key, append_value, batch_indices, positions, *paged_kv_halves(paged_kv_cache),
-                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+        return page.append_paged_kv_cache(
+            append_key,
+            append_value,
+            batch_indices,
+            positions,
+            paged_kv_cache,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            kv_layout,
+        )
+    _op("append_paged_kv_cache")(
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        *paged_kv_halves(paged_kv_cache),
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        kv_layout,
+    )
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -285,27 +349,40 @@ def _packed_weight(packed, n, k, panel_width) -> bf16.PackedWeight:
     return bf16.PackedWeight(packed, n, k, panel_width=panel_width)
 
 
-_define("weight_packed_linear(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None) -> Tensor",
-        lambda x, packed, n, k, panel_width, bias=None:
-            bf16.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias),
-        _linear_fake)
-_define("weight_packed_linear_out(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None, *, "
-        "Tensor(a!) out) -> ()",
-        _writes_only(lambda x, packed, n, k, panel_width, bias=None, *, out:
-                     bf16.weight_packed_linear(x, _packed_weight(packed, n, k, panel_width), bias, out)),
-        _no_output)
-_define("int8_scaled_mm_with_quant(Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, "
-        "int panel_width, Tensor? bias=None) -> Tensor",
-        lambda x, packed, compensation, scale, n, k, panel_width, bias=None: int8.int8_scaled_mm_with_quant(
-            x, int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias),
-        lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)))
+_define(
+    "weight_packed_linear(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None) -> Tensor",
+    lambda x, packed, n, k, panel_width, bias=None: bf16.weight_packed_linear(
+        x, _packed_weight(packed, n, k, panel_width), bias
+    ),
+    _linear_fake,
+)
+_define(
+    "weight_packed_linear_out(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None, *, "
+    "Tensor(a!) out) -> ()",
+    _writes_only(
+        lambda x, packed, n, k, panel_width, bias=None, *, out: bf16.weight_packed_linear(
+            x, _packed_weight(packed, n, k, panel_width), bias, out
+        )
+    ),
+    _no_output,
+)
+_define(
+    "int8_scaled_mm_with_quant(Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, "
+    "int panel_width, Tensor? bias=None) -> Tensor",
+    lambda x, packed, compensation, scale, n, k, panel_width, bias=None: int8.int8_scaled_mm_with_quant(
+        x, int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias
+    ),
+    lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)),
+)
 
 
 def _check_layout(packed, module) -> None:
     # the custom ops rebuild the dataclass with the current layout: refuse another one before that
     if packed.layout_version != module.LAYOUT_VERSION:
-        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
-                         f"{module.LAYOUT_VERSION} (pack the weight again)")
+        raise ValueError(
+            f"packed has layout version {packed.layout_version}; this kernforge reads version "
+            f"{module.LAYOUT_VERSION} (pack the weight again)"
+        )
 
 
 @functools.wraps(bf16.weight_packed_linear)
@@ -322,18 +399,21 @@ def int8_scaled_mm_with_quant(x, packed, bias=None, out_dtype=None):
         return int8.int8_scaled_mm_with_quant(x, packed, bias, out_dtype)
     _check_layout(packed, int8)
     if out_dtype is not None and out_dtype is not x.dtype:
-        raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant "
-                        "writes x's dtype")
-    return _op("int8_scaled_mm_with_quant")(x, packed.packed, packed.compensation, packed.scale, packed.n, packed.k,
-                                            packed.panel_width, bias)
+        raise TypeError(
+            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant writes x's dtype"
+        )
+    return _op("int8_scaled_mm_with_quant")(
+        x, packed.packed, packed.compensation, packed.scale, packed.n, packed.k, packed.panel_width, bias
+    )
 
 
 # --------------------------------------------------------------------------- sampling
 
 
 def _sampling_impl(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
-    return sampling.top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices, filter_apply_order, seed=seed,
-                                                     offset=offset, return_valid=True)
+    return sampling.top_k_top_p_sampling_from_logits(
+        logits, top_k, top_p, indices, filter_apply_order, seed=seed, offset=offset, return_valid=True
+    )
 
 
 def _sampling_fake(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
@@ -341,9 +421,12 @@ def _sampling_fake(logits, top_k, top_p, seed, offset, indices=None, filter_appl
     return logits.new_empty(batch, dtype=dtype), logits.new_empty(batch, dtype=torch.bool)
 
 
-_define("top_k_top_p_sampling_from_logits(Tensor logits, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset, "
-        "Tensor? indices=None, str filter_apply_order=\"top_k_first\") -> (Tensor samples, Tensor valid)",
-        _sampling_impl, _sampling_fake)
+_define(
+    "top_k_top_p_sampling_from_logits(Tensor logits, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset, "
+    'Tensor? indices=None, str filter_apply_order="top_k_first") -> (Tensor samples, Tensor valid)',
+    _sampling_impl,
+    _sampling_fake,
+)
 
 
 def _per_row(value, batch: int, dtype: torch.dtype) -> torch.Tensor:
@@ -355,13 +438,33 @@ def _seed_tensor(value) -> torch.Tensor:
 
 
 @functools.wraps(sampling.top_k_top_p_sampling_from_logits)
-def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
-                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
-                                     return_valid=False):
+def top_k_top_p_sampling_from_logits(
+    logits,
+    top_k,
+    top_p,
+    indices=None,
+    filter_apply_order="top_k_first",
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     if not torch.compiler.is_compiling():
         return sampling.top_k_top_p_sampling_from_logits(
-            logits, top_k, top_p, indices, filter_apply_order, deterministic, generator, check_nan, seed, offset,
-            return_valid)
+            logits,
+            top_k,
+            top_p,
+            indices,
+            filter_apply_order,
+            deterministic,
+            generator,
+            check_nan,
+            seed,
+            offset,
+            return_valid,
+        )
     if check_nan:
         raise NotImplementedError("check_nan reads the logits in Python: not available under torch.compile")
     batch = logits.shape[0] if indices is None else indices.shape[0]
@@ -370,8 +473,14 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_
     if seed is None or offset is None:  # as the Python op: a fresh seed from the generator, offset 0
         seed, offset = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=generator), 0
     samples, valid = _op("top_k_top_p_sampling_from_logits")(
-        logits, _per_row(top_k, batch, torch.int64), _per_row(top_p, batch, torch.float32), _seed_tensor(seed),
-        _seed_tensor(offset), indices, filter_apply_order)
+        logits,
+        _per_row(top_k, batch, torch.int64),
+        _per_row(top_p, batch, torch.float32),
+        _seed_tensor(seed),
+        _seed_tensor(offset),
+        indices,
+        filter_apply_order,
+    )
     return (samples, valid) if return_valid else samples
 
 
@@ -398,8 +507,10 @@ def _wrapper(handle: int):
     ref = _WRAPPERS.get(handle)
     wrapper = None if ref is None else ref()
     if wrapper is None:
-        raise ValueError(f"no live attention wrapper has handle {handle} (register_wrapper gives handles; a wrapper "
-                         "that was garbage-collected has none)")
+        raise ValueError(
+            f"no live attention wrapper has handle {handle} (register_wrapper gives handles; a wrapper "
+            "that was garbage-collected has none)"
+        )
     return wrapper
 
 
@@ -408,15 +519,19 @@ def _eager_run(wrapper):
     return super(_TraceableRun, wrapper).run if isinstance(wrapper, _TraceableRun) else wrapper.run
 
 
-def _attention_impl(tensors, wrapper, out_dtype, head_dim_vo, q_scale=None, k_scale=None, v_scale=None,
-                    return_lse=False):
+def _attention_impl(
+    tensors, wrapper, out_dtype, head_dim_vo, q_scale=None, k_scale=None, v_scale=None, return_lse=False
+):
     live = _wrapper(wrapper)
     planned = live.planned_output()
     if planned != (out_dtype, head_dim_vo):
-        raise ValueError(f"attention_run was given out_dtype {out_dtype} and head_dim_vo {head_dim_vo}, but the "
-                         f"wrapper's plan gives {planned[0]} and {planned[1]}")
-    return _eager_run(live)(*live.run_arguments(tensors), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                            return_lse=return_lse)
+        raise ValueError(
+            f"attention_run was given out_dtype {out_dtype} and head_dim_vo {head_dim_vo}, but the "
+            f"wrapper's plan gives {planned[0]} and {planned[1]}"
+        )
+    return _eager_run(live)(
+        *live.run_arguments(tensors), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse
+    )
 
 
 def _attention_fake(tensors, wrapper, out_dtype, head_dim_vo, *args, **kwargs):
@@ -431,25 +546,34 @@ def _attention_lse_fake(tensors, *args, **kwargs):
 
 # tensors: the wrapper's traced_tensors() (the KV cache among them, which orders the op after the
 # append that wrote it); wrapper: its handle; out_dtype, head_dim_vo: its planned_output().
-_ATTENTION_ARGS = ("Tensor?[] tensors, int wrapper, ScalarType out_dtype, int head_dim_vo, float? q_scale=None, "
-                   "float? k_scale=None, float? v_scale=None")
+_ATTENTION_ARGS = (
+    "Tensor?[] tensors, int wrapper, ScalarType out_dtype, int head_dim_vo, float? q_scale=None, "
+    "float? k_scale=None, float? v_scale=None"
+)
 _define(f"attention_run({_ATTENTION_ARGS}) -> Tensor", _attention_impl, _attention_fake)
-_define(f"attention_run_return_lse({_ATTENTION_ARGS}) -> (Tensor out, Tensor lse)",
-        functools.partial(_attention_impl, return_lse=True), _attention_lse_fake)
+_define(
+    f"attention_run_return_lse({_ATTENTION_ARGS}) -> (Tensor out, Tensor lse)",
+    functools.partial(_attention_impl, return_lse=True),
+    _attention_lse_fake,
+)
 
 
-def attention_run(wrapper, *tensors, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-                  return_lse: bool = False):
+def attention_run(
+    wrapper, *tensors, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False
+):
     """``wrapper.run(*tensors)`` of a kernforge wrapper (``q, paged_kv_cache`` for the paged ones,
     ``q, k, v`` for the ragged one); traced as one ``kernforge::attention_run`` (the wrapper
     registered), whatever tensors the wrapper's run() takes."""
     if not torch.compiler.is_compiling():
-        return _eager_run(wrapper)(*tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                   return_lse=return_lse)
+        return _eager_run(wrapper)(
+            *tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=return_lse
+        )
     handle = getattr(wrapper, _HANDLE_ATTRIBUTE, None)
     if handle is None:
-        raise ValueError("torch.compile traced attention_run on an unregistered wrapper: call "
-                         "kernforge.torch_library.register_wrapper(wrapper) once, before compiling")
+        raise ValueError(
+            "torch.compile traced attention_run on an unregistered wrapper: call "
+            "kernforge.torch_library.register_wrapper(wrapper) once, before compiling"
+        )
     args = (wrapper.traced_tensors(*tensors), handle, *wrapper.planned_output(), q_scale, k_scale, v_scale)
     if not return_lse:
         result = _op("attention_run")(*args)
@@ -467,15 +591,33 @@ class _TraceableRun:
         super().__init__(*args, **kwargs)
         register_wrapper(self)
 
-    def run(self, *tensors, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-            **options):
+    def run(
+        self,
+        *tensors,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out=None,
+        lse=None,
+        return_lse: bool = False,
+        **options,
+    ):
         if options and not torch.compiler.is_compiling():
-            return super().run(*tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                               return_lse=return_lse, **options)
+            return super().run(
+                *tensors,
+                q_scale=q_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                out=out,
+                lse=lse,
+                return_lse=return_lse,
+                **options,
+            )
         if options:
             raise NotImplementedError(f"run() options {sorted(options)} are not traceable; pass them eagerly")
-        return attention_run(self, *tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                             return_lse=return_lse)
+        return attention_run(
+            self, *tensors, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=return_lse
+        )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

@@ -10,8 +10,8 @@ A kernel with tile candidates (``jit.tuning.Candidates``) registers one :class:`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -67,9 +67,13 @@ def add_parser(sub) -> None:
 # --------------------------------------------------------------------------- GEMM
 
 
-def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: torch.dtype = torch.bfloat16,
-              measure: Callable[[dict, Callable[[], object]], float] | None = None,
-              min_gain: float = 0.03) -> list[dict]:
+def tune_gemm(
+    m_list: Iterable[int],
+    nk_list: Iterable[tuple[int, int]],
+    dtype: torch.dtype = torch.bfloat16,
+    measure: Callable[[dict, Callable[[], object]], float] | None = None,
+    min_gain: float = 0.03,
+) -> list[dict]:
     """Time every applicable candidate of ``weight_packed_linear`` (register tile, rows per task, K
     block, thread split: ``TILE_CANDIDATES``) for each M of ``m_list`` and each ``(N, K)`` of
     ``nk_list`` (x in ``dtype``, at the current :func:`kernforge.ops.num_threads`), and record the
@@ -100,18 +104,28 @@ def tune_gemm(m_list: Iterable[int], nk_list: Iterable[tuple[int, int]], dtype: 
 
             def seconds(candidate: Candidate) -> float:
                 config = dict(candidate.params)
-                timings[bf16.config_name(config)] = measure(config, lambda: bf16.linear_with_config(x, packed, config, out=out))
+                timings[bf16.config_name(config)] = measure(
+                    config, lambda: bf16.linear_with_config(x, packed, config, out=out)
+                )
                 return timings[bf16.config_name(config)]
 
             shape = bf16.tile_shape(dtype, m, n, k)
             winner = bf16.TILE_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=min_gain)
-            results.append({"m": m, "n": n, "k": k, "dtype": shape["dtype"], "m_bucket": shape["m"], "tier": tier,
-                            "config": dict(winner.params), "default": dict(bf16.TILE_CANDIDATES.default(shape, tier).params),
-                            "seconds": timings})
+            results.append(
+                {
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "dtype": shape["dtype"],
+                    "m_bucket": shape["m"],
+                    "tier": tier,
+                    "config": dict(winner.params),
+                    "default": dict(bf16.TILE_CANDIDATES.default(shape, tier).params),
+                    "seconds": timings,
+                }
+            )
     bf16.reset_tile_choices()
     return results
-
-
 
 
 def _shape_nk(text: str) -> tuple[int, int]:
@@ -136,20 +150,35 @@ def gemm_report(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         timings = "  ".join(f"{name} {s * 1e6:.1f}us" for name, s in r["seconds"].items())
-        lines.append(f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
-                     f"{bf16.config_name(r['config'])} (default {bf16.config_name(r['default'])})  [{timings}]")
+        lines.append(
+            f"{r['dtype']} m={r['m']} (bucket {r['m_bucket']}) n={r['n']} k={r['k']} {r['tier']}: "
+            f"{bf16.config_name(r['config'])} (default {bf16.config_name(r['default'])})  [{timings}]"
+        )
     return lines
 
 
-register(Tuner("gemm", bf16.TILE_CANDIDATES, "weight_packed_linear's register tile, rows per task, K block and "
-               "thread split", _gemm_arguments, _gemm_cli))
+register(
+    Tuner(
+        "gemm",
+        bf16.TILE_CANDIDATES,
+        "weight_packed_linear's register tile, rows per task, K block and thread split",
+        _gemm_arguments,
+        _gemm_cli,
+    )
+)
 
 
 # --------------------------------------------------------------------------- prefill attention
 
 
-def tune_prefill(head_dims=((128, 128),), groups=(4,), dtype: torch.dtype = torch.bfloat16,
-                 kv_dtype: torch.dtype | None = None, length: int = 1024, measure=None) -> list[dict]:
+def tune_prefill(
+    head_dims=((128, 128),),
+    groups=(4,),
+    dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+    length: int = 1024,
+    measure=None,
+) -> list[dict]:
     """Time every tile candidate of the prefill kernel on a causal request of ``length`` tokens
     (two KV heads, so every thread has work) for each ``(head_dim_qk, head_dim_vo)`` and GQA group,
     and record the fastest per (dtypes, head dims, group) for this tier and CPU model, where
@@ -175,25 +204,49 @@ def tune_prefill(head_dims=((128, 128),), groups=(4,), dtype: torch.dtype = torc
                 tile = candidate.params["tile"]
                 wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace)
                 wrapper._make_plan(  # plan() with the tile forced (FlashInfer's plan() has no such argument)
-                    qo_indptr=indptr, kv_indptr=indptr, last_page_len=None, indices=None,
-                    num_qo_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-                    head_dim_vo=head_dim_vo, page_size=1, custom_mask=None, packed_custom_mask=None, causal=True,
-                    pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, sm_scale=None,
-                    q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, tile=tile)
+                    qo_indptr=indptr,
+                    kv_indptr=indptr,
+                    last_page_len=None,
+                    indices=None,
+                    num_qo_heads=num_kv_heads * group,
+                    num_kv_heads=num_kv_heads,
+                    head_dim_qk=head_dim_qk,
+                    head_dim_vo=head_dim_vo,
+                    page_size=1,
+                    custom_mask=None,
+                    packed_custom_mask=None,
+                    causal=True,
+                    pos_encoding_mode="NONE",
+                    window_left=-1,
+                    logits_soft_cap=None,
+                    sm_scale=None,
+                    q_data_type=dtype,
+                    kv_data_type=kv_dtype,
+                    o_data_type=dtype,
+                    tile=tile,
+                )
                 timings[tile] = measure(tile, lambda: wrapper.run(q, k, v, out=out))
                 return timings[tile]
 
-            params = prefill.prefill_variant_params(dtype, kv_dtype, dtype, head_dim_qk, head_dim_vo, group, prefill.TILES[0])
+            params = prefill.prefill_variant_params(
+                dtype, kv_dtype, dtype, head_dim_qk, head_dim_vo, group, prefill.TILES[0]
+            )
             shape = prefill.tile_shape(params, group)
             winner = prefill.TILE_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=0.03)
-            results.append({"head_dim_qk": head_dim_qk, "head_dim_vo": head_dim_vo, "group": group,
-                            "dtype": params["q_dtype"], "kv_dtype": params["kv_dtype"],
-                            "tier": prefill.PREFILL.built_tier(tier), "tile": winner.params["tile"],
-                            "default": prefill.TILE_CANDIDATES.default(shape, prefill.PREFILL.built_tier(tier)).params["tile"],
-                            "seconds": timings})
+            results.append(
+                {
+                    "head_dim_qk": head_dim_qk,
+                    "head_dim_vo": head_dim_vo,
+                    "group": group,
+                    "dtype": params["q_dtype"],
+                    "kv_dtype": params["kv_dtype"],
+                    "tier": prefill.PREFILL.built_tier(tier),
+                    "tile": winner.params["tile"],
+                    "default": prefill.TILE_CANDIDATES.default(shape, prefill.PREFILL.built_tier(tier)).params["tile"],
+                    "seconds": timings,
+                }
+            )
     return results
-
-
 
 
 def _prefill_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,8 +258,7 @@ def _prefill_arguments(p: argparse.ArgumentParser) -> None:
 
 def _prefill_cli(args) -> list[str]:
     head_dims = [(d, args.head_dim_vo or d) for d in args.head_dim]
-    return prefill_report(tune_prefill(head_dims, args.group, TORCH_DTYPES[dtype_name(args.dtype)],
-                                       length=args.length))
+    return prefill_report(tune_prefill(head_dims, args.group, TORCH_DTYPES[dtype_name(args.dtype)], length=args.length))
 
 
 def prefill_report(results: list[dict]) -> list[str]:
@@ -214,11 +266,20 @@ def prefill_report(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         timings = "  ".join(f"{'x'.join(map(str, tile))} {s * 1e3:.2f}ms" for tile, s in r["seconds"].items())
-        lines.append(f"prefill {r['dtype']}/{r['kv_dtype']} head_dim {r['head_dim_qk']}/{r['head_dim_vo']} group "
-                     f"{r['group']} {r['tier']}: tile {'x'.join(map(str, r['tile']))} (default "
-                     f"{'x'.join(map(str, r['default']))})  [{timings}]")
+        lines.append(
+            f"prefill {r['dtype']}/{r['kv_dtype']} head_dim {r['head_dim_qk']}/{r['head_dim_vo']} group "
+            f"{r['group']} {r['tier']}: tile {'x'.join(map(str, r['tile']))} (default "
+            f"{'x'.join(map(str, r['default']))})  [{timings}]"
+        )
     return lines
 
 
-register(Tuner("prefill", prefill.TILE_CANDIDATES, "the prefill kernel's tile (query rows per item, keys per block)",
-               _prefill_arguments, _prefill_cli))
+register(
+    Tuner(
+        "prefill",
+        prefill.TILE_CANDIDATES,
+        "the prefill kernel's tile (query rows per item, keys per block)",
+        _prefill_arguments,
+        _prefill_cli,
+    )
+)

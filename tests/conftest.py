@@ -38,10 +38,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels  # noqa: F401  (registers the test modules: axpy, broken, philox_kat, ...)
 import kernforge
 import kernforge.jit.isa
 from kernforge.jit import core, render
+
+import kernels  # noqa: F401  (registers the test modules: axpy, broken, philox_kat, ...)
 
 # Tolerances (atol, rtol) per *kernel* dtype. The reference is always computed
 # in float32 from the same, already-rounded inputs.
@@ -65,11 +66,17 @@ _EXTRA_ONE_IN = 8
 
 def pytest_addoption(parser):
     group = parser.getgroup("kernforge")
-    group.addoption("--reuse-cache", action="store_true",
-                    help=f"compile into a persistent private cache (${_REUSED_CACHE_ENV}, else "
-                         "~/.cache/kernforge-test) instead of a fresh one per run")
-    group.addoption("--all-tiers", action="store_true",
-                    help="run the full parametrized matrix on every runnable tier, not only the best one")
+    group.addoption(
+        "--reuse-cache",
+        action="store_true",
+        help=f"compile into a persistent private cache (${_REUSED_CACHE_ENV}, else "
+        "~/.cache/kernforge-test) instead of a fresh one per run",
+    )
+    group.addoption(
+        "--all-tiers",
+        action="store_true",
+        help="run the full parametrized matrix on every runnable tier, not only the best one",
+    )
 
 
 def _reused_cache_dir() -> Path:
@@ -84,7 +91,8 @@ def _reused_cache_dir() -> Path:
 def pytest_configure(config):
     global _run_cache, _run_cache_is_temporary
     config.addinivalue_line(
-        "markers", "all_tiers: run every parametrization on every runnable tier (not only on the best one)")
+        "markers", "all_tiers: run every parametrization on every runnable tier (not only on the best one)"
+    )
     if _run_cache is None:
         if config.getoption("reuse_cache"):
             _run_cache = _reused_cache_dir()
@@ -131,8 +139,9 @@ def background_prewarm(request):
     if request.config.getoption("reuse_cache") and not _run_cache_is_temporary:
         yield None  # a reused cache is warm already
         return
-    child = subprocess.Popen([sys.executable, "-c", _BACKGROUND_PREWARM, *_tiers],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BACKGROUND_PREWARM, *_tiers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     yield child
     child.kill()  # the tests are done: whatever it is still compiling is not needed
     child.wait()
@@ -198,8 +207,12 @@ def _lower_tier_slice(groups: list[list]) -> set:
             missing -= _values(best)
         keep |= kept
     for items in groups:
-        keep |= {item for item in items if _variant(item) in used
-                 and _stable_hash("extra", item.originalname, sorted(_values(item))) % _EXTRA_ONE_IN == 0}
+        keep |= {
+            item
+            for item in items
+            if _variant(item) in used
+            and _stable_hash("extra", item.originalname, sorted(_values(item))) % _EXTRA_ONE_IN == 0
+        }
     return keep
 
 
@@ -231,8 +244,14 @@ REPO_ROOT = TESTS_DIR.parent
 EXAMPLES_DIR = REPO_ROOT / "examples"
 TEST_TEMPLATES = TESTS_DIR / "templates"
 # Settings a JIT/cache test must not inherit from the caller's environment.
-_JIT_ENV_VARS = ("KERNFORGE_JIT", "KERNFORGE_ISA", "KERNFORGE_CXX", "CXX", "KERNFORGE_CFFI_MODE",
-                 "KERNFORGE_LOCK_TIMEOUT")
+_JIT_ENV_VARS = (
+    "KERNFORGE_JIT",
+    "KERNFORGE_ISA",
+    "KERNFORGE_CXX",
+    "CXX",
+    "KERNFORGE_CFFI_MODE",
+    "KERNFORGE_LOCK_TIMEOUT",
+)
 
 
 def clean_env(**extra) -> dict:
@@ -287,8 +306,12 @@ def _assert_close_ref(actual, expected, dtype, msg=None):
     if msg is not None:
         kwargs["msg"] = lambda m: f"{msg}\n{m}"
     torch.testing.assert_close(
-        actual.to(torch.float32), expected.to(torch.float32),
-        atol=atol, rtol=rtol, check_device=True, **kwargs,
+        actual.to(torch.float32),
+        expected.to(torch.float32),
+        atol=atol,
+        rtol=rtol,
+        check_device=True,
+        **kwargs,
     )
 
 

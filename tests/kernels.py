@@ -11,7 +11,8 @@ from kernforge.jit import ALL_TIERS, Entry, Enum, Module
 # Scalar C++, built for every tier as its own binary (amx included, so pre-warm can cross-build
 # a tier this CPU lacks); the ops declare VECTOR_TIERS instead (their avx512 build serves amx).
 AXPY = Module(
-    "axpy", "axpy.cpp.jinja",
+    "axpy",
+    "axpy.cpp.jinja",
     params={"dtype": Enum(("fp32", "fp64", "i64"))},
     entries=[Entry("run", "int64_t x, int64_t y, int64_t n, double a", returns="int64_t")],
     tiers=ALL_TIERS,
@@ -19,13 +20,17 @@ AXPY = Module(
 
 # Rejected by the compiler (an undeclared identifier naming the tier).
 BROKEN = Module(
-    "broken", "broken.cpp.jinja", params={},
+    "broken",
+    "broken.cpp.jinja",
+    params={},
     entries=[Entry("run", "int64_t n", returns="int64_t")],
 )
 
 # kf::sampling::philox4x32_10 on words[0:4] (counter) and words[4:6] (key), in place.
 PHILOX_KAT = Module(
-    "philox_kat", "philox_kat.cpp.jinja", params={},
+    "philox_kat",
+    "philox_kat.cpp.jinja",
+    params={},
     entries=[Entry("run", "int64_t words")],
 )
 
@@ -33,12 +38,18 @@ _MATMUL = [Entry("run", "int64_t c, int64_t a, int64_t b", returns="int64_t")]
 
 # Scalar reference with the AMX smoke kernel's interface: plain C++, one generic build for every tier.
 VNNI_MATMUL_REF = Module(
-    "vnni_matmul_ref", "vnni_matmul_ref.cpp.jinja", params={}, entries=_MATMUL,
+    "vnni_matmul_ref",
+    "vnni_matmul_ref.cpp.jinja",
+    params={},
+    entries=_MATMUL,
     tiers={tier: "generic" for tier in ALL_TIERS},
 )
 
 # The AMX smoke kernel (a package template): one 16x16x32 bf16 tile product, built for amx only.
 AMX_TILE_MATMUL = Module(
-    "amx_tile_matmul", "amx_tile_matmul.cpp.jinja", params={}, entries=_MATMUL,
+    "amx_tile_matmul",
+    "amx_tile_matmul.cpp.jinja",
+    params={},
+    entries=_MATMUL,
     tiers={"amx": "amx"},
 )

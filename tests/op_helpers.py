@@ -58,7 +58,7 @@ def make_rows(values, layout, g, *, pad=PAD, fill=None):
     elif layout == "gap":
         assert len(shape) == 3
         B, H = shape[:2]
-        bshape, fn = (B, H + 2, D), (lambda t: t[:, 1:H + 1, :])
+        bshape, fn = (B, H + 2, D), (lambda t: t[:, 1 : H + 1, :])
     else:
         raise AssertionError(layout)
     backing = randn(bshape, g).to(values.dtype)
@@ -76,4 +76,5 @@ def make_rows(values, layout, g, *, pad=PAD, fill=None):
 def assert_outside_untouched(backing, before, mask, what):
     outside = ~mask
     assert torch.equal(backing[outside], before[outside]), (
-        f"{what}: the op wrote to memory outside the tensor's view (row padding / gaps)")
+        f"{what}: the op wrote to memory outside the tensor's view (row padding / gaps)"
+    )

@@ -18,8 +18,9 @@ LOG2E = 1.0 / math.log(2.0)
 # --------------------------------------------------------------------------- attention
 
 
-def attention_reference(q, k, v, *, sm_scale=None, causal=False, window_left=-1, soft_cap=0.0, mask=None,
-                        k_scale=1.0, v_scale=1.0):
+def attention_reference(
+    q, k, v, *, sm_scale=None, causal=False, window_left=-1, soft_cap=0.0, mask=None, k_scale=1.0, v_scale=1.0
+):
     """float64 attention of one request, FlashInfer's conventions.
 
     q [qo_len, Hq, D_qk], k [kv_len, Hkv, D_qk], v [kv_len, Hkv, D_vo] (any dtype; an fp8 cache

@@ -146,8 +146,13 @@ class Entry:
 
     def commit(self, built_so: Path, meta: dict) -> dict:
         os.replace(built_so, self.so)
-        meta = {**meta, "key": self.key, "kernforge_version": __version__,
-                "so_size": self.so.stat().st_size, "so_sha256": file_digest(self.so)}
+        meta = {
+            **meta,
+            "key": self.key,
+            "kernforge_version": __version__,
+            "so_size": self.so.stat().st_size,
+            "so_sha256": file_digest(self.so),
+        }
         _write_atomic(self.meta_path, json.dumps(meta, indent=1, sort_keys=True))
         return meta
 

@@ -19,9 +19,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from kernforge._version import __version__
 from kernforge.cache import disk
@@ -48,7 +49,7 @@ class KernelSpec:
     tier: str
 
     @classmethod
-    def make(cls, module: Module | str, params: Mapping[str, Any], tier: str) -> "KernelSpec":
+    def make(cls, module: Module | str, params: Mapping[str, Any], tier: str) -> KernelSpec:
         module = registered(module) if isinstance(module, str) else module
         if tier not in isa.TIERS:
             raise isa.IsaError(f"unknown ISA tier {tier!r}; choose one of {', '.join(isa.TIER_ORDER)}")
@@ -97,14 +98,23 @@ def _plan(spec: KernelSpec) -> _Plan:
     source = render.render(spec.template, spec.variables())
     missing = [e.name for e in spec.module.entries.values() if e.symbol(spec.module.name) not in source]
     if missing:  # else: a cffi compile error (api) or a .so without the symbol (abi)
-        raise ValueError(f"template {spec.template!r} does not define entry {missing[0]!r} of module "
-                         f"{spec.module.name!r}; write `{{{{ decl.{missing[0]} }}}} {{ ... }}` in it")
+        raise ValueError(
+            f"template {spec.template!r} does not define entry {missing[0]!r} of module "
+            f"{spec.module.name!r}; write `{{{{ decl.{missing[0]} }}}} {{ ... }}` in it"
+        )
     mode = loader.cffi_mode()
     # The headers this source includes (by content) and the Python ABI stand in for include
     # paths, so a cache copied to another install location or machine still matches, and an
     # edited header rebuilds only the variants that include it.
-    content = [source, spec.module.cdef, render.headers_digest(source), flags, __version__, mode,
-               loader.python_abi(mode)]
+    content = [
+        source,
+        spec.module.cdef,
+        render.headers_digest(source),
+        flags,
+        __version__,
+        mode,
+        loader.python_abi(mode),
+    ]
     content_digest = _sha(content)
     try:
         argv = compiler.compiler_argv()
@@ -174,12 +184,23 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    entry.commit(tmp, {
-        "module": plan.spec.module.name, "template": plan.spec.template, "params": _jsonable(plan.spec.params),
-        "tier": plan.spec.tier, "requires": list(plan.requires), "command": command, "cffi_mode": plan.mode,
-        "content_digest": plan.content_digest, "extension": _module_name(plan.key), "cdef": plan.spec.module.cdef,
-        "compile_seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    entry.commit(
+        tmp,
+        {
+            "module": plan.spec.module.name,
+            "template": plan.spec.template,
+            "params": _jsonable(plan.spec.params),
+            "tier": plan.spec.tier,
+            "requires": list(plan.requires),
+            "command": command,
+            "cffi_mode": plan.mode,
+            "content_digest": plan.content_digest,
+            "extension": _module_name(plan.key),
+            "cdef": plan.spec.module.cdef,
+            "compile_seconds": round(seconds, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
     log.info("compiled %s in %.2f s", plan.key, seconds)
     return seconds
 
@@ -313,7 +334,9 @@ class Variant:
 
 # The CPU probe is itself a cached JIT kernel (generic C++, so any x86 CPU runs it).
 CPU_PROBE = Module(
-    "cpu_probe", "cpu_probe.cpp.jinja", params={},
+    "cpu_probe",
+    "cpu_probe.cpp.jinja",
+    params={},
     entries=[Entry("read", (("regs_out", "int64_t"),), returns="int64_t")],
     tiers={tier: "generic" for tier in isa.TIER_ORDER},
 )

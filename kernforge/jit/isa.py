@@ -16,9 +16,9 @@ import contextlib
 import os
 import platform
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterator
 
 # name -> (register index in the probe's output, bit, XCR0 state the OS must enable)
 _XCR0_AVX = 0b110  # SSE and AVX (YMM) state
@@ -82,8 +82,12 @@ TIERS: dict[str, Tier] = {
             "avx512",
             _AVX512_REQ,
             _AVX512_FLAGS,
-            (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"), ("avx512_fp16", "-mavx512fp16"),
-             ("avx512vbmi", "-mavx512vbmi")),
+            (
+                ("avx512_bf16", "-mavx512bf16"),
+                ("avx512_vnni", "-mavx512vnni"),
+                ("avx512_fp16", "-mavx512fp16"),
+                ("avx512vbmi", "-mavx512vbmi"),
+            ),
         ),
         Tier("avx2", _AVX2_REQ, _AVX2_FLAGS),
         Tier("generic", (), ()),

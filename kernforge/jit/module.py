@@ -24,15 +24,15 @@ from __future__ import annotations
 import keyword
 import re
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # C types an entry argument, return value or struct field may have.
 SCALAR_CTYPES = ("int64_t", "int32_t", "uint64_t", "uint32_t", "uint8_t", "double", "float")
 _RETURN_CTYPES = ("void", "int64_t", "int32_t", "double")
-
 
 
 class DeclarationError(ValueError):
@@ -119,11 +119,18 @@ class Enum(Param):
 
 # Accepted spellings of the kernel dtypes; torch dtypes match through str(), so jit/ needs no torch.
 _DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
 }
 
 
@@ -159,8 +166,9 @@ class IntTuple(Param):
         if not isinstance(value, tuple):
             hint = " (a tuple, not a list)" if isinstance(value, list) else ""
             raise self._reject(module, name, value, f"a tuple of {self.length} ints{hint}")
-        if len(value) != self.length or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                                                for v in value):
+        if len(value) != self.length or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+        ):
             raise self._reject(module, name, value, f"a tuple of {self.length} positive ints")
         if self.choices is not None and value not in self.choices:
             raise self._reject(module, name, value, f"one of {', '.join(map(self.key_text, self.choices))}")
@@ -207,7 +215,8 @@ def _check_fields(owner: str, fields: Iterable[tuple[str, str]], extra_types: tu
         seen.add(name)
         if ctype not in SCALAR_CTYPES + extra_types:
             raise DeclarationError(
-                f"{owner}: argument {name} has C type {ctype!r}; use one of {', '.join(SCALAR_CTYPES + extra_types)}")
+                f"{owner}: argument {name} has C type {ctype!r}; use one of {', '.join(SCALAR_CTYPES + extra_types)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -256,7 +265,7 @@ def _parse_c_args(entry: str, text: str) -> tuple[tuple[str, str], ...]:
 VECTOR_TIERS: Mapping[str, str] = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "generic": "generic"}
 ALL_TIERS: Mapping[str, str] = {"amx": "amx", "avx512": "avx512", "avx2": "avx2", "generic": "generic"}
 
-_registry: dict[str, "Module"] = {}
+_registry: dict[str, Module] = {}
 _registry_lock = threading.Lock()
 
 
@@ -286,16 +295,19 @@ class Module:
         for entry in self.entries.values():
             _check_fields(f"module {name}, entry {entry.name}", entry.args, struct_pointers)
             if entry.symbol(name) in self.structs:
-                raise DeclarationError(f"module {name}: struct {entry.symbol(name)} has the C name of entry "
-                                       f"{entry.name}; rename the struct")
+                raise DeclarationError(
+                    f"module {name}: struct {entry.symbol(name)} has the C name of entry "
+                    f"{entry.name}; rename the struct"
+                )
         from kernforge.jit import isa  # tier names only; isa does not import modules back
 
         unknown = [t for t in [*tiers, *tiers.values()] if t not in isa.TIERS]
         if unknown:
             raise DeclarationError(f"module {name}: unknown tiers {unknown}; tiers are {', '.join(isa.TIER_ORDER)}")
         self.tiers = dict(tiers)
-        self.cdef = "\n".join([*(s.c_definition() for s in self.structs.values()),
-                               *(e.cdecl(name) + ";" for e in self.entries.values())])
+        self.cdef = "\n".join(
+            [*(s.c_definition() for s in self.structs.values()), *(e.cdecl(name) + ";" for e in self.entries.values())]
+        )
         self._variants: dict[tuple, Any] = {}
         self._variants_lock = threading.Lock()
         if register:
@@ -309,7 +321,8 @@ class Module:
         unknown = [k for k in params if k not in self.params]
         if unknown:
             raise DeclarationError(
-                f"{self.name}: unknown parameter {unknown[0]!r}; it takes {', '.join(self.params) or 'none'}")
+                f"{self.name}: unknown parameter {unknown[0]!r}; it takes {', '.join(self.params) or 'none'}"
+            )
         missing = [k for k in self.params if k not in params]
         if missing:
             raise DeclarationError(f"{self.name}: parameter {missing[0]!r} is missing")
@@ -327,19 +340,25 @@ class Module:
         except KeyError:
             from kernforge.jit.isa import IsaError
 
-            raise IsaError(f"module {self.name} has no variant for tier {selected!r} "
-                           f"(it declares {', '.join(self.tiers)})") from None
+            raise IsaError(
+                f"module {self.name} has no variant for tier {selected!r} (it declares {', '.join(self.tiers)})"
+            ) from None
 
     def schema(self) -> dict:
         """What a manifest entry for this module may say."""
-        return {"module": self.name, "params": {k: p.schema() for k, p in self.params.items()},
-                "tiers": dict(self.tiers)}
+        return {
+            "module": self.name,
+            "params": {k: p.schema() for k, p in self.params.items()},
+            "tiers": dict(self.tiers),
+        }
 
     # ---- rendering
 
     def render_variables(self, params: Mapping[str, Any], tier: str) -> dict:
         return {
-            **params, "op": self.name, "tier": tier,
+            **params,
+            "op": self.name,
+            "tier": tier,
             # A namespace, not a dict: Jinja's `decl.get` would find dict.get before a key "get".
             "decl": SimpleNamespace(**{name: e.cdecl(self.name) for name, e in self.entries.items()}),
             "abi_structs": "\n".join(s.c_definition() for s in self.structs.values()),
@@ -416,8 +435,9 @@ class Kernel:
         decl = self._entry(entry)
         unknown = [k for k in fixed if k not in decl.arg_names]
         if unknown:
-            raise DeclarationError(f"{self.module.name}.{entry}() has no argument {unknown[0]!r}; "
-                                   f"it takes {', '.join(decl.arg_names)}")
+            raise DeclarationError(
+                f"{self.module.name}.{entry}() has no argument {unknown[0]!r}; it takes {', '.join(decl.arg_names)}"
+            )
         free = [a for a in decl.arg_names if a not in fixed]
         call_args = ", ".join(a if a in free else f"_fixed[{a!r}]" for a in decl.arg_names)
         source = f"def {entry}({', '.join(free)}):\n    return _fn({call_args})\n"
@@ -468,5 +488,6 @@ class Kernel:
         try:
             return self.module.entries[entry]
         except KeyError:
-            raise DeclarationError(f"{self.module.name} has no entry point {entry!r}; "
-                                   f"it has {', '.join(self.module.entries)}") from None
+            raise DeclarationError(
+                f"{self.module.name} has no entry point {entry!r}; it has {', '.join(self.module.entries)}"
+            ) from None

@@ -11,9 +11,9 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import jinja2
 
@@ -94,9 +94,7 @@ def render(template: str, variables: dict) -> str:
     try:
         return _environment_for(tuple(template_dirs())).get_template(template).render(variables)
     except jinja2.TemplateNotFound as exc:
-        raise ValueError(
-            f"kernel template {template!r} not found in {', '.join(map(str, template_dirs()))}"
-        ) from exc
+        raise ValueError(f"kernel template {template!r} not found in {', '.join(map(str, template_dirs()))}") from exc
     except jinja2.UndefinedError as exc:
         raise ValueError(f"template {template!r}: {exc}") from exc
 

@@ -22,9 +22,10 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import filelock
 
@@ -62,8 +63,14 @@ def _jsonable(value: Any) -> Any:
 class Candidates:
     """A kernel's candidate configurations, its fallback, and how shapes are bucketed."""
 
-    def __init__(self, kernel: str, module: Module, candidates: list[Candidate], reference: Candidate,
-                 bucket: Callable[[Mapping[str, int]], str]):
+    def __init__(
+        self,
+        kernel: str,
+        module: Module,
+        candidates: list[Candidate],
+        reference: Candidate,
+        bucket: Callable[[Mapping[str, int]], str],
+    ):
         self.kernel, self.module, self.reference, self.bucket = kernel, module, reference, bucket
         self.candidates = sorted(candidates, key=lambda c: c.rank)
 
@@ -75,8 +82,7 @@ class Candidates:
     def default(self, shape: Mapping[str, int], tier: str) -> Candidate:
         return self.applicable(shape, tier)[0]
 
-    def choose(self, shape: Mapping[str, int], tier: str | None = None, store: "TuningStore | None" = None
-               ) -> Candidate:
+    def choose(self, shape: Mapping[str, int], tier: str | None = None, store: TuningStore | None = None) -> Candidate:
         """The remembered winner for this shape bucket, tier and CPU, else the default."""
         tier = self._built(tier)
         options = self.applicable(shape, tier)
@@ -85,12 +91,22 @@ class Candidates:
             for candidate in options:
                 if _jsonable_params(candidate.params) == recorded:
                     return candidate
-            log.warning("tuning record for %s %s names %s, which is not a candidate here; using the default",
-                        self.kernel, self.bucket(shape), recorded)
+            log.warning(
+                "tuning record for %s %s names %s, which is not a candidate here; using the default",
+                self.kernel,
+                self.bucket(shape),
+                recorded,
+            )
         return options[0]
 
-    def tune(self, shape: Mapping[str, int], measure: Callable[[Candidate], float], tier: str | None = None,
-             store: "TuningStore | None" = None, min_gain: float = 0.0) -> Candidate:
+    def tune(
+        self,
+        shape: Mapping[str, int],
+        measure: Callable[[Candidate], float],
+        tier: str | None = None,
+        store: TuningStore | None = None,
+        min_gain: float = 0.0,
+    ) -> Candidate:
         """Time every applicable candidate with ``measure`` (seconds, lower is better) and
         remember the fastest for this shape bucket, tier and CPU model. The default is always
         among them, and another candidate displaces it only when faster by more than the fraction
@@ -101,8 +117,9 @@ class Candidates:
         seconds, fastest = min(timings, key=lambda t: t[0])
         if seconds < default_seconds * (1 - min_gain):
             winner = fastest
-        (store or TuningStore()).record(self.kernel, self.bucket(shape), tier, _jsonable_params(winner.params),
-                                        {c.label(): s for s, c in timings})
+        (store or TuningStore()).record(
+            self.kernel, self.bucket(shape), tier, _jsonable_params(winner.params), {c.label(): s for s, c in timings}
+        )
         return winner
 
     def _built(self, tier: str | None) -> str:
@@ -124,8 +141,13 @@ class TuningStore:
         if record is None:
             return None
         if record.get("kernforge_version") != __version__ or not isinstance(record.get("winner"), dict):
-            log.warning("ignoring a stale tuning record for %s %s (kernforge %s; this is %s)",
-                        kernel, bucket, record.get("kernforge_version"), __version__)
+            log.warning(
+                "ignoring a stale tuning record for %s %s (kernforge %s; this is %s)",
+                kernel,
+                bucket,
+                record.get("kernforge_version"),
+                __version__,
+            )
             return None
         return record["winner"]
 
@@ -134,8 +156,12 @@ class TuningStore:
         with filelock.FileLock(str(self._path(kernel)) + ".lock"):
             records = self._load(kernel)
             records[self._key(bucket, tier)] = {
-                "winner": winner, "seconds": seconds, "kernforge_version": __version__,
-                "cpu_model": isa.cpu_model(), "tier": tier, "bucket": bucket,
+                "winner": winner,
+                "seconds": seconds,
+                "kernforge_version": __version__,
+                "cpu_model": isa.cpu_model(),
+                "tier": tier,
+                "bucket": bucket,
             }
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f"{kernel}.json.tmp-")
             with os.fdopen(fd, "w") as f:

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from kernforge import torch_library
-from kernforge.ops.gemm import bf16, fp8, int8
 from kernforge.ops._registry import DTYPE_NAMES
+from kernforge.ops.gemm import bf16, fp8, int8
 
 QUANTS = (None, "int8", "fp8_block")
 FP8_BLOCK = (128, 128)  # (N, K) block of one fp8 weight scale, DeepSeek-V3's
@@ -35,8 +35,14 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 class Linear(nn.Module):
     """``y = x @ W.T + b`` on kernforge's prepacked GEMM; ``x [..., in_features]`` in ``dtype``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 quant: str | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        quant: str | None = None,
+    ):
         super().__init__()
         _check_config(dtype, quant)
         if in_features < 1 or out_features < 1:
@@ -50,15 +56,14 @@ class Linear(nn.Module):
             self.register_buffer("weight_compensation", torch.zeros(n, dtype=torch.int32))
             self.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32))
         else:
-            self.register_buffer("weight_packed", torch.zeros(fp8.packed_shape(n, k),
-                                                              dtype=torch.float8_e4m3fn))
+            self.register_buffer("weight_packed", torch.zeros(fp8.packed_shape(n, k), dtype=torch.float8_e4m3fn))
             self.register_buffer("weight_scale", torch.zeros(fp8.scale_shape(n, k, FP8_BLOCK)))
         # the quantized GEMMs add the bias in fp32; weight_packed_linear takes it in x's dtype
         bias_dtype = dtype if quant is None else torch.float32
         self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype) if bias else None)
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> "Linear":
+    def from_linear(cls, layer: nn.Linear, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> Linear:
         """Pack ``layer``'s weight (and keep its bias) for inputs of ``dtype``."""
         if not isinstance(layer, nn.Linear):
             raise TypeError(f"layer must be a torch.nn.Linear, got {type(layer).__name__}")
@@ -86,23 +91,30 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.dtype is not self.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but this Linear was built for {self.dtype} "
-                            "(Linear.from_linear(..., dtype=...))")
+            raise TypeError(
+                f"x has dtype {x.dtype} but this Linear was built for {self.dtype} (Linear.from_linear(..., dtype=...))"
+            )
         if self.quant is None:
             packed = bf16.PackedWeight(self.weight_packed, self.out_features, self.in_features)
             return torch_library.weight_packed_linear(x, packed, self.bias)  # a graph node under torch.compile
         if self.quant == "fp8_block":
-            packed = fp8.PackedFp8Weight(self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features,
-                                              self.in_features)
+            packed = fp8.PackedFp8Weight(
+                self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features, self.in_features
+            )
             return fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
-        packed = int8.PackedInt8Weight(self.weight_packed, self.weight_compensation, self.weight_scale,
-                                            self.out_features, self.in_features)
+        packed = int8.PackedInt8Weight(
+            self.weight_packed, self.weight_compensation, self.weight_scale, self.out_features, self.in_features
+        )
         return torch_library.int8_scaled_mm_with_quant(x, packed, self.bias)
 
     def get_extra_state(self) -> dict:
         """What the buffers' shapes do not pin down (K and N pad to whole pairs/groups and panels)."""
-        return {"in_features": self.in_features, "out_features": self.out_features, "quant": self.quant,
-                "layout_version": _layout_version(self.quant)}
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "quant": self.quant,
+            "layout_version": _layout_version(self.quant),
+        }
 
     def set_extra_state(self, state: dict) -> None:
         expected = self.get_extra_state()
@@ -111,8 +123,10 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={dtype}, quant={self.quant}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"dtype={dtype}, quant={self.quant}"
+        )
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +138,9 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return w_q, scale
 
 
-def quantize_weight_fp8_block(weight: torch.Tensor, block_size: tuple[int, int] = FP8_BLOCK
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_fp8_block(
+    weight: torch.Tensor, block_size: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's block quantization: ``(w_q [N, K] float8_e4m3fn, scale [ceil(N / bn), ceil(K / bk)] fp32)``
     with ``scale = block amax / 448`` and ``w_q = w / scale`` (round to nearest; an all-zero block gets a
     tiny scale instead of a division by zero). Partial blocks at the edges take their own amax."""

@@ -16,9 +16,14 @@ from kernforge.ops._registry import DTYPE_NAMES, OpKernels
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
 }
 
 
@@ -80,8 +85,10 @@ def writable_rows(shape: torch.Size, strides: tuple[int, ...], name: str) -> Non
     # The common 2-D case costs two tuple reads on the warm path; other ranks take the general test.
     overlap = (shape[0] > 1 and strides[0] < shape[1]) if len(shape) == 2 else _overlaps(shape, strides)
     if overlap:
-        raise ValueError(f"{name}'s rows overlap (shape {tuple(shape)}, strides {strides}): "
-                         "rows are written in parallel, so each element needs memory of its own")
+        raise ValueError(
+            f"{name}'s rows overlap (shape {tuple(shape)}, strides {strides}): "
+            "rows are written in parallel, so each element needs memory of its own"
+        )
 
 
 def _overlaps(shape: torch.Size, strides: tuple[int, ...]) -> bool:
@@ -164,8 +171,13 @@ def check_head_dim(name: str, value) -> int:
 def index_vector(t, name: str, length: int | None = None, length_from: str | None = None) -> torch.Tensor:
     """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
     try:  # warm path: attribute reads
-        if t.dtype is _INT32 and t.is_cpu and t.dim() == 1 and (length is None or t.numel() == length) \
-                and t.is_contiguous():
+        if (
+            t.dtype is _INT32
+            and t.is_cpu
+            and t.dim() == 1
+            and (length is None or t.numel() == length)
+            and t.is_contiguous()
+        ):
             return t
     except AttributeError:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None

@@ -8,7 +8,7 @@ exports the function under its name; ``export(name, fn)`` adds an alias.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -10,10 +10,16 @@ from kernforge.ops._registry import kernel_op
 
 # out[i0, i1, :d] = act(input[i0, i1, :d]) * input[i0, i1, d:2d] over n0 x n1 rows at 2-D strides.
 ACTIVATION = Module(
-    "activation", "activation.cpp.jinja",
+    "activation",
+    "activation.cpp.jinja",
     params={"dtype": DType(), "act": Enum(("silu", "gelu", "gelu_tanh"))},
-    entries=[Entry("run", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
-                          "int64_t in_s1, int64_t n0, int64_t n1, int64_t d, int64_t num_threads")],
+    entries=[
+        Entry(
+            "run",
+            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
+            "int64_t in_s1, int64_t n0, int64_t n1, int64_t d, int64_t num_threads",
+        )
+    ],
 )
 
 

@@ -20,11 +20,17 @@ from kernforge.ops._registry import OpKernels, kernel_op
 # out = norm(input [+ residual]) * weight over n0 x n1 rows of `hidden` elements at 2-D strides;
 # with fused_add, residual is updated in place and out may be input.
 NORM = Module(
-    "norm", "norm.cpp.jinja",
+    "norm",
+    "norm.cpp.jinja",
     params={"dtype": DType(), "fused_add": Bool(), "gemma": Bool()},
-    entries=[Entry("run", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
-                          "int64_t in_s1, int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, "
-                          "int64_t n0, int64_t n1, int64_t hidden, double eps, int64_t num_threads")],
+    entries=[
+        Entry(
+            "run",
+            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t input, int64_t in_s0, "
+            "int64_t in_s1, int64_t residual, int64_t res_s0, int64_t res_s1, int64_t weight, "
+            "int64_t n0, int64_t n1, int64_t hidden, double eps, int64_t num_threads",
+        )
+    ],
 )
 
 
@@ -69,7 +75,9 @@ def _variant_and_shape(kernels: OpKernels, input: torch.Tensor) -> tuple[Variant
 def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> torch.Tensor:
     same_dtype(weight, "weight", input)
     if weight.shape != (hidden,):
-        raise ValueError(f"weight must have shape ({hidden},) to match input's last dimension, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must have shape ({hidden},) to match input's last dimension, got {tuple(weight.shape)}"
+        )
     return weight if weight.is_contiguous() else weight.contiguous()
 
 
@@ -87,8 +95,21 @@ def _normalize(input, weight, eps, out, kernels):
     if n0 * n1 * shape[-1] == 0:
         return out
     variant.kernel().run(
-        out.data_ptr(), out_s0, out_s1, input.data_ptr(), in_s0, in_s1, 0, 0, 0,
-        weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
+        out.data_ptr(),
+        out_s0,
+        out_s1,
+        input.data_ptr(),
+        in_s0,
+        in_s1,
+        0,
+        0,
+        0,
+        weight.data_ptr(),
+        n0,
+        n1,
+        shape[-1],
+        float(eps),
+        num_threads(),
     )
     return out
 
@@ -107,6 +128,19 @@ def _fused_add(input, residual, weight, eps, kernels):
     if n0 * n1 * shape[-1] == 0:
         return
     variant.kernel().run(
-        input.data_ptr(), in_s0, in_s1, input.data_ptr(), in_s0, in_s1, residual.data_ptr(), res_s0, res_s1,
-        weight.data_ptr(), n0, n1, shape[-1], float(eps), num_threads(),
+        input.data_ptr(),
+        in_s0,
+        in_s1,
+        input.data_ptr(),
+        in_s0,
+        in_s1,
+        residual.data_ptr(),
+        res_s0,
+        res_s1,
+        weight.data_ptr(),
+        n0,
+        n1,
+        shape[-1],
+        float(eps),
+        num_threads(),
     )

@@ -36,26 +36,58 @@ _I = "int64_t"
 # k_out (the same addresses in place). Positions: pos_ids, else the ragged indptr + offsets.
 # Angles: rows of cos_sin_cache, else frequencies from the rope_* parameters.
 ROPE = Module(
-    "rope", "rope.cpp.jinja",
+    "rope",
+    "rope.cpp.jinja",
     params={"dtype": DType()},
-    entries=[Entry("run", (
-        ("q", _I), ("q_s0", _I), ("q_s1", _I), ("num_q_heads", _I),
-        ("k", _I), ("k_s0", _I), ("k_s1", _I), ("num_k_heads", _I),
-        ("q_out", _I), ("q_out_s0", _I), ("q_out_s1", _I), ("k_out", _I), ("k_out_s0", _I), ("k_out_s1", _I),
-        ("nnz", _I), ("head_dim", _I), ("rotary_dim", _I), ("interleave", _I),
-        ("pos_ids", _I), ("pos_ids_64", _I), ("indptr", _I), ("offsets", _I), ("batch", _I), ("segments_64", _I),
-        ("cos_sin_cache", _I), ("cache_rows", _I), ("cache_stride", _I),
-        ("rope_scale", "double"), ("rope_theta", "double"), ("llama31", _I),
-        ("low_freq_factor", "double"), ("high_freq_factor", "double"), ("old_context_len", "double"),
-        ("num_threads", _I),
-    ), returns="int64_t")],
+    entries=[
+        Entry(
+            "run",
+            (
+                ("q", _I),
+                ("q_s0", _I),
+                ("q_s1", _I),
+                ("num_q_heads", _I),
+                ("k", _I),
+                ("k_s0", _I),
+                ("k_s1", _I),
+                ("num_k_heads", _I),
+                ("q_out", _I),
+                ("q_out_s0", _I),
+                ("q_out_s1", _I),
+                ("k_out", _I),
+                ("k_out_s0", _I),
+                ("k_out_s1", _I),
+                ("nnz", _I),
+                ("head_dim", _I),
+                ("rotary_dim", _I),
+                ("interleave", _I),
+                ("pos_ids", _I),
+                ("pos_ids_64", _I),
+                ("indptr", _I),
+                ("offsets", _I),
+                ("batch", _I),
+                ("segments_64", _I),
+                ("cos_sin_cache", _I),
+                ("cache_rows", _I),
+                ("cache_stride", _I),
+                ("rope_scale", "double"),
+                ("rope_theta", "double"),
+                ("llama31", _I),
+                ("low_freq_factor", "double"),
+                ("high_freq_factor", "double"),
+                ("old_context_len", "double"),
+                ("num_threads", _I),
+            ),
+            returns="int64_t",
+        )
+    ],
 )
 
 # Kernel errors: (kind << 32) | index (kf::rope::ErrorKind).
 _POSITION_OUT_OF_RANGE, _BAD_INDPTR = 1, 2
 
-_NO_SEGMENTS = (0, 0, 0, 0)     # indptr, offsets, batch, segments_64
-_NO_CACHE = (0, 0, 0)           # cos_sin_cache, cache_rows, cache_stride
+_NO_SEGMENTS = (0, 0, 0, 0)  # indptr, offsets, batch, segments_64
+_NO_CACHE = (0, 0, 0)  # cos_sin_cache, cache_rows, cache_stride
 _CACHED_FREQUENCIES = (1.0, 1.0, 0, 0.0, 0.0, 0.0)  # unused with a cache
 
 
@@ -64,112 +96,223 @@ _CACHED_FREQUENCIES = (1.0, 1.0, 0, 0.0, 0.0, 0.0)  # unused with a cache
 
 @kernel_op(ROPE)
 def apply_rope_with_cos_sin_cache_inplace(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
-    cos_sin_cache: torch.Tensor, is_neox: bool = True,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
 ) -> None:
     """In place on ``query`` ``[nnz, num_q_heads * head_size]`` and ``key`` ``[nnz, num_k_heads *
     head_size]``, with cos/sin from ``cos_sin_cache[positions]`` (float32 ``[max_position,
     rotary_dim]``: cos in the first half, sin in the second)."""
-    _with_cos_sin_cache(apply_rope_with_cos_sin_cache_inplace.kernels, positions, query, key, head_size,
-                        cos_sin_cache, is_neox, True)
+    _with_cos_sin_cache(
+        apply_rope_with_cos_sin_cache_inplace.kernels, positions, query, key, head_size, cos_sin_cache, is_neox, True
+    )
 
 
 @kernel_op(ROPE)
 def apply_rope_with_cos_sin_cache(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
-    cos_sin_cache: torch.Tensor, is_neox: bool = True,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Out of place: returns ``(query_out, key_out)``."""
-    return _with_cos_sin_cache(apply_rope_with_cos_sin_cache.kernels, positions, query, key, head_size,
-                               cos_sin_cache, is_neox, False)
+    return _with_cos_sin_cache(
+        apply_rope_with_cos_sin_cache.kernels, positions, query, key, head_size, cos_sin_cache, is_neox, False
+    )
 
 
 @kernel_op(ROPE)
 def apply_rope_pos_ids_inplace(
-    q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos_ids: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 1,
+    rope_theta: float = 1e4,
 ) -> None:
     """In place on ``q`` ``[nnz, num_q_heads, head_dim]`` and ``k`` ``[nnz, num_k_heads, head_dim]``."""
-    _with_pos_ids(apply_rope_pos_ids_inplace.kernels, q, k, pos_ids, rotary_dim, interleave,
-                  _frequencies(rope_scale, rope_theta), True)
+    _with_pos_ids(
+        apply_rope_pos_ids_inplace.kernels,
+        q,
+        k,
+        pos_ids,
+        rotary_dim,
+        interleave,
+        _frequencies(rope_scale, rope_theta),
+        True,
+    )
 
 
 @kernel_op(ROPE)
 def apply_rope_pos_ids(
-    q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos_ids: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 1,
+    rope_theta: float = 1e4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Out of place: returns ``(q_rope, k_rope)``."""
-    return _with_pos_ids(apply_rope_pos_ids.kernels, q, k, pos_ids, rotary_dim, interleave,
-                         _frequencies(rope_scale, rope_theta), False)
+    return _with_pos_ids(
+        apply_rope_pos_ids.kernels, q, k, pos_ids, rotary_dim, interleave, _frequencies(rope_scale, rope_theta), False
+    )
 
 
 @kernel_op(ROPE)
 def apply_llama31_rope_pos_ids_inplace(
-    q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
-    high_freq_factor: float = 4, old_context_len: int = 8192,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos_ids: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 8,
+    rope_theta: float = 5e5,
+    low_freq_factor: float = 1,
+    high_freq_factor: float = 4,
+    old_context_len: int = 8192,
 ) -> None:
     """Llama 3.1 RoPE, in place."""
-    _with_pos_ids(apply_llama31_rope_pos_ids_inplace.kernels, q, k, pos_ids, rotary_dim, interleave,
-                  _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
-                  True)
+    _with_pos_ids(
+        apply_llama31_rope_pos_ids_inplace.kernels,
+        q,
+        k,
+        pos_ids,
+        rotary_dim,
+        interleave,
+        _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
+        True,
+    )
 
 
 @kernel_op(ROPE)
 def apply_llama31_rope_pos_ids(
-    q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
-    high_freq_factor: float = 4, old_context_len: int = 8192,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos_ids: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 8,
+    rope_theta: float = 5e5,
+    low_freq_factor: float = 1,
+    high_freq_factor: float = 4,
+    old_context_len: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama 3.1 RoPE, out of place: returns ``(q_rope, k_rope)``."""
-    return _with_pos_ids(apply_llama31_rope_pos_ids.kernels, q, k, pos_ids, rotary_dim, interleave,
-                         _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
-                                              old_context_len), False)
+    return _with_pos_ids(
+        apply_llama31_rope_pos_ids.kernels,
+        q,
+        k,
+        pos_ids,
+        rotary_dim,
+        interleave,
+        _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
+        False,
+    )
 
 
 @kernel_op(ROPE)
 def apply_rope_inplace(
-    q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    indptr: torch.Tensor,
+    offsets: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 1,
+    rope_theta: float = 1e4,
 ) -> None:
     """Ragged batch, in place: request ``b`` holds tokens ``indptr[b]:indptr[b+1]`` from position ``offsets[b]``."""
-    _with_segments(apply_rope_inplace.kernels, q, k, indptr, offsets, rotary_dim, interleave,
-                   _frequencies(rope_scale, rope_theta), True)
+    _with_segments(
+        apply_rope_inplace.kernels,
+        q,
+        k,
+        indptr,
+        offsets,
+        rotary_dim,
+        interleave,
+        _frequencies(rope_scale, rope_theta),
+        True,
+    )
 
 
 @kernel_op(ROPE)
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    indptr: torch.Tensor,
+    offsets: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 1,
+    rope_theta: float = 1e4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged batch, out of place: returns ``(q_rope, k_rope)``."""
-    return _with_segments(apply_rope.kernels, q, k, indptr, offsets, rotary_dim, interleave,
-                          _frequencies(rope_scale, rope_theta), False)
+    return _with_segments(
+        apply_rope.kernels, q, k, indptr, offsets, rotary_dim, interleave, _frequencies(rope_scale, rope_theta), False
+    )
 
 
 @kernel_op(ROPE)
 def apply_llama31_rope_inplace(
-    q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
-    high_freq_factor: float = 4, old_context_len: int = 8192,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    indptr: torch.Tensor,
+    offsets: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 8,
+    rope_theta: float = 5e5,
+    low_freq_factor: float = 1,
+    high_freq_factor: float = 4,
+    old_context_len: int = 8192,
 ) -> None:
     """Llama 3.1 RoPE on a ragged batch, in place."""
-    _with_segments(apply_llama31_rope_inplace.kernels, q, k, indptr, offsets, rotary_dim, interleave,
-                   _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
-                   True)
+    _with_segments(
+        apply_llama31_rope_inplace.kernels,
+        q,
+        k,
+        indptr,
+        offsets,
+        rotary_dim,
+        interleave,
+        _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
+        True,
+    )
 
 
 @kernel_op(ROPE)
 def apply_llama31_rope(
-    q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: int | None = None,
-    interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
-    high_freq_factor: float = 4, old_context_len: int = 8192,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    indptr: torch.Tensor,
+    offsets: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleave: bool = False,
+    rope_scale: float = 8,
+    rope_theta: float = 5e5,
+    low_freq_factor: float = 1,
+    high_freq_factor: float = 4,
+    old_context_len: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama 3.1 RoPE on a ragged batch, out of place: returns ``(q_rope, k_rope)``."""
-    return _with_segments(apply_llama31_rope.kernels, q, k, indptr, offsets, rotary_dim, interleave,
-                          _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
-                                               old_context_len), False)
+    return _with_segments(
+        apply_llama31_rope.kernels,
+        q,
+        k,
+        indptr,
+        offsets,
+        rotary_dim,
+        interleave,
+        _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len),
+        False,
+    )
 
 
 # --------------------------------------------------------------------------- the three forms
@@ -182,16 +325,28 @@ def _with_cos_sin_cache(kernels, positions, query, key, head_size, cos_sin_cache
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         raise ValueError(f"head_size must be a positive int, got {head_size!r}")
     if rotary_dim > head_size:
-        raise ValueError(f"cos_sin_cache's rotary_dim ({rotary_dim}, its last dimension) exceeds "
-                         f"head_size ({head_size})")
+        raise ValueError(
+            f"cos_sin_cache's rotary_dim ({rotary_dim}, its last dimension) exceeds head_size ({head_size})"
+        )
     qg, kg = _packed_heads(query, head_size, "query"), _packed_heads(key, head_size, "key")
     _same_tokens(qg, kg, "query", "key")
     positions, positions_64 = _index_tensor(positions, "positions", qg[0])
-    outputs = _outputs(query, qg, key, kg, in_place, ("query", "key"),
-                       lambda t, name: _packed_heads(t, head_size, name))
-    status = _run(variant, query, qg, key, kg, outputs, rotary_dim, not is_neox,
-                  (positions.data_ptr(), positions_64, *_NO_SEGMENTS),
-                  (cache.data_ptr(), cache_rows, cache_stride), _CACHED_FREQUENCIES)
+    outputs = _outputs(
+        query, qg, key, kg, in_place, ("query", "key"), lambda t, name: _packed_heads(t, head_size, name)
+    )
+    status = _run(
+        variant,
+        query,
+        qg,
+        key,
+        kg,
+        outputs,
+        rotary_dim,
+        not is_neox,
+        (positions.data_ptr(), positions_64, *_NO_SEGMENTS),
+        (cache.data_ptr(), cache_rows, cache_stride),
+        _CACHED_FREQUENCIES,
+    )
     if status:
         _raise_kernel_error(status, positions=positions, cache_rows=cache_rows)
     return None if in_place else (outputs[0], outputs[2])
@@ -201,8 +356,19 @@ def _with_pos_ids(kernels, q, k, pos_ids, rotary_dim, interleave, frequencies, i
     variant, qg, kg, rotary_dim = _checked_qk(kernels, q, k, rotary_dim)
     pos_ids, pos_ids_64 = _index_tensor(pos_ids, "pos_ids", qg[0])
     outputs = _outputs(q, qg, k, kg, in_place, ("q", "k"), _heads)
-    _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, (pos_ids.data_ptr(), pos_ids_64, *_NO_SEGMENTS),
-         _NO_CACHE, frequencies)
+    _run(
+        variant,
+        q,
+        qg,
+        k,
+        kg,
+        outputs,
+        rotary_dim,
+        interleave,
+        (pos_ids.data_ptr(), pos_ids_64, *_NO_SEGMENTS),
+        _NO_CACHE,
+        frequencies,
+    )
     return None if in_place else (outputs[0], outputs[2])
 
 
@@ -214,8 +380,19 @@ def _with_segments(kernels, q, k, indptr, offsets, rotary_dim, interleave, frequ
     if indptr_64 != segments_64:
         raise TypeError(f"indptr ({indptr.dtype}) and offsets ({offsets.dtype}) must have the same dtype")
     outputs = _outputs(q, qg, k, kg, in_place, ("q", "k"), _heads)
-    status = _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave,
-                  (0, 0, indptr.data_ptr(), offsets.data_ptr(), batch, segments_64), _NO_CACHE, frequencies)
+    status = _run(
+        variant,
+        q,
+        qg,
+        k,
+        kg,
+        outputs,
+        rotary_dim,
+        interleave,
+        (0, 0, indptr.data_ptr(), offsets.data_ptr(), batch, segments_64),
+        _NO_CACHE,
+        frequencies,
+    )
     if status:
         _raise_kernel_error(status, indptr=indptr, nnz=qg[0])
     return None if in_place else (outputs[0], outputs[2])
@@ -225,19 +402,43 @@ def _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, positions, angl
     """One kernel call; returns its status (0, or an error for _raise_kernel_error)."""
     q_out, qog, k_out, kog = outputs
     return variant.kernel().run(
-        q.data_ptr(), qg[3], qg[4], qg[1], k.data_ptr(), kg[3], kg[4], kg[1],
-        q_out.data_ptr(), qog[3], qog[4], k_out.data_ptr(), kog[3], kog[4],
-        qg[0], qg[2], rotary_dim, 1 if interleave else 0, *positions, *angles, *frequencies, num_threads())
+        q.data_ptr(),
+        qg[3],
+        qg[4],
+        qg[1],
+        k.data_ptr(),
+        kg[3],
+        kg[4],
+        kg[1],
+        q_out.data_ptr(),
+        qog[3],
+        qog[4],
+        k_out.data_ptr(),
+        kog[3],
+        kog[4],
+        qg[0],
+        qg[2],
+        rotary_dim,
+        1 if interleave else 0,
+        *positions,
+        *angles,
+        *frequencies,
+        num_threads(),
+    )
 
 
 def _raise_kernel_error(status, *, positions=None, cache_rows=0, indptr=None, nnz=0):
     kind, index = status >> 32, status & 0xFFFFFFFF
     if kind == _POSITION_OUT_OF_RANGE:
-        raise ValueError(f"positions[{index}] = {int(positions[index])} is out of range for cos_sin_cache, "
-                         f"which has {cache_rows} rows (positions must be in [0, {cache_rows}))")
+        raise ValueError(
+            f"positions[{index}] = {int(positions[index])} is out of range for cos_sin_cache, "
+            f"which has {cache_rows} rows (positions must be in [0, {cache_rows}))"
+        )
     if kind == _BAD_INDPTR:
-        raise ValueError(f"indptr must start at 0, never decrease and end at nnz = {nnz} (q's first dimension); "
-                         f"indptr[{index}] = {int(indptr[index])}")
+        raise ValueError(
+            f"indptr must start at 0, never decrease and end at nnz = {nnz} (q's first dimension); "
+            f"indptr[{index}] = {int(indptr[index])}"
+        )
     raise RuntimeError(f"rope kernel returned unknown status {status:#x}")
 
 
@@ -252,8 +453,14 @@ def _frequencies(rope_scale, rope_theta):
 def _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
     if high_freq_factor == low_freq_factor:  # the blend divides by their difference
         raise ValueError(f"high_freq_factor and low_freq_factor must differ, both are {high_freq_factor}")
-    return (float(rope_scale), float(rope_theta), 1, float(low_freq_factor), float(high_freq_factor),
-            float(old_context_len))
+    return (
+        float(rope_scale),
+        float(rope_theta),
+        1,
+        float(low_freq_factor),
+        float(high_freq_factor),
+        float(old_context_len),
+    )
 
 
 def _checked_qk(kernels, q, k, rotary_dim):
@@ -268,8 +475,10 @@ def _checked_qk(kernels, q, k, rotary_dim):
 def _checked_rotary_dim(rotary_dim, head_dim: int) -> int:
     if rotary_dim is None:
         if head_dim % 2:  # FlashInfer takes q.size(-1), and rotates pairs
-            raise ValueError(f"rotary_dim=None rotates the whole head, but head_dim {head_dim} is odd: pass an "
-                             f"even rotary_dim <= {head_dim}")
+            raise ValueError(
+                f"rotary_dim=None rotates the whole head, but head_dim {head_dim} is odd: pass an "
+                f"even rotary_dim <= {head_dim}"
+            )
         rotary_dim = head_dim
     else:
         try:
@@ -316,8 +525,9 @@ def _packed_heads(t: torch.Tensor, head_size: int, name: str) -> tuple[int, int,
     try:
         view = t.view(shape[0] if len(shape) else 0, -1, head_size)
     except RuntimeError as exc:
-        raise ValueError(f"{name} of shape {tuple(shape)} cannot be viewed as [nnz, num_heads, head_size = "
-                         f"{head_size}]: {exc}") from None
+        raise ValueError(
+            f"{name} of shape {tuple(shape)} cannot be viewed as [nnz, num_heads, head_size = {head_size}]: {exc}"
+        ) from None
     return _heads(view, name)
 
 
@@ -327,8 +537,10 @@ def _check_writable(g, name: str) -> None:
     if (heads <= 1 or s1 >= head_dim) and (nnz <= 1 or s0 >= s1 * (heads - 1) + head_dim):
         return  # token-major rows one after another: the layouts engines use
     if nnz * heads and _overlaps((nnz, heads, head_dim), (s0, s1, 1)):
-        raise ValueError(f"{name}'s heads overlap (shape {(nnz, heads, head_dim)}, strides {(s0, s1, 1)}): "
-                         "each element needs memory of its own to be rotated in place")
+        raise ValueError(
+            f"{name}'s heads overlap (shape {(nnz, heads, head_dim)}, strides {(s0, s1, 1)}): "
+            "each element needs memory of its own to be rotated in place"
+        )
 
 
 def _outputs(q, qg, k, kg, in_place, names, geometry):

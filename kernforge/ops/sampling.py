@@ -51,18 +51,44 @@ from kernforge.ops._registry import ALL_DTYPES, export, kernel_op
 _I64 = "int64_t"
 # One kernel for every sampling op: which op is `action`; per-row parameters are a scalar or an
 # array (`*_arr`, 0 when absent); addresses are int64. Filled by name from Python.
-SAMPLING_ARGS = Struct("kf_sampling_args", (
-    ("action", _I64), ("input", _I64), ("input_stride", _I64), ("input_rows", _I64), ("vocab", _I64),
-    ("from_logits", _I64), ("row_index", _I64), ("row_index_64", _I64), ("batch", _I64),
-    ("top_k_arr", _I64), ("top_k", _I64), ("top_p_arr", _I64), ("top_p", "double"),
-    ("min_p_arr", _I64), ("min_p", "double"), ("temperature_arr", _I64), ("temperature", "double"),
-    ("top_k_first", _I64), ("seed_arr", _I64), ("seed_len", _I64), ("seed", _I64),
-    ("offset_arr", _I64), ("offset_len", _I64), ("offset", _I64),
-    ("samples", _I64), ("samples_64", _I64), ("valid", _I64), ("out", _I64), ("out_stride", _I64),
-    ("num_threads", _I64),
-))
+SAMPLING_ARGS = Struct(
+    "kf_sampling_args",
+    (
+        ("action", _I64),
+        ("input", _I64),
+        ("input_stride", _I64),
+        ("input_rows", _I64),
+        ("vocab", _I64),
+        ("from_logits", _I64),
+        ("row_index", _I64),
+        ("row_index_64", _I64),
+        ("batch", _I64),
+        ("top_k_arr", _I64),
+        ("top_k", _I64),
+        ("top_p_arr", _I64),
+        ("top_p", "double"),
+        ("min_p_arr", _I64),
+        ("min_p", "double"),
+        ("temperature_arr", _I64),
+        ("temperature", "double"),
+        ("top_k_first", _I64),
+        ("seed_arr", _I64),
+        ("seed_len", _I64),
+        ("seed", _I64),
+        ("offset_arr", _I64),
+        ("offset_len", _I64),
+        ("offset", _I64),
+        ("samples", _I64),
+        ("samples_64", _I64),
+        ("valid", _I64),
+        ("out", _I64),
+        ("out_stride", _I64),
+        ("num_threads", _I64),
+    ),
+)
 SAMPLING = Module(
-    "sampling", "sampling.cpp.jinja",
+    "sampling",
+    "sampling.cpp.jinja",
     params={"dtype": DType()},
     structs=[SAMPLING_ARGS],
     entries=[Entry("run", "const kf_sampling_args* args", returns="int64_t")],
@@ -99,12 +125,33 @@ class _Call:
         self.values = {}  # argument name -> its Python scalar or tensor, for error messages
         self.batch = self.rows if indices is None else _checked_indices(indices, self.rows)
         self.args = {
-            "input": x.data_ptr(), "input_stride": self.stride, "input_rows": self.rows, "vocab": self.vocab,
-            "batch": self.batch, "row_index": 0, "row_index_64": 0,
-            "top_k_arr": 0, "top_k": self.vocab, "top_p_arr": 0, "top_p": 1.0, "min_p_arr": 0, "min_p": 0.0,
-            "temperature_arr": 0, "temperature": 1.0, "top_k_first": 1,
-            "seed_arr": 0, "seed_len": 0, "seed": 0, "offset_arr": 0, "offset_len": 0, "offset": 0,
-            "samples": 0, "samples_64": 0, "valid": 0, "out": 0, "out_stride": 0,
+            "input": x.data_ptr(),
+            "input_stride": self.stride,
+            "input_rows": self.rows,
+            "vocab": self.vocab,
+            "batch": self.batch,
+            "row_index": 0,
+            "row_index_64": 0,
+            "top_k_arr": 0,
+            "top_k": self.vocab,
+            "top_p_arr": 0,
+            "top_p": 1.0,
+            "min_p_arr": 0,
+            "min_p": 0.0,
+            "temperature_arr": 0,
+            "temperature": 1.0,
+            "top_k_first": 1,
+            "seed_arr": 0,
+            "seed_len": 0,
+            "seed": 0,
+            "offset_arr": 0,
+            "offset_len": 0,
+            "offset": 0,
+            "samples": 0,
+            "samples_64": 0,
+            "valid": 0,
+            "out": 0,
+            "out_stride": 0,
         }
         if indices is not None:
             indices = indices.contiguous()
@@ -123,8 +170,10 @@ class _Call:
             return
         if isinstance(value, bool) or not isinstance(value, Integral if integral else Real):
             if name == "temperature":  # FlashInfer's _validate_softmax_temperature
-                raise TypeError("temperature must be None, a real scalar, or a 1D floating-point tensor with one "
-                                "value per logits row")
+                raise TypeError(
+                    "temperature must be None, a real scalar, or a 1D floating-point tensor with one "
+                    "value per logits row"
+                )
             kind = "an int" if integral else "a float"
             raise TypeError(f"{name} must be {kind} or a [batch] tensor, got {type(value).__name__}")
         if integral:
@@ -156,9 +205,13 @@ class _Call:
         for name, value in (("seed", seed), ("offset", offset)):
             if isinstance(value, torch.Tensor):
                 if value.dtype not in (torch.int64, torch.uint64) or value.dim() != 1:
-                    raise TypeError(f"{name} must be an int or a 1-D int64 tensor, got {value.dtype} {tuple(value.shape)}")
+                    raise TypeError(
+                        f"{name} must be an int or a 1-D int64 tensor, got {value.dtype} {tuple(value.shape)}"
+                    )
                 if value.numel() not in (1, self.batch) or not value.is_cpu:
-                    raise ValueError(f"{name} must be a CPU tensor of length 1 or {self.batch}, got {tuple(value.shape)}")
+                    raise ValueError(
+                        f"{name} must be a CPU tensor of length 1 or {self.batch}, got {tuple(value.shape)}"
+                    )
                 value = value.view(torch.int64).contiguous()
                 self.keep.append(value)
                 self.args[f"{name}_arr"], self.args[f"{name}_len"] = value.data_ptr(), value.numel()
@@ -212,14 +265,21 @@ def _check_param_tensor(name: str, t: torch.Tensor, batch: int) -> None:
     """FlashInfer's check_tensor_param (csrc/sampling_utils.h) for a top_k / top_p / min_p tensor.
     Its reference length is the number of output rows (FlashInfer's probs.size(0) without indices)."""
     if t.dim() == 0:
-        raise _param_error(name, "Expected a 1D tensor of shape (batch_size,) or scalar for the sampling "
-                                 "parameter, but got a 0-dimensional tensor.")
+        raise _param_error(
+            name,
+            "Expected a 1D tensor of shape (batch_size,) or scalar for the sampling "
+            "parameter, but got a 0-dimensional tensor.",
+        )
     if t.dim() > 1:
-        raise _param_error(name, f"Expected a 1D tensor or scalar for the sampling parameter, but got a "
-                                 f"{t.dim()}D tensor.")
+        raise _param_error(
+            name, f"Expected a 1D tensor or scalar for the sampling parameter, but got a {t.dim()}D tensor."
+        )
     if t.shape[0] != batch:
-        raise _param_error(name, f"Sampling parameter tensor batch size mismatch: expected length {batch} to "
-                                 f"match the reference tensor batch size, but got length {t.shape[0]}.")
+        raise _param_error(
+            name,
+            f"Sampling parameter tensor batch size mismatch: expected length {batch} to "
+            f"match the reference tensor batch size, but got length {t.shape[0]}.",
+        )
 
 
 _TEMPERATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -257,8 +317,23 @@ def _input(x, name: str, kernels, check_nan: bool = False):
     return variant
 
 
-def _sample(x, name, kernels, *, from_logits, indices, generator, check_nan, seed, offset, return_valid,
-            top_k=None, top_p=None, min_p=None, filter_apply_order="top_k_first"):
+def _sample(
+    x,
+    name,
+    kernels,
+    *,
+    from_logits,
+    indices,
+    generator,
+    check_nan,
+    seed,
+    offset,
+    return_valid,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    filter_apply_order="top_k_first",
+):
     variant = _input(x, name, kernels, check_nan)
     if filter_apply_order not in _FILTER_ORDERS:
         raise ValueError(f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}")
@@ -291,8 +366,12 @@ def _rows_out(x, name, kernels, action, out, out_dtype=None, **per_row):
 
 
 @kernel_op(SAMPLING, ALL_DTYPES)
-def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = None, enable_pdl: bool | None = None,
-            out: torch.Tensor | None = None):
+def softmax(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor | None = None,
+    enable_pdl: bool | None = None,
+    out: torch.Tensor | None = None,
+):
     """``torch.softmax(logits / temperature, -1)`` in fp32; temperature a float or a [batch] tensor.
     ``enable_pdl`` is a GPU launch option, accepted for FlashInfer compatibility. ``out`` (fp32, an
     addition to FlashInfer's signature, like the renorm ops'): a preallocated result, or fp32
@@ -301,63 +380,196 @@ def softmax(logits: torch.Tensor, temperature: float | torch.Tensor | None = Non
 
 
 @kernel_op(SAMPLING, _FP32)
-def sampling_from_probs(probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
-                        offset=None, return_valid=False):
+def sampling_from_probs(
+    probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None, offset=None, return_valid=False
+):
     """A token per output row, drawn from the categorical distribution ``probs`` (fp32 [rows, vocab])."""
-    return _sample(probs, "probs", sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid)
+    return _sample(
+        probs,
+        "probs",
+        sampling_from_probs.kernels,
+        from_logits=False,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+    )
 
 
 @kernel_op(SAMPLING, ALL_DTYPES)
-def sampling_from_logits(logits, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
-                         offset=None, return_valid=False):
+def sampling_from_logits(
+    logits,
+    indices=None,
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """``sampling_from_probs(softmax(logits))``, fused per row."""
-    return _sample(logits, "logits", sampling_from_logits.kernels, from_logits=True, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid)
+    return _sample(
+        logits,
+        "logits",
+        sampling_from_logits.kernels,
+        from_logits=True,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+    )
 
 
 @kernel_op(SAMPLING, _FP32)
-def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True, generator=None, check_nan=False,
-                              seed=None, offset=None, return_valid=False):
+def top_p_sampling_from_probs(
+    probs,
+    top_p,
+    indices=None,
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """Nucleus sampling: draw among the smallest set of largest probabilities holding ``top_p`` of the mass."""
-    return _sample(probs, "probs", top_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_p=top_p)
+    return _sample(
+        probs,
+        "probs",
+        top_p_sampling_from_probs.kernels,
+        from_logits=False,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+        top_p=top_p,
+    )
 
 
 @kernel_op(SAMPLING, _FP32)
-def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True, generator=None, check_nan=False,
-                              seed=None, offset=None, return_valid=False):
+def top_k_sampling_from_probs(
+    probs,
+    top_k,
+    indices=None,
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """Draw among the ``top_k`` largest probabilities (and entries tied with the k-th)."""
-    return _sample(probs, "probs", top_k_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k)
+    return _sample(
+        probs,
+        "probs",
+        top_k_sampling_from_probs.kernels,
+        from_logits=False,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+        top_k=top_k,
+    )
 
 
 @kernel_op(SAMPLING, _FP32)
-def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True, generator=None, check_nan=False,
-                              seed=None, offset=None, return_valid=False):
+def min_p_sampling_from_probs(
+    probs,
+    min_p,
+    indices=None,
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """Draw among the probabilities >= ``min_p * max(probs)``."""
-    return _sample(probs, "probs", min_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, min_p=min_p)
+    return _sample(
+        probs,
+        "probs",
+        min_p_sampling_from_probs.kernels,
+        from_logits=False,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+        min_p=min_p,
+    )
 
 
 @kernel_op(SAMPLING, _FP32)
-def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, filter_apply_order="top_k_first",
-                                    deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
-                                    return_valid=False):
+def top_k_top_p_sampling_from_probs(
+    probs,
+    top_k,
+    top_p,
+    indices=None,
+    filter_apply_order="top_k_first",
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """Top-k then top-p (``"top_k_first"``), or both on the full row (``"joint"``), then sample."""
-    return _sample(probs, "probs", top_k_top_p_sampling_from_probs.kernels, from_logits=False, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
-                   filter_apply_order=filter_apply_order)
+    return _sample(
+        probs,
+        "probs",
+        top_k_top_p_sampling_from_probs.kernels,
+        from_logits=False,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+        top_k=top_k,
+        top_p=top_p,
+        filter_apply_order=filter_apply_order,
+    )
 
 
 @kernel_op(SAMPLING, ALL_DTYPES)
-def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, filter_apply_order="top_k_first",
-                                     deterministic=True, generator=None, check_nan=False, seed=None, offset=None,
-                                     return_valid=False):
+def top_k_top_p_sampling_from_logits(
+    logits,
+    top_k,
+    top_p,
+    indices=None,
+    filter_apply_order="top_k_first",
+    deterministic=True,
+    generator=None,
+    check_nan=False,
+    seed=None,
+    offset=None,
+    return_valid=False,
+):
     """``top_k_top_p_sampling_from_probs(softmax(logits), ...)``, fused per row."""
-    return _sample(logits, "logits", top_k_top_p_sampling_from_logits.kernels, from_logits=True, indices=indices, generator=generator,
-                   check_nan=check_nan, seed=seed, offset=offset, return_valid=return_valid, top_k=top_k, top_p=top_p,
-                   filter_apply_order=filter_apply_order)
+    return _sample(
+        logits,
+        "logits",
+        top_k_top_p_sampling_from_logits.kernels,
+        from_logits=True,
+        indices=indices,
+        generator=generator,
+        check_nan=check_nan,
+        seed=seed,
+        offset=offset,
+        return_valid=return_valid,
+        top_k=top_k,
+        top_p=top_p,
+        filter_apply_order=filter_apply_order,
+    )
 
 
 # The row-output ops take ``out=`` beyond FlashInfer's signatures: a preallocated result (or the

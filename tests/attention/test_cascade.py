@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kernforge
+
 from op_helpers import DTYPE_IDS, DTYPES, assert_outside_untouched, randn, seeded
 
 LN2 = math.log(2.0)
@@ -45,8 +46,10 @@ def attention_states(seq_len, head_dim, bounds, g):
 
     def state(lo, hi):
         if lo == hi:
-            return (torch.zeros(seq_len, NUM_HEADS, head_dim, dtype=torch.float64),
-                    torch.full((seq_len, NUM_HEADS), -math.inf, dtype=torch.float64))
+            return (
+                torch.zeros(seq_len, NUM_HEADS, head_dim, dtype=torch.float64),
+                torch.full((seq_len, NUM_HEADS), -math.inf, dtype=torch.float64),
+            )
         seg = logits[..., lo:hi]
         out = torch.einsum("thk,khd->thd", torch.softmax(seg, dim=-1), values[lo:hi])
         return out, torch.logsumexp(seg, dim=-1) / LN2
@@ -149,8 +152,16 @@ def test_merge_state_in_place(dtype, head_dim, mask_kind, tier, assert_close_ref
         assert torch.equal(v_self[~merge], v[~merge, 0]), f"{ctx}: a masked-off row of v changed"
         assert torch.equal(s_self[~merge], s[~merge, 0]), f"{ctx}: a masked-off row of s changed"
         if merge.any():
-            check_merged(v_self[merge], s_self[merge], v[merge], s[merge],
-                         (whole[0][merge], whole[1][merge]), dtype, ctx, assert_close_ref)
+            check_merged(
+                v_self[merge],
+                s_self[merge],
+                v[merge],
+                s[merge],
+                (whole[0][merge], whole[1][merge]),
+                dtype,
+                ctx,
+                assert_close_ref,
+            )
 
 
 def test_many_states(tier, assert_close_ref):
@@ -229,7 +240,7 @@ def test_zero_sizes(tier):
 def _padded(t, pad=5):
     """t with every row (last dim) padded: strided rows, contiguous last dimension."""
     backing = torch.full(t.shape[:-1] + (t.shape[-1] + pad,), 7.0, dtype=t.dtype)
-    view = backing[..., :t.shape[-1]]
+    view = backing[..., : t.shape[-1]]
     view.copy_(t)
     return view, backing
 
@@ -248,8 +259,12 @@ def test_layouts(dtype, tier, assert_close_ref):
 
     # merge_states: padded rows; states-major memory; s with strided heads; v with a strided last dim (copied)
     check(*kernforge.merge_states(_padded(v)[0], s), "padded v")
-    check(*kernforge.merge_states(v.transpose(0, 1).contiguous().transpose(0, 1),
-                                  s.transpose(0, 2).contiguous().transpose(0, 2)), "transposed v, s")
+    check(
+        *kernforge.merge_states(
+            v.transpose(0, 1).contiguous().transpose(0, 1), s.transpose(0, 2).contiguous().transpose(0, 2)
+        ),
+        "transposed v, s",
+    )
     s_strided = torch.zeros(s.shape + (2,)).select(-1, 0)
     s_strided.copy_(s)
     check(*kernforge.merge_states(v, s_strided), "strided s")

@@ -33,6 +33,7 @@ import torch
 
 import kernforge
 from kernforge.ops.attention.decode import PlanStateError
+
 from op_helpers import assert_outside_untouched, make_rows, randn, seeded
 from references import attention_reference
 
@@ -63,6 +64,7 @@ def threads():
 @dataclass(frozen=True)
 class Batch:
     """A page table: request b owns pages indices[indptr[b]:indptr[b + 1]] (in a shuffled order)."""
+
     lengths: tuple
     page_size: int
     num_pages: int
@@ -71,7 +73,7 @@ class Batch:
     last_page_len: torch.Tensor
 
     def pages(self, b):
-        return self.indices[self.indptr[b]:self.indptr[b + 1]]
+        return self.indices[self.indptr[b] : self.indptr[b + 1]]
 
 
 def make_batch(lengths, page_size, g, empty_last_page_len=0):
@@ -101,6 +103,7 @@ def as_cache(k, v, form, layout, g):
     [pages, H, D] tensors. nan_padded: K and V rows each followed by NaNs (rows of an odd head_dim
     start anywhere): a kernel that reads a full vector past a row's end gets NaN into its output
     (q's zero padding times NaN is NaN)."""
+
     def plane(x):  # NHD [P, ps, H, D] -> the layout's [P, ps, H, D] / [P, H, ps, D]
         return x if layout == "NHD" else x.transpose(1, 2).contiguous()
 
@@ -114,18 +117,20 @@ def as_cache(k, v, form, layout, g):
     if form == "squeezed_tuple":  # [pages, H, D] each, V with padded rows
         assert k.shape[1] == 1
         v_buf = randn(v[:, 0].shape[:-1] + (v.shape[-1] + 3,), g).to(v.dtype)
-        v_buf[..., :v.shape[-1]] = v[:, 0]
-        return k[:, 0].contiguous(), v_buf[..., :v.shape[-1]]
+        v_buf[..., : v.shape[-1]] = v[:, 0]
+        return k[:, 0].contiguous(), v_buf[..., : v.shape[-1]]
     if form == "nan_padded":
+
         def padded(x):
             buf = torch.full(x.shape[:-1] + (x.shape[-1] + 7,), math.nan).to(x.dtype)
-            buf[..., :x.shape[-1]] = x
-            return buf[..., :x.shape[-1]]
+            buf[..., : x.shape[-1]] = x
+            return buf[..., : x.shape[-1]]
+
         return padded(plane(k)), padded(plane(v))
     assert form == "strided"
     pk = plane(k)
     k_buf = randn(pk.shape[:-1] + (pk.shape[-1] + 5,), g).to(k.dtype)
-    k_view = k_buf[..., 1:1 + pk.shape[-1]]
+    k_view = k_buf[..., 1 : 1 + pk.shape[-1]]
     k_view.copy_(pk)
     # V in the other layout's memory order, every other page: [2P, H, ps, D] viewed as NHD, or back.
     other = v.transpose(1, 2) if layout == "NHD" else v  # memory order of the buffer, per page
@@ -151,8 +156,16 @@ def reference(q, k, v, batch, *, sm_scale, window_left=-1, soft_cap=0.0, k_scale
         pages = batch.pages(b).long()
         kb = k[pages].reshape(-1, Hkv, D)[:kv_len]
         vb = v[pages].reshape(-1, Hkv, D)[:kv_len]
-        ob, lb = attention_reference(q[b:b + 1], kb, vb, sm_scale=sm_scale, window_left=window_left,
-                                     soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+        ob, lb = attention_reference(
+            q[b : b + 1],
+            kb,
+            vb,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         out[b], lse[b] = ob[0], lb[0]
     return out.float(), lse.float()
 
@@ -193,8 +206,8 @@ class Case:
     num_qo_heads: int = 8
     num_kv_heads: int = 2
     head_dim: int = 128
-    form: str = "tensor"     # as_cache
-    io: str = "fresh"        # fresh: run() allocates out/lse; views: strided q, out= and lse= views
+    form: str = "tensor"  # as_cache
+    io: str = "fresh"  # fresh: run() allocates out/lse; views: strided q, out= and lse= views
     window_left: int = -1
     soft_cap: float | None = None
     sm_scale: float | None = None
@@ -219,10 +232,19 @@ def run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close
     q_values = (randn((B, Hq, D), g) * case.q_magnitude).to(q_dtype)
 
     wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
-    wrapper.plan(*(t.to(case.index_dtype) for t in (batch.indptr, batch.indices, batch.last_page_len)),
-                 Hq, Hkv, D, case.page_size,
-                 window_left=case.window_left, logits_soft_cap=case.soft_cap, q_data_type=q_dtype,
-                 kv_data_type=kv_dtype, o_data_type=out_dtype, sm_scale=case.sm_scale)
+    wrapper.plan(
+        *(t.to(case.index_dtype) for t in (batch.indptr, batch.indices, batch.last_page_len)),
+        Hq,
+        Hkv,
+        D,
+        case.page_size,
+        window_left=case.window_left,
+        logits_soft_cap=case.soft_cap,
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+        o_data_type=out_dtype,
+        sm_scale=case.sm_scale,
+    )
     scales = dict(q_scale=case.q_scale, k_scale=case.k_scale, v_scale=case.v_scale)
     if case.io == "fresh":
         q = q_values
@@ -242,12 +264,29 @@ def run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close
         assert torch.equal(qkv, qkv_before), "run() must not write to q"
 
     sm_scale = (1.0 / math.sqrt(D) if case.sm_scale is None else case.sm_scale) * _float(case.q_scale)
-    ref_out, ref_lse = reference(q_values, k, v, batch, sm_scale=sm_scale, window_left=case.window_left,
-                                 soft_cap=case.soft_cap or 0.0, k_scale=_float(case.k_scale),
-                                 v_scale=_float(case.v_scale))
+    ref_out, ref_lse = reference(
+        q_values,
+        k,
+        v,
+        batch,
+        sm_scale=sm_scale,
+        window_left=case.window_left,
+        soft_cap=case.soft_cap or 0.0,
+        k_scale=_float(case.k_scale),
+        v_scale=_float(case.v_scale),
+    )
     ctx = f"{key} {layout} lengths={case.lengths}"
-    check_against_reference(out, lse, ref_out, ref_lse, computed_in(q_dtype, kv_dtype, out_dtype), case.lengths,
-                            ctx, assert_close_ref, out_dtype)
+    check_against_reference(
+        out,
+        lse,
+        ref_out,
+        ref_lse,
+        computed_in(q_dtype, kv_dtype, out_dtype),
+        case.lengths,
+        ctx,
+        assert_close_ref,
+        out_dtype,
+    )
     return wrapper
 
 
@@ -257,8 +296,12 @@ UNEVEN = (1, 7, 1023, 4097)
 SCENARIOS = {
     "uneven": Case(UNEVEN),
     "batch1": Case((300,), page_size=64, form="tuple"),
-    "batch37": Case(tuple((0 if i % 9 == 4 else 1 + (i * 37) % 211) for i in range(37)), form="tuple",
-                    empty_last_page_len=5, index_dtype=torch.int64),
+    "batch37": Case(
+        tuple((0 if i % 9 == 4 else 1 + (i * 37) % 211) for i in range(37)),
+        form="tuple",
+        empty_last_page_len=5,
+        index_dtype=torch.int64,
+    ),
     "page1": Case((5, 33, 70, 1), page_size=1, form="squeezed"),
     "page1_tuple": Case((3, 17, 0), page_size=1, form="squeezed_tuple"),
     "page64_partial": Case((63, 64, 65, 130), page_size=64),
@@ -289,26 +332,56 @@ def test_decode_scenarios(dtype, scenario, layout, tier, workspace, assert_close
 _VARIANT_LENGTHS = (1, 7, 300, 1029, 0)
 # name: (q dtype, KV dtype, out dtype, case). Each is one more compiled variant per tier.
 VARIANTS = {
-    "fp16_d64_group1": (torch.float16, torch.float16, torch.float16,
-                        Case(_VARIANT_LENGTHS, num_qo_heads=4, num_kv_heads=4, head_dim=64)),
-    "bf16_d256_group8": (torch.bfloat16, torch.bfloat16, torch.bfloat16,
-                         Case(_VARIANT_LENGTHS, num_qo_heads=16, num_kv_heads=2, head_dim=256, page_size=64)),
-    "bf16_d80_group5": (torch.bfloat16, torch.bfloat16, torch.bfloat16,
-                        Case(_VARIANT_LENGTHS, num_qo_heads=10, num_kv_heads=2, head_dim=80, page_size=13,
-                             form="tuple")),
-    "fp16_d512_group2": (torch.float16, torch.float16, torch.float16,
-                         Case((1, 77, 600, 0), num_qo_heads=4, num_kv_heads=2, head_dim=512, form="strided")),
-    "fp8_e4m3": (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16,
-                 Case(_VARIANT_LENGTHS, k_scale=0.5, v_scale=1.7)),
-    "fp8_e5m2": (torch.float16, torch.float8_e5m2, torch.float16,
-                 Case(_VARIANT_LENGTHS, k_scale=torch.tensor(1.3), v_scale=torch.tensor([0.6]), form="strided")),
+    "fp16_d64_group1": (
+        torch.float16,
+        torch.float16,
+        torch.float16,
+        Case(_VARIANT_LENGTHS, num_qo_heads=4, num_kv_heads=4, head_dim=64),
+    ),
+    "bf16_d256_group8": (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        Case(_VARIANT_LENGTHS, num_qo_heads=16, num_kv_heads=2, head_dim=256, page_size=64),
+    ),
+    "bf16_d80_group5": (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        Case(_VARIANT_LENGTHS, num_qo_heads=10, num_kv_heads=2, head_dim=80, page_size=13, form="tuple"),
+    ),
+    "fp16_d512_group2": (
+        torch.float16,
+        torch.float16,
+        torch.float16,
+        Case((1, 77, 600, 0), num_qo_heads=4, num_kv_heads=2, head_dim=512, form="strided"),
+    ),
+    "fp8_e4m3": (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, Case(_VARIANT_LENGTHS, k_scale=0.5, v_scale=1.7)),
+    "fp8_e5m2": (
+        torch.float16,
+        torch.float8_e5m2,
+        torch.float16,
+        Case(_VARIANT_LENGTHS, k_scale=torch.tensor(1.3), v_scale=torch.tensor([0.6]), form="strided"),
+    ),
     # MQA and large groups share the runtime-group variant (group 0); out in fp32 (o_data_type != q).
-    "mqa16_out_fp32": (torch.bfloat16, torch.bfloat16, torch.float32,
-                       Case(_VARIANT_LENGTHS, num_qo_heads=16, num_kv_heads=1)),
-    "mqa32_out_fp32": (torch.bfloat16, torch.bfloat16, torch.float32,
-                       Case((4097, 3, 0), num_qo_heads=32, num_kv_heads=1, window_left=2000)),
-    "group12_out_fp32": (torch.bfloat16, torch.bfloat16, torch.float32,
-                         Case((1, 100, 700), num_qo_heads=24, num_kv_heads=2, soft_cap=10.0, io="views")),
+    "mqa16_out_fp32": (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+        Case(_VARIANT_LENGTHS, num_qo_heads=16, num_kv_heads=1),
+    ),
+    "mqa32_out_fp32": (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+        Case((4097, 3, 0), num_qo_heads=32, num_kv_heads=1, window_left=2000),
+    ),
+    "group12_out_fp32": (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+        Case((1, 100, 700), num_qo_heads=24, num_kv_heads=2, soft_cap=10.0, io="views"),
+    ),
 }
 
 
@@ -330,19 +403,48 @@ def test_decode_variants(name, layout, tier, workspace, assert_close_ref):
 BATCH_SHAPES = {"batch1": (200,), "uneven": (1, 7, 300, 0, 1029)}
 ODD_DIMS = {
     1: (torch.float32, torch.float32, torch.float32, Case((), num_qo_heads=4, num_kv_heads=4, form="nan_padded")),
-    13: (torch.bfloat16, torch.bfloat16, torch.bfloat16,
-         Case((), num_qo_heads=8, num_kv_heads=2, page_size=7, form="nan_padded")),
-    33: (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16,
-         Case((), num_qo_heads=16, num_kv_heads=2, form="nan_padded", window_left=150, soft_cap=4.0,
-              q_magnitude=3.0, k_scale=0.5, v_scale=1.5)),
+    13: (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        Case((), num_qo_heads=8, num_kv_heads=2, page_size=7, form="nan_padded"),
+    ),
+    33: (
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.bfloat16,
+        Case(
+            (),
+            num_qo_heads=16,
+            num_kv_heads=2,
+            form="nan_padded",
+            window_left=150,
+            soft_cap=4.0,
+            q_magnitude=3.0,
+            k_scale=0.5,
+            v_scale=1.5,
+        ),
+    ),
     48: (torch.bfloat16, torch.bfloat16, torch.float32, Case((), num_qo_heads=8, num_kv_heads=2, form="strided")),
-    55: (torch.float16, torch.float8_e5m2, torch.float16,
-         Case((), num_qo_heads=16, num_kv_heads=1, form="nan_padded", io="views")),
+    55: (
+        torch.float16,
+        torch.float8_e5m2,
+        torch.float16,
+        Case((), num_qo_heads=16, num_kv_heads=1, form="nan_padded", io="views"),
+    ),
     72: (torch.float16, torch.float16, torch.float16, Case((), num_qo_heads=8, num_kv_heads=1, form="nan_padded")),
-    96: (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16,
-         Case((), num_qo_heads=4, num_kv_heads=4, form="nan_padded")),
-    200: (torch.bfloat16, torch.bfloat16, torch.bfloat16,
-          Case((), num_qo_heads=32, num_kv_heads=4, page_size=13, form="nan_padded", window_left=40, soft_cap=10.0)),
+    96: (
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.bfloat16,
+        Case((), num_qo_heads=4, num_kv_heads=4, form="nan_padded"),
+    ),
+    200: (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        Case((), num_qo_heads=32, num_kv_heads=4, page_size=13, form="nan_padded", window_left=40, soft_cap=10.0),
+    ),
     264: (torch.float32, torch.float32, torch.float32, Case((), num_qo_heads=8, num_kv_heads=2, form="nan_padded")),
 }
 
@@ -357,8 +459,7 @@ def test_decode_any_head_dim(head_dim, shape, layout, tier, workspace, threads, 
     q_dtype, kv_dtype, out_dtype, case = ODD_DIMS[head_dim]
     threads(3)
     case = replace(case, lengths=BATCH_SHAPES[shape], head_dim=head_dim)
-    wrapper = run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close_ref,
-                       (f"D{head_dim}", shape))
+    wrapper = run_case(case, q_dtype, kv_dtype, out_dtype, layout, workspace, assert_close_ref, (f"D{head_dim}", shape))
     if shape == "uneven" and case.window_left < 0:
         assert _split_units(wrapper), "the uneven batch should split its long request across 3 threads"
 
@@ -367,8 +468,17 @@ def test_decode_any_head_dim(head_dim, shape, layout, tier, workspace, threads, 
 
 
 def _main_plan(wrapper, batch, **kwargs):
-    wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, 8, 2, 128, batch.page_size,
-                 q_data_type=torch.bfloat16, **kwargs)
+    wrapper.plan(
+        batch.indptr,
+        batch.indices,
+        batch.last_page_len,
+        8,
+        2,
+        128,
+        batch.page_size,
+        q_data_type=torch.bfloat16,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -382,8 +492,9 @@ def test_plan_serves_several_layers(layout, tier, workspace, threads, assert_clo
     wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
     _main_plan(wrapper, batch)
     threads(1)
-    reference_batch = replace(batch, indptr=batch.indptr.clone(), indices=batch.indices.clone(),
-                              last_page_len=batch.last_page_len.clone())
+    reference_batch = replace(
+        batch, indptr=batch.indptr.clone(), indices=batch.indices.clone(), last_page_len=batch.last_page_len.clone()
+    )
     batch.indices.fill_(0)  # the plan holds its own copy
     batch.indptr.zero_()
     out = torch.empty(5, 8, 128, dtype=torch.bfloat16)
@@ -393,8 +504,9 @@ def test_plan_serves_several_layers(layout, tier, workspace, threads, assert_clo
         got = wrapper.run(q, as_cache(k, v, form, layout, g), out=out)
         assert got is out
         ref_out, _ = reference(q, k, v, reference_batch, sm_scale=1 / math.sqrt(128))
-        check_against_reference(out, None, ref_out, None, torch.bfloat16, batch.lengths, f"layer {layer} {form}",
-                                assert_close_ref)
+        check_against_reference(
+            out, None, ref_out, None, torch.bfloat16, batch.lengths, f"layer {layer} {form}", assert_close_ref
+        )
 
 
 def _split_units(wrapper):
@@ -415,12 +527,28 @@ def test_disable_split_kv(layout, tier, workspace, threads, assert_close_ref):
     results = {}
     for disable in (False, True):
         wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
-        wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, 8, 2, 128, 16, q_data_type=torch.float32,
-                     disable_split_kv=disable)
+        wrapper.plan(
+            batch.indptr,
+            batch.indices,
+            batch.last_page_len,
+            8,
+            2,
+            128,
+            16,
+            q_data_type=torch.float32,
+            disable_split_kv=disable,
+        )
         assert bool(_split_units(wrapper)) != disable, f"disable_split_kv={disable}: {wrapper.work_lists()}"
         results[disable] = wrapper.run(q, cache, return_lse=True)
-        check_against_reference(*results[disable], ref_out, ref_lse, torch.float32, batch.lengths,
-                                f"disable_split_kv={disable}", assert_close_ref)
+        check_against_reference(
+            *results[disable],
+            ref_out,
+            ref_lse,
+            torch.float32,
+            batch.lengths,
+            f"disable_split_kv={disable}",
+            assert_close_ref,
+        )
     torch.testing.assert_close(results[False][0], results[True][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(results[False][1], results[True][1], atol=1e-5, rtol=1e-6)
 
@@ -441,8 +569,9 @@ def test_lse_buffer_written_without_return_lse(tier, workspace, assert_close_ref
     expected_out, expected_lse = wrapper.run(q, (k, v), return_lse=True)
     assert torch.equal(lse, expected_lse) and torch.equal(out, expected_out)
     ref_out, ref_lse = reference(q, k, v, batch, sm_scale=1 / math.sqrt(128))
-    check_against_reference(out, lse, ref_out, ref_lse, torch.bfloat16, batch.lengths, "lse without return_lse",
-                            assert_close_ref)
+    check_against_reference(
+        out, lse, ref_out, ref_lse, torch.bfloat16, batch.lengths, "lse without return_lse", assert_close_ref
+    )
 
 
 def test_workspace_exact_size(tier, threads, assert_close_ref):
@@ -465,8 +594,9 @@ def test_workspace_exact_size(tier, threads, assert_close_ref):
     out = wrapper.run(q, (k, v))
     assert torch.all(buffer[needed:] == 0x5A), "run() wrote past the end of the workspace"
     ref_out, _ = reference(q, k, v, batch, sm_scale=1 / math.sqrt(128))
-    check_against_reference(out, None, ref_out, None, torch.bfloat16, batch.lengths, "exact workspace",
-                            assert_close_ref)
+    check_against_reference(
+        out, None, ref_out, None, torch.bfloat16, batch.lengths, "exact workspace", assert_close_ref
+    )
 
 
 # --------------------------------------------------------------------------- single_decode_with_kv_cache
@@ -501,12 +631,19 @@ def test_single_decode(case, layout, tier, assert_close_ref):
     k_pages, v_pages = pages.clone(), pages.clone()
     if kv_len:
         k_pages[batch.pages(0)[0]], v_pages[batch.pages(0)[0]] = k_nhd, v_nhd
-    ref_out, ref_lse = reference(q[None], k_pages, v_pages, batch,
-                                 sm_scale=opts.get("sm_scale", 1 / math.sqrt(D)) * opts.get("k_scale", 1.0),
-                                 window_left=opts.get("window_left", -1), soft_cap=opts.get("logits_soft_cap", 0.0),
-                                 v_scale=opts.get("v_scale", 1.0))
-    check_against_reference(out[None], lse[None], ref_out, ref_lse, torch.bfloat16, (kv_len,), f"single {case}",
-                            assert_close_ref)
+    ref_out, ref_lse = reference(
+        q[None],
+        k_pages,
+        v_pages,
+        batch,
+        sm_scale=opts.get("sm_scale", 1 / math.sqrt(D)) * opts.get("k_scale", 1.0),
+        window_left=opts.get("window_left", -1),
+        soft_cap=opts.get("logits_soft_cap", 0.0),
+        v_scale=opts.get("v_scale", 1.0),
+    )
+    check_against_reference(
+        out[None], lse[None], ref_out, ref_lse, torch.bfloat16, (kv_len,), f"single {case}", assert_close_ref
+    )
     plain = kernforge.single_decode_with_kv_cache(q, k, v, layout, **opts)
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
 
@@ -526,16 +663,16 @@ def _check_partition(lists, batch, num_kv_heads, window_left, ctx):
             first = max(0, n - 1 - window_left) if window_left >= 0 else 0
             assert num_heads >= 1 and 0 <= kv_head and kv_head + num_heads <= num_kv_heads, ctx
             assert first <= begin <= end <= n, f"{ctx}: item {begin}..{end} outside request {request}'s [{first}, {n})"
-            coverage[request][kv_head:kv_head + num_heads, begin:end] += 1
+            coverage[request][kv_head : kv_head + num_heads, begin:end] += 1
             units.setdefault((request, kv_head, num_heads), []).append(slot)
     for b, n in enumerate(batch.lengths):
         first = max(0, n - 1 - window_left) if window_left >= 0 else 0
         assert torch.all(coverage[b][:, first:] == 1), f"{ctx}: request {b}: visible tokens not covered exactly once"
         assert torch.all(coverage[b][:, :first] == 0), f"{ctx}: request {b}: tokens outside the window planned"
         heads = torch.zeros(num_kv_heads, dtype=torch.int32)
-        for (request, kv_head, num_heads) in units:
+        for request, kv_head, num_heads in units:
             if request == b:
-                heads[kv_head:kv_head + num_heads] += 1
+                heads[kv_head : kv_head + num_heads] += 1
         assert torch.all(heads == 1), f"{ctx}: request {b}: KV heads in {heads.tolist()} units"
     all_slots = []
     for unit, slots in units.items():
@@ -566,12 +703,23 @@ def test_planner_covers_each_token_once(workspace, threads):
         num_lists = trial % 4 + 1
         batch = make_batch(lengths.tolist(), page_size, g, empty_last_page_len=trial % (page_size + 1))
         threads(num_lists)
-        wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, 4 * num_kv_heads, num_kv_heads, 128,
-                     page_size, window_left=window_left, q_data_type=torch.bfloat16,
-                     disable_split_kv=trial % 7 == 6)
+        wrapper.plan(
+            batch.indptr,
+            batch.indices,
+            batch.last_page_len,
+            4 * num_kv_heads,
+            num_kv_heads,
+            128,
+            page_size,
+            window_left=window_left,
+            q_data_type=torch.bfloat16,
+            disable_split_kv=trial % 7 == 6,
+        )
         lists = wrapper.work_lists()
-        ctx = (f"trial {trial}: lengths={batch.lengths} page_size={page_size} num_kv_heads={num_kv_heads} "
-               f"window_left={window_left} threads={num_lists}")
+        ctx = (
+            f"trial {trial}: lengths={batch.lengths} page_size={page_size} num_kv_heads={num_kv_heads} "
+            f"window_left={window_left} threads={num_lists}"
+        )
         assert len(lists) == num_lists, ctx
         _check_partition(lists, batch, num_kv_heads, window_left, ctx)
         split_trials += any(item[5] >= 0 for items in lists for item in items)
@@ -598,8 +746,16 @@ def test_planner_balances_big_batches(name, num_lists, workspace, threads):
     batch = make_batch(lengths, 16, seeded("balance", name))
     threads(num_lists)
     wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace)
-    wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, 4 * num_kv_heads, num_kv_heads, 128, 16,
-                 q_data_type=torch.bfloat16)
+    wrapper.plan(
+        batch.indptr,
+        batch.indices,
+        batch.last_page_len,
+        4 * num_kv_heads,
+        num_kv_heads,
+        128,
+        16,
+        q_data_type=torch.bfloat16,
+    )
     lists = wrapper.work_lists()
     _check_partition(lists, batch, num_kv_heads, -1, name)
     costs = [sum(heads * (end - begin) for _, _, heads, begin, end, _ in items) for items in lists]
@@ -624,9 +780,16 @@ def planned(workspace):
 
 def _plan_args(**changes):
     """plan() arguments of a valid 2-request batch (page 16, 4 pages), with ``changes``."""
-    args = dict(indptr=torch.tensor([0, 1, 3], dtype=torch.int32), indices=torch.tensor([2, 0, 3], dtype=torch.int32),
-                last_page_len=torch.tensor([5, 16], dtype=torch.int32), num_qo_heads=8, num_kv_heads=2,
-                head_dim=128, page_size=16, q_data_type=torch.bfloat16)
+    args = dict(
+        indptr=torch.tensor([0, 1, 3], dtype=torch.int32),
+        indices=torch.tensor([2, 0, 3], dtype=torch.int32),
+        last_page_len=torch.tensor([5, 16], dtype=torch.int32),
+        num_qo_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        q_data_type=torch.bfloat16,
+    )
     args.update(changes)
     return args
 
@@ -645,8 +808,11 @@ PLAN_ERRORS = {
     "negative_index": (dict(indices=_i32(2, -1, 3)), ValueError, r"indices holds a negative page index"),
     "last_page_len_0": (dict(last_page_len=_i32(0, 16)), ValueError, r"last_page_len"),
     "last_page_len_big": (dict(last_page_len=_i32(5, 17)), ValueError, r"last_page_len"),
-    "heads_not_divisible": (dict(num_qo_heads=6, num_kv_heads=4), ValueError,
-                            r"num_qo_heads\(6\) must be divisible by num_kv_heads\(4\)"),
+    "heads_not_divisible": (
+        dict(num_qo_heads=6, num_kv_heads=4),
+        ValueError,
+        r"num_qo_heads\(6\) must be divisible by num_kv_heads\(4\)",
+    ),
     "head_dim_0": (dict(head_dim=0), ValueError, r"head_dim"),
     "head_dim_513": (dict(head_dim=513), ValueError, r"head_dim must be an int in \[1, 512\], got 513"),
     "page_size_0": (dict(page_size=0), ValueError, r"page_size"),
@@ -708,17 +874,26 @@ def _cache_with(cache, **changes):
 
 
 RUN_ERRORS = {
-    "q_dtype": (lambda q, c: dict(q=q.half()), ValueError,
-                r"The dtype of q torch.float16 does not match the q_data_type torch.bfloat16 specified in plan "
-                r"function\."),
+    "q_dtype": (
+        lambda q, c: dict(q=q.half()),
+        ValueError,
+        r"The dtype of q torch.float16 does not match the q_data_type torch.bfloat16 specified in plan "
+        r"function\.",
+    ),
     "q_shape": (lambda q, c: dict(q=q[:1]), ValueError, r"q must have shape"),
     "q_heads": (lambda q, c: dict(q=q[:, :4]), ValueError, r"q must have shape"),
     "q_head_dim_strided": (lambda q, c: dict(q=torch.zeros(2, 8, 256, dtype=q.dtype)[..., ::2]), ValueError, r"q"),
-    "cache_dtype": (lambda q, c: dict(paged_kv_cache=c.half()), ValueError,
-                    r"The dtype of k torch.float16 does not match the kv_data_type torch.bfloat16"),
+    "cache_dtype": (
+        lambda q, c: dict(paged_kv_cache=c.half()),
+        ValueError,
+        r"The dtype of k torch.float16 does not match the kv_data_type torch.bfloat16",
+    ),
     "cache_int_dtype": (lambda q, c: dict(paged_kv_cache=c.to(torch.int16)), TypeError, r"paged_kv_cache"),
-    "cache_kv_dim": (lambda q, c: dict(paged_kv_cache=torch.cat([c, c[:, :1]], dim=1)), ValueError,
-                     r"paged_kv_cache must be \[num_pages, 2"),
+    "cache_kv_dim": (
+        lambda q, c: dict(paged_kv_cache=torch.cat([c, c[:, :1]], dim=1)),
+        ValueError,
+        r"paged_kv_cache must be \[num_pages, 2",
+    ),
     "cache_rank": (lambda q, c: dict(paged_kv_cache=c[0]), ValueError, r"paged_kv_cache"),
     "cache_heads": (lambda q, c: dict(paged_kv_cache=_cache_with(c, heads=4)), ValueError, r"num_kv_heads"),
     "cache_page_size": (lambda q, c: dict(paged_kv_cache=_cache_with(c, page_size=8)), ValueError, r"page_size"),
@@ -726,12 +901,18 @@ RUN_ERRORS = {
     # 4 of the 7 pages are used: the highest used page is >= 3
     "cache_too_few_pages": (lambda q, c: dict(paged_kv_cache=c[:3]), ValueError, r"indices holds page \d+"),
     "cache_type": (lambda q, c: dict(paged_kv_cache=[c]), KeyError, r"Unrecognized paged_kv_cache type"),
-    "out_shape": (lambda q, c: dict(out=torch.full((2, 8, 64), SENTINEL, dtype=q.dtype)), ValueError,
-                  r"Invalid shape of out"),
+    "out_shape": (
+        lambda q, c: dict(out=torch.full((2, 8, 64), SENTINEL, dtype=q.dtype)),
+        ValueError,
+        r"Invalid shape of out",
+    ),
     "out_dtype": (lambda q, c: dict(out=torch.full((2, 8, 128), SENTINEL)), ValueError, r"Invalid dtype of out"),
     "lse_shape": (lambda q, c: dict(lse=torch.empty(2, 4), return_lse=True), ValueError, r"Invalid shape of lse"),
-    "lse_dtype": (lambda q, c: dict(lse=torch.empty(2, 8, dtype=torch.float16), return_lse=True), ValueError,
-                  r"Invalid dtype of lse"),
+    "lse_dtype": (
+        lambda q, c: dict(lse=torch.empty(2, 8, dtype=torch.float16), return_lse=True),
+        ValueError,
+        r"Invalid dtype of lse",
+    ),
     "window_left_differs": (lambda q, c: dict(window_left=10), ValueError, r"window_left"),
     "sinks": (lambda q, c: dict(sinks=torch.zeros(8)), NotImplementedError, r"sinks"),
     "kv_cache_sf": (lambda q, c: dict(kv_cache_sf=torch.ones(1)), NotImplementedError, r"kv_cache_sf"),
@@ -762,7 +943,7 @@ def test_forward_is_run_with_the_planned_options(planned):
     wrapper, q, cache = planned
     expected = wrapper.run(q, cache, k_scale=0.5)
     torch.testing.assert_close(wrapper.forward(q, cache, k_scale=0.5), expected)
-    out, lse = wrapper.forward_return_lse(q, cache, sm_scale=0.5 / 128 ** 0.5)
+    out, lse = wrapper.forward_return_lse(q, cache, sm_scale=0.5 / 128**0.5)
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match="window_left"):
         wrapper.forward(q, cache, window_left=3)

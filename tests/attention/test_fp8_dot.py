@@ -17,19 +17,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_decode import Case, run_case
 
 import kernforge
 from kernforge.jit import core, isa, render
 from kernforge.jit.module import Entry, Module
+
 from conftest import TEST_TEMPLATES
 from op_helpers import seeded
-from test_decode import Case, run_case
 
 KINDS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2)}
 HEAD_DIM = 128  # of the score and value entries
 
 FP8_DOT = Module(
-    "fp8_dot_test", "fp8_dot.cpp.jinja", params={},
+    "fp8_dot_test",
+    "fp8_dot.cpp.jinja",
+    params={},
     entries=[
         Entry("available", "", returns="int64_t"),
         Entry("convert", "int64_t kind, int64_t src, int64_t n, int64_t dst", returns="int64_t"),
@@ -93,7 +96,8 @@ def test_table_conversion_is_exact_for_every_byte(kind, fp8_dot):
     assert np.array_equal(got_nan, nan), f"{kind}: NaN patterns {np.flatnonzero(got_nan != nan)}"
     wrong = np.flatnonzero((in_order != want) & ~nan)
     assert wrong.size == 0, "; ".join(
-        f"{kind} 0x{b:02x}: got 0x{in_order[b]:04x}, torch 0x{want[b]:04x}" for b in wrong[:8])
+        f"{kind} 0x{b:02x}: got 0x{in_order[b]:04x}, torch 0x{want[b]:04x}" for b in wrong[:8]
+    )
     assert np.array_equal(in_order[nan] & 0x8000, (everything.numpy()[nan] & 0x80).astype(np.uint16) << 8)
 
     # arrange_q puts a bf16 row in the same order, which is all q.k relies on.
@@ -138,14 +142,26 @@ def test_values(kind, count, fp8_dot):
 _LENGTHS = (1, 7, 300, 1029, 0)
 # name: (KV dtype, layout, case), q and out bf16. Each is one compiled variant per tier.
 DECODE_CASES = {
-    "e4m3_d64_group2": (torch.float8_e4m3fn, "NHD",
-                        Case(_LENGTHS, num_qo_heads=4, num_kv_heads=2, head_dim=64, k_scale=0.5, v_scale=1.7)),
-    "e4m3_d128_group1": (torch.float8_e4m3fn, "HND",
-                         Case(_LENGTHS, num_qo_heads=2, num_kv_heads=2, page_size=13, form="tuple")),
-    "e4m3_d256_group8": (torch.float8_e4m3fn, "NHD",
-                         Case(_LENGTHS, num_qo_heads=16, num_kv_heads=2, head_dim=256, k_scale=0.3, v_scale=3.0)),
-    "e5m2_d128_mqa12": (torch.float8_e5m2, "HND",
-                        Case(_LENGTHS, num_qo_heads=12, num_kv_heads=1, form="strided", soft_cap=5.0)),
+    "e4m3_d64_group2": (
+        torch.float8_e4m3fn,
+        "NHD",
+        Case(_LENGTHS, num_qo_heads=4, num_kv_heads=2, head_dim=64, k_scale=0.5, v_scale=1.7),
+    ),
+    "e4m3_d128_group1": (
+        torch.float8_e4m3fn,
+        "HND",
+        Case(_LENGTHS, num_qo_heads=2, num_kv_heads=2, page_size=13, form="tuple"),
+    ),
+    "e4m3_d256_group8": (
+        torch.float8_e4m3fn,
+        "NHD",
+        Case(_LENGTHS, num_qo_heads=16, num_kv_heads=2, head_dim=256, k_scale=0.3, v_scale=3.0),
+    ),
+    "e5m2_d128_mqa12": (
+        torch.float8_e5m2,
+        "HND",
+        Case(_LENGTHS, num_qo_heads=12, num_kv_heads=1, form="strided", soft_cap=5.0),
+    ),
 }
 
 

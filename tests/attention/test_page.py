@@ -15,7 +15,14 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.attention.page import KVCacheTypeError, KVLayoutError, PagedKVCache, check_kv_layout, unpack_paged_kv_cache
+from kernforge.ops.attention.page import (
+    KVCacheTypeError,
+    KVLayoutError,
+    PagedKVCache,
+    check_kv_layout,
+    unpack_paged_kv_cache,
+)
+
 from op_helpers import seeded
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -107,9 +114,16 @@ class Batch:
 
     def args(self, cache, **changes):
         """append_paged_kv_cache's positional arguments (some replaced by ``changes``)."""
-        a = dict(append_key=self.key, append_value=self.value, batch_indices=self.batch_indices,
-                 positions=self.positions, paged_kv_cache=cache, kv_indices=self.kv_indices,
-                 kv_indptr=self.kv_indptr, kv_last_page_len=self.kv_last_page_len)
+        a = dict(
+            append_key=self.key,
+            append_value=self.value,
+            batch_indices=self.batch_indices,
+            positions=self.positions,
+            paged_kv_cache=cache,
+            kv_indices=self.kv_indices,
+            kv_indptr=self.kv_indptr,
+            kv_last_page_len=self.kv_last_page_len,
+        )
         a.update(changes)
         return a
 
@@ -192,7 +206,7 @@ def test_append_strided_inputs(append_layout, tier):
         packed = torch.stack([key, value], dim=1)
         view_key, view_value = packed[:, 0], packed[:, 1]
     elif append_layout == "padded_heads":
-        view_key = torch.zeros(batch.nnz, HEADS + 2, HEAD_DIM + 5, dtype=key.dtype)[:, 1:HEADS + 1, :HEAD_DIM]
+        view_key = torch.zeros(batch.nnz, HEADS + 2, HEAD_DIM + 5, dtype=key.dtype)[:, 1 : HEADS + 1, :HEAD_DIM]
         view_value = torch.zeros(batch.nnz, HEADS, HEAD_DIM + 8, dtype=key.dtype)[..., 8:]
         view_key.copy_(key), view_value.copy_(value)
     else:
@@ -249,7 +263,7 @@ def _bad_index_cases(batch):
 
     pages = int(batch.kv_indptr[request + 1] - batch.kv_indptr[request])
     bad_indptr = batch.kv_indptr.clone()
-    bad_indptr[request + 1:] += len(batch.kv_indices)  # request's range runs past kv_indices
+    bad_indptr[request + 1 :] += len(batch.kv_indices)  # request's range runs past kv_indices
     bad_page = batch.kv_indices.clone()
     bad_page[int(batch.kv_indptr[request]) + int(batch.positions[last]) // batch.page_size] = batch.num_pages
     negative_page = bad_page.clone()
@@ -260,8 +274,11 @@ def _bad_index_cases(batch):
         ("batch_indices", with_last(batch.batch_indices, len(batch.kv_last_page_len)), rf"batch_indices\[{last}\]"),
         ("batch_indices", with_last(batch.batch_indices, -1), rf"batch_indices\[{last}\]"),
         ("positions", with_last(batch.positions, -1), rf"positions\[{last}\] = -1 is negative"),
-        ("positions", with_last(batch.positions, pages * batch.page_size),
-         rf"positions\[{last}\] = {pages * batch.page_size} is beyond the pages of request {request}"),
+        (
+            "positions",
+            with_last(batch.positions, pages * batch.page_size),
+            rf"positions\[{last}\] = {pages * batch.page_size} is beyond the pages of request {request}",
+        ),
         ("kv_indptr", bad_indptr, rf"kv_indptr\[{request}:{request + 2}\]"),
         ("kv_indptr", decreasing, rf"kv_indptr\[{request}:{request + 2}\]"),
         ("kv_indices", bad_page, rf"kv_indices\[\d+\] = {batch.num_pages} is out of range \[0, {batch.num_pages}\)"),
@@ -336,16 +353,26 @@ def test_unpack_describes_the_planes(dtype, layout, form):
     cache = unpack_paged_kv_cache(cache_arg, layout)
     assert isinstance(cache, PagedKVCache)
     assert (cache.layout, cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, cache.dtype) == (
-        layout, 7, page_size, HEADS, HEAD_DIM, dtype)
+        layout,
+        7,
+        page_size,
+        HEADS,
+        HEAD_DIM,
+        dtype,
+    )
     size = dtype.itemsize
-    for plane, view, ptr, strides in ((cache.k, k, cache.k_ptr, cache.k_strides),
-                                      (cache.v, v, cache.v_ptr, cache.v_strides)):
+    for plane, view, ptr, strides in (
+        (cache.k, k, cache.k_ptr, cache.k_strides),
+        (cache.v, v, cache.v_ptr, cache.v_strides),
+    ):
         assert plane.shape == view.shape and plane.stride() == view.stride() and plane.data_ptr() == view.data_ptr()
         assert ptr == view.data_ptr()
         page_stride, token_stride, head_stride = strides
         for page, token, head in [(0, 0, 0), (6, page_size - 1, HEADS - 1), (3, page_size // 2, 1)]:
             index = (page, token, head) if layout == "NHD" else (page, head, token)
-            assert view[index].data_ptr() == ptr + (page * page_stride + token * token_stride + head * head_stride) * size
+            assert (
+                view[index].data_ptr() == ptr + (page * page_stride + token * token_stride + head * head_stride) * size
+            )
     assert cache.k_strides != cache.v_strides or form.startswith("tensor")  # the tuples have different strides
     with pytest.raises(AttributeError):
         cache.page_size = 2  # frozen
@@ -356,7 +383,7 @@ def test_unpack_strided_head_dim_strides_raise():
     cache = unpack_paged_kv_cache((k, torch.zeros(4, 5, 3, 16)), "NHD")
     assert cache.v_strides == (240, 48, 16)
     with pytest.raises(ValueError, match="head_dim is not contiguous"):
-        cache.k_strides
+        _ = cache.k_strides
 
 
 def test_check_kv_layout():
@@ -410,17 +437,21 @@ def ref_batch_indices_positions(append_indptr, seq_lens):
     return torch.tensor(batch_indices, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32)
 
 
-@pytest.mark.parametrize(("append_lengths", "seq_lens"), [
-    ([1, 2, 3, 4], [5, 5, 5, 5]),
-    ([45, 8, 25, 22], [45, 8, 25, 22]),
-    ([0, 3, 0, 5, 1], [7, 10, 2, 8, 6]),
-    ([7], [11]),
-    ([0, 0, 0], [3, 4, 5]),
-    ([], []),
-])
+@pytest.mark.parametrize(
+    ("append_lengths", "seq_lens"),
+    [
+        ([1, 2, 3, 4], [5, 5, 5, 5]),
+        ([45, 8, 25, 22], [45, 8, 25, 22]),
+        ([0, 3, 0, 5, 1], [7, 10, 2, 8, 6]),
+        ([7], [11]),
+        ([0, 0, 0], [3, 4, 5]),
+        ([], []),
+    ],
+)
 def test_get_batch_indices_positions(append_lengths, seq_lens):
-    append_indptr = torch.tensor([0, *torch.tensor(append_lengths, dtype=torch.int64).cumsum(0).tolist()],
-                                 dtype=torch.int32)
+    append_indptr = torch.tensor(
+        [0, *torch.tensor(append_lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    )
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     nnz = sum(append_lengths)
     batch_indices, positions = kernforge.get_batch_indices_positions(append_indptr, seq_lens, nnz)

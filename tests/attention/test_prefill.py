@@ -13,7 +13,8 @@ to 1e-3.
 Variants are keyed by (q, KV, out dtype, head dims, tile, tier); the scenario matrix runs on a few,
 the geometry tests (head dims 64/128/256 and MLA's 192/128, GQA 1/4/8, every tile the tuner may
 pick) on one shape each, and test_any_head_dim runs head dims that are no whole vector (1, 13, 33,
-55, 72, 200, 33/17) once per dtype path, on q/k/v/out that end at an inaccessible page. Every test runs on the best ISA tier and a slice on the lower ones.
+55, 72, 200, 33/17) once per dtype path, on q/k/v/out that end at an inaccessible page. Every test
+runs on the best ISA tier and a slice on the lower ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kernforge.jit import core
 from kernforge.jit.module import Entry, Module
 from kernforge.ops.attention import prefill
 from kernforge.ops.attention.decode import PlanStateError
+
 from op_helpers import seeded
 from references import attention_reference
 
@@ -55,7 +57,9 @@ def check(out, lse, ref_out, ref_lse, dtype, what="", v_scale=1.0):
     """``v_scale`` scales the absolute tolerance with the output (the errors of P rounded to bf16
     are relative to the V rows they weigh)."""
     tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref_out, atol=tol * max(1.0, v_scale), rtol=tol, msg=lambda m: f"{what}\n{m}")
+    torch.testing.assert_close(
+        out.double(), ref_out, atol=tol * max(1.0, v_scale), rtol=tol, msg=lambda m: f"{what}\n{m}"
+    )
     if ref_out.numel() and ref_out.abs().max() > 0:
         cosine = torch.nn.functional.cosine_similarity(out.double().flatten(), ref_out.flatten(), dim=0)
         assert cosine > MIN_COSINE, f"{what}: cosine {cosine}"
@@ -73,7 +77,7 @@ def guarded(t: torch.Tensor) -> torch.Tensor:
     raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # the tensor keeps the mapping alive
     guard = ctypes.c_void_p(raw.data_ptr() + size - page)
     assert ctypes.CDLL(None).mprotect(guard, ctypes.c_size_t(page), 0) == 0, "mprotect(PROT_NONE) failed"
-    return raw[size - page - nbytes:size - page].view(t.dtype).view(t.shape).copy_(t)
+    return raw[size - page - nbytes : size - page].view(t.dtype).view(t.shape).copy_(t)
 
 
 def indptr_of(lengths) -> torch.Tensor:
@@ -97,34 +101,72 @@ def paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size, layout, kv_
     num_pages = sum(counts) + 2
     pool = torch.randperm(num_pages, generator=g).to(torch.int32)
     indptr = indptr_of(counts)
-    indices = pool[:sum(counts)].clone()
+    indices = pool[: sum(counts)].clone()
     last = torch.tensor([(n - 1) % page_size + 1 if n else 1 for n in kv_lens], dtype=torch.int32)
-    shape = (num_pages, 2, page_size, num_kv_heads, head_dim) if layout == "NHD" else \
-        (num_pages, 2, num_kv_heads, page_size, head_dim)
+    shape = (
+        (num_pages, 2, page_size, num_kv_heads, head_dim)
+        if layout == "NHD"
+        else (num_pages, 2, num_kv_heads, page_size, head_dim)
+    )
     cache = rand(shape, kv_dtype, g)
     qo_indptr = indptr_of(qo_lens)
     return cache, qo_indptr, indptr, indices, last
 
 
 def gather(cache, indptr, indices, kv_len, b, layout, which):
-    pages = cache[indices[indptr[b]:indptr[b + 1]].long(), which]
+    pages = cache[indices[indptr[b] : indptr[b + 1]].long(), which]
     if layout == "HND":
         pages = pages.transpose(1, 2)
     return pages.reshape(-1, *pages.shape[2:])[:kv_len]
 
 
-def run_paged(workspace, qo_lens, kv_lens, *, q_dtype=torch.bfloat16, kv_dtype=None, num_qo_heads=8,
-              num_kv_heads=2, head_dim=128, page_size=16, layout="NHD", causal=True, window_left=-1,
-              soft_cap=None, custom=None, packed=None, g=None, return_lse=True, disable_split_kv=False, **run_kwargs):
+def run_paged(
+    workspace,
+    qo_lens,
+    kv_lens,
+    *,
+    q_dtype=torch.bfloat16,
+    kv_dtype=None,
+    num_qo_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    page_size=16,
+    layout="NHD",
+    causal=True,
+    window_left=-1,
+    soft_cap=None,
+    custom=None,
+    packed=None,
+    g=None,
+    return_lse=True,
+    disable_split_kv=False,
+    **run_kwargs,
+):
     kv_dtype = kv_dtype or q_dtype
     g = g or seeded(tuple(qo_lens), tuple(kv_lens), str(q_dtype), page_size, layout)
-    cache, qo_indptr, indptr, indices, last = paged_batch(qo_lens, kv_lens, num_kv_heads, head_dim, page_size,
-                                                          layout, kv_dtype, g)
+    cache, qo_indptr, indptr, indices, last = paged_batch(
+        qo_lens, kv_lens, num_kv_heads, head_dim, page_size, layout, kv_dtype, g
+    )
     q = rand((sum(qo_lens), num_qo_heads, head_dim), q_dtype, g)
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
-    wrapper.plan(qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
-                 window_left=window_left, logits_soft_cap=soft_cap, custom_mask=custom, packed_custom_mask=packed,
-                 q_data_type=q_dtype, kv_data_type=kv_dtype, disable_split_kv=disable_split_kv)
+    wrapper.plan(
+        qo_indptr,
+        indptr,
+        indices,
+        last,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        causal=causal,
+        window_left=window_left,
+        logits_soft_cap=soft_cap,
+        custom_mask=custom,
+        packed_custom_mask=packed,
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+        disable_split_kv=disable_split_kv,
+    )
     result = wrapper.run(q, cache, return_lse=return_lse, **run_kwargs)
     return wrapper, q, cache, (qo_indptr, indptr, indices), result
 
@@ -139,8 +181,7 @@ def check_paged(q, cache, indices, result, qo_lens, kv_lens, layout, dtype, mask
         v = gather(cache, indptr, pages, kv_len, b, layout, 1)
         mask = None if masks is None else masks[b]
         ref_out, ref_lse = attention_reference(q[rows], k, v, mask=mask, **ref_kwargs)
-        check(out[rows], lse[rows], ref_out, ref_lse, dtype, f"request {b} (qo {qo_len}, kv {kv_len})",
-              v_scale)
+        check(out[rows], lse[rows], ref_out, ref_lse, dtype, f"request {b} (qo {qo_len}, kv {kv_len})", v_scale)
 
 
 # The issue's pairs in one batch, with an empty request (qo_len 0) among them.
@@ -151,34 +192,62 @@ QO_LENS, KV_LENS = [1, 1, 17, 0, 100, 1023], [1, 4097, 17, 9, 1000, 1023]
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_paged_batch_matches_reference(tier, workspace, page_size, layout, causal):
-    _, q, cache, indices, result = run_paged(workspace, QO_LENS, KV_LENS, num_qo_heads=4, num_kv_heads=1,
-                                             page_size=page_size, layout=layout, causal=causal)
+    _, q, cache, indices, result = run_paged(
+        workspace, QO_LENS, KV_LENS, num_qo_heads=4, num_kv_heads=1, page_size=page_size, layout=layout, causal=causal
+    )
     check_paged(q, cache, indices, result, QO_LENS, KV_LENS, layout, torch.bfloat16, causal=causal)
 
 
-@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                              (torch.bfloat16, FP8), (torch.float16, FP8)])
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, FP8), (torch.float16, FP8)],
+)
 def test_paged_dtypes(tier, workspace, q_dtype, kv_dtype):
     qo, kv = [3, 40, 65], [3, 90, 65]
     _, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=5)
-    dtype = torch.bfloat16 if torch.bfloat16 in (q_dtype, kv_dtype) or kv_dtype == FP8 and q_dtype == torch.bfloat16 \
+    dtype = (
+        torch.bfloat16
+        if torch.bfloat16 in (q_dtype, kv_dtype) or kv_dtype == FP8 and q_dtype == torch.bfloat16
         else q_dtype
+    )
     check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
 
 
 def test_fp8_scales(tier, workspace):
     qo, kv = [7, 33], [20, 33]
     _, q, cache, indices, result = run_paged(workspace, qo, kv, kv_dtype=FP8, k_scale=0.5, v_scale=2.0)
-    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, causal=True,
-                sm_scale=0.5 / math.sqrt(128), v_scale=2.0)
+    check_paged(
+        q,
+        cache,
+        indices,
+        result,
+        qo,
+        kv,
+        "NHD",
+        torch.bfloat16,
+        causal=True,
+        sm_scale=0.5 / math.sqrt(128),
+        v_scale=2.0,
+    )
 
 
 @pytest.mark.parametrize("window_left,soft_cap", [(0, None), (37, None), (200, 30.0), (-1, 5.0)])
 def test_window_and_soft_cap(tier, workspace, window_left, soft_cap):
     qo, kv = [50, 1, 130], [300, 64, 130]
     _, q, cache, indices, result = run_paged(workspace, qo, kv, window_left=window_left, soft_cap=soft_cap)
-    check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, causal=True, window_left=window_left,
-                soft_cap=soft_cap or 0.0)
+    check_paged(
+        q,
+        cache,
+        indices,
+        result,
+        qo,
+        kv,
+        "NHD",
+        torch.bfloat16,
+        causal=True,
+        window_left=window_left,
+        soft_cap=soft_cap or 0.0,
+    )
 
 
 def random_masks(qo, kv, g):
@@ -201,8 +270,11 @@ def test_custom_mask_replaces_causal(tier, workspace, form):
     g = seeded("mask", form)
     masks = random_masks(qo, kv, g)
     masks[1][3] = False  # a query that sees no key at all: zeros and -inf
-    kwargs = {"custom": torch.cat([m.reshape(-1) for m in masks])} if form == "custom" else \
-        {"packed": segment_packbits(masks)}
+    kwargs = (
+        {"custom": torch.cat([m.reshape(-1) for m in masks])}
+        if form == "custom"
+        else {"packed": segment_packbits(masks)}
+    )
     _, q, cache, indices, result = run_paged(workspace, qo, kv, causal=True, g=g, **kwargs)
     check_paged(q, cache, indices, result, qo, kv, "NHD", torch.bfloat16, masks=masks)
     assert torch.equal(result[0][int(indices[0][1]) + 3], torch.zeros_like(result[0][0]))
@@ -227,8 +299,9 @@ def keyless_causal_rows(qo_lens, kv_lens):
 
 @pytest.mark.parametrize("threads_setting", [1, 2, 8])
 @pytest.mark.parametrize("disable_split_kv", [False, True])
-@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
-                                              (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8), (torch.float16, torch.float16)]
+)
 @pytest.mark.parametrize("qo,kv", [([34], [1]), ([34, 5, 3], [1, 300, 0])], ids=["flashinfer", "mixed"])
 def test_causal_rows_without_keys(tier, workspace, qo, kv, q_dtype, kv_dtype, disable_split_kv, threads_setting):
     """FlashInfer's test_paged_prefill_fully_masked_rows (its issue #4452): causal with qo_len 34 >
@@ -238,9 +311,16 @@ def test_causal_rows_without_keys(tier, workspace, qo, kv, q_dtype, kv_dtype, di
     the mixed batch's (at most 7 tiles) 300-key tile is, unless disable_split_kv."""
     try:
         kernforge.set_num_threads(threads_setting)
-        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                                                       num_qo_heads=4, num_kv_heads=1,
-                                                       disable_split_kv=disable_split_kv)
+        wrapper, q, cache, indices, result = run_paged(
+            workspace,
+            qo,
+            kv,
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            num_qo_heads=4,
+            num_kv_heads=1,
+            disable_split_kv=disable_split_kv,
+        )
     finally:
         kernforge.set_num_threads(None)
     split = threads_setting == 8 and not disable_split_kv and len(qo) > 1
@@ -263,8 +343,9 @@ def test_split_kv_rows_without_keys(tier, workspace, threads_setting):
     masks[0][9, 200:] = False  # none in the last pieces
     try:
         kernforge.set_num_threads(threads_setting)
-        wrapper, q, cache, indices, result = run_paged(workspace, qo, kv, num_qo_heads=2, num_kv_heads=1, g=g,
-                                                       custom=masks[0].reshape(-1))
+        wrapper, q, cache, indices, result = run_paged(
+            workspace, qo, kv, num_qo_heads=2, num_kv_heads=1, g=g, custom=masks[0].reshape(-1)
+        )
     finally:
         kernforge.set_num_threads(None)
     assert wrapper._plan.args.num_merges > 0, "the tile was not split"
@@ -293,8 +374,16 @@ def test_qo_len_one_matches_decode(tier, workspace):
     lengths = [1, 77, 300]
     wrapper, q, cache, indices, (out, lse) = run_paged(workspace, [1, 1, 1], lengths)
     decode = kernforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
-    decode.plan(indices[1], indices[2], torch.tensor([(n - 1) % 16 + 1 for n in lengths], dtype=torch.int32), 8, 2,
-                128, 16, q_data_type=torch.bfloat16)
+    decode.plan(
+        indices[1],
+        indices[2],
+        torch.tensor([(n - 1) % 16 + 1 for n in lengths], dtype=torch.int32),
+        8,
+        2,
+        128,
+        16,
+        q_data_type=torch.bfloat16,
+    )
     d_out, d_lse = decode.run(q, cache, return_lse=True)
     torch.testing.assert_close(out.float(), d_out.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, d_lse, atol=1e-3, rtol=1e-3)
@@ -311,8 +400,28 @@ def test_masked_blocks_are_skipped(workspace):
     counts = {}
     for causal in (True, False):
         wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-        wrapper._make_plan(qo_indptr, kv_indptr, None, None, 4, 1, 64, None, 1, None, None, causal, "NONE", -1, None,
-                           None, torch.bfloat16, None, None, tile)
+        wrapper._make_plan(
+            qo_indptr,
+            kv_indptr,
+            None,
+            None,
+            4,
+            1,
+            64,
+            None,
+            1,
+            None,
+            None,
+            causal,
+            "NONE",
+            -1,
+            None,
+            None,
+            torch.bfloat16,
+            None,
+            None,
+            tile,
+        )
         out = wrapper.run(q, k, v)
         counts[causal] = wrapper.computed_blocks()
         check(out, None, attention_reference(q, k, v, causal=causal)[0], None, torch.bfloat16, f"causal={causal}")
@@ -326,12 +435,34 @@ def test_keyless_tiles_visit_no_block(workspace):
     writes zeros, LSE -inf); the others visit the blocks up to their last query's last key."""
     qo_len, kv_len, tile = 640, 100, (64, 64)
     g = seeded("skip-keyless")
-    q, k, v = rand((qo_len, 4, 64), torch.bfloat16, g), rand((kv_len, 1, 64), torch.bfloat16, g), \
-        rand((kv_len, 1, 64), torch.bfloat16, g)
+    q, k, v = (
+        rand((qo_len, 4, 64), torch.bfloat16, g),
+        rand((kv_len, 1, 64), torch.bfloat16, g),
+        rand((kv_len, 1, 64), torch.bfloat16, g),
+    )
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper._make_plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
-                       None, None, 4, 1, 64, None, 1, None, None, True, "NONE", -1, None, None, torch.bfloat16, None,
-                       None, tile)
+    wrapper._make_plan(
+        torch.tensor([0, qo_len], dtype=torch.int32),
+        torch.tensor([0, kv_len], dtype=torch.int32),
+        None,
+        None,
+        4,
+        1,
+        64,
+        None,
+        1,
+        None,
+        None,
+        True,
+        "NONE",
+        -1,
+        None,
+        None,
+        torch.bfloat16,
+        None,
+        None,
+        tile,
+    )
     out, lse = wrapper.run_return_lse(q, k, v)
     check(out, lse, *attention_reference(q, k, v, causal=True), torch.bfloat16)
     check_rows_without_keys(out, lse, keyless_causal_rows([qo_len], [kv_len]))
@@ -342,9 +473,16 @@ def test_keyless_tiles_visit_no_block(workspace):
 # --------------------------------------------------------------------------- ragged and single
 
 
-@pytest.mark.parametrize("head_dim_qk,head_dim_vo,num_qo_heads,num_kv_heads", [
-    (64, 64, 8, 8), (128, 128, 8, 1), (256, 256, 4, 1), (192, 128, 16, 2), (128, 128, 16, 2),
-])
+@pytest.mark.parametrize(
+    "head_dim_qk,head_dim_vo,num_qo_heads,num_kv_heads",
+    [
+        (64, 64, 8, 8),
+        (128, 128, 8, 1),
+        (256, 256, 4, 1),
+        (192, 128, 16, 2),
+        (128, 128, 16, 2),
+    ],
+)
 def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_heads, num_kv_heads):
     qo, kv = [1, 33, 0, 64], [40, 33, 5, 100]
     g = seeded("ragged", head_dim_qk, head_dim_vo, num_qo_heads, num_kv_heads)
@@ -353,8 +491,16 @@ def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_hea
     v = rand((sum(kv), num_kv_heads, head_dim_vo), torch.bfloat16, g)
     qo_indptr, kv_indptr = indptr_of(qo), indptr_of(kv)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal=True,
-                 q_data_type=torch.bfloat16)
+    wrapper.plan(
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo,
+        causal=True,
+        q_data_type=torch.bfloat16,
+    )
     out, lse = wrapper.run_return_lse(q, k, v)
     assert out.shape == (sum(qo), num_qo_heads, head_dim_vo) and lse.shape == (sum(qo), num_qo_heads)
     check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, causal=True)
@@ -363,15 +509,23 @@ def test_ragged_geometries(tier, workspace, head_dim_qk, head_dim_vo, num_qo_hea
 # (head_dim_qk, head_dim_vo, q dtype, KV dtype): dims that are no whole vector (nor pair) for each path
 # of the kernel (bf16 pairs, fp8 widened, fp32 for fp16/fp32), MLA's 192/128 among them.
 ANY_HEAD_DIMS = [
-    (1, 1, torch.bfloat16, torch.bfloat16), (13, 13, torch.float16, torch.float16),
-    (33, 33, torch.float32, torch.float32), (55, 55, torch.bfloat16, FP8), (72, 72, torch.bfloat16, torch.bfloat16),
-    (200, 200, torch.float16, torch.float16), (33, 17, torch.bfloat16, torch.bfloat16),
-    (33, 17, torch.float32, torch.float32), (192, 128, torch.float16, torch.float16),
+    (1, 1, torch.bfloat16, torch.bfloat16),
+    (13, 13, torch.float16, torch.float16),
+    (33, 33, torch.float32, torch.float32),
+    (55, 55, torch.bfloat16, FP8),
+    (72, 72, torch.bfloat16, torch.bfloat16),
+    (200, 200, torch.float16, torch.float16),
+    (33, 17, torch.bfloat16, torch.bfloat16),
+    (33, 17, torch.float32, torch.float32),
+    (192, 128, torch.float16, torch.float16),
 ]
 
 
-@pytest.mark.parametrize("head_dim_qk,head_dim_vo,q_dtype,kv_dtype", ANY_HEAD_DIMS,
-                         ids=[f"{qk}-{vo}-{str(q).split('.')[1]}-{str(kv).split('.')[1]}" for qk, vo, q, kv in ANY_HEAD_DIMS])
+@pytest.mark.parametrize(
+    "head_dim_qk,head_dim_vo,q_dtype,kv_dtype",
+    ANY_HEAD_DIMS,
+    ids=[f"{qk}-{vo}-{str(q).split('.')[1]}-{str(kv).split('.')[1]}" for qk, vo, q, kv in ANY_HEAD_DIMS],
+)
 def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dtype):
     """Paged (where K and V share a head_dim), ragged and single prefill at any head dim, NHD and
     HND, causal or not, GQA 3, against the reference: the kernel pads its own packed copies and
@@ -388,19 +542,50 @@ def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dty
             what = f"{layout}, causal={causal}"
             if head_dim_qk == head_dim_vo:
                 _, pq, cache, indices, result = run_paged(
-                    workspace, qo, kv, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=6, num_kv_heads=2,
-                    head_dim=head_dim_qk, page_size=7, layout=layout, causal=causal, g=g)
+                    workspace,
+                    qo,
+                    kv,
+                    q_dtype=q_dtype,
+                    kv_dtype=kv_dtype,
+                    num_qo_heads=6,
+                    num_kv_heads=2,
+                    head_dim=head_dim_qk,
+                    page_size=7,
+                    layout=layout,
+                    causal=causal,
+                    g=g,
+                )
                 check_paged(pq, cache, indices, result, qo, kv, layout, dtype, causal=causal)
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, layout)
-            wrapper.plan(qo_indptr, kv_indptr, 6, 2, head_dim_qk, head_dim_vo, causal=causal, q_data_type=q_dtype,
-                         kv_data_type=kv_dtype)
-            out, lse = wrapper.run(guarded(q), kk, vv, out=guarded(torch.empty(sum(qo), 6, head_dim_vo, dtype=q_dtype)),
-                                   lse=guarded(torch.empty(sum(qo), 6)), return_lse=True)
+            wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                6,
+                2,
+                head_dim_qk,
+                head_dim_vo,
+                causal=causal,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+            )
+            out, lse = wrapper.run(
+                guarded(q),
+                kk,
+                vv,
+                out=guarded(torch.empty(sum(qo), 6, head_dim_vo, dtype=q_dtype)),
+                lse=guarded(torch.empty(sum(qo), 6)),
+                return_lse=True,
+            )
             check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, dtype, f"ragged {what}", causal=causal)
             rq, rk = slice(qo_indptr[-2], None), slice(kv_indptr[-2], None)  # the last request: at the guard
-            out, lse = kernforge.single_prefill_with_kv_cache(guarded(q)[rq], kk[:, rk] if layout == "HND" else kk[rk],
-                                                              vv[:, rk] if layout == "HND" else vv[rk], causal=causal,
-                                                              kv_layout=layout, return_lse=True)
+            out, lse = kernforge.single_prefill_with_kv_cache(
+                guarded(q)[rq],
+                kk[:, rk] if layout == "HND" else kk[rk],
+                vv[:, rk] if layout == "HND" else vv[rk],
+                causal=causal,
+                kv_layout=layout,
+                return_lse=True,
+            )
             check(out, lse, *attention_reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
 
 
@@ -414,8 +599,28 @@ def test_every_tile(tier, workspace, tile):
     qo_indptr = torch.tensor([0, 70, 75], dtype=torch.int32)
     kv_indptr = torch.tensor([0, 200, 205], dtype=torch.int32)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper._make_plan(qo_indptr, kv_indptr, None, None, 12, 4, 64, None, 1, None, None, True, "NONE", -1, None, None,
-                       torch.bfloat16, None, None, tile)
+    wrapper._make_plan(
+        qo_indptr,
+        kv_indptr,
+        None,
+        None,
+        12,
+        4,
+        64,
+        None,
+        1,
+        None,
+        None,
+        True,
+        "NONE",
+        -1,
+        None,
+        None,
+        torch.bfloat16,
+        None,
+        None,
+        tile,
+    )
     out = wrapper.run(q, k, v)
     check_ragged(out, None, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"tile {tile}", causal=True)
 
@@ -457,8 +662,9 @@ def test_lse_buffer_without_return_lse(tier, workspace, kind):
     out_buffer = torch.empty(sum(qo), 8, 64, dtype=torch.bfloat16)
     lse_buffer = torch.full((sum(qo), 8), math.nan)
     if kind == "paged":
-        wrapper, q, cache, indices, returned = run_paged(workspace, qo, kv, head_dim=64, return_lse=False,
-                                                         out=out_buffer, lse=lse_buffer)
+        wrapper, q, cache, indices, returned = run_paged(
+            workspace, qo, kv, head_dim=64, return_lse=False, out=out_buffer, lse=lse_buffer
+        )
         args = (q, cache)
     else:
         g = seeded("lse buffer")
@@ -479,29 +685,40 @@ def test_lse_buffer_without_return_lse(tier, workspace, kind):
 
 
 def plan_paged(workspace, **overrides):
-    args = dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32), paged_kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
-                paged_kv_indices=torch.tensor([1, 0], dtype=torch.int32),
-                paged_kv_last_page_len=torch.tensor([4, 9], dtype=torch.int32), num_qo_heads=4, num_kv_heads=2,
-                head_dim_qk=64, page_size=16, causal=True, q_data_type=torch.bfloat16)
+    args = dict(
+        qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32),
+        paged_kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+        paged_kv_indices=torch.tensor([1, 0], dtype=torch.int32),
+        paged_kv_last_page_len=torch.tensor([4, 9], dtype=torch.int32),
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim_qk=64,
+        page_size=16,
+        causal=True,
+        q_data_type=torch.bfloat16,
+    )
     args.update(overrides)
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
     wrapper.plan(**args)
     return wrapper
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
-    ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
-    ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
-    ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
-    ({"head_dim_qk": 0}, "head_dim_qk"),
-    ({"head_dim_qk": 513}, "head_dim_qk"),
-    ({"head_dim_vo": 32}, "head_dim_vo"),
-    ({"num_kv_heads": 3}, "divisible"),
-    ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),
-    ({"packed_custom_mask": torch.ones(2, dtype=torch.uint8)}, "packed_custom_mask"),
-    ({"logits_soft_cap": -1.0}, "logits_soft_cap"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
+        ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
+        ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
+        ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
+        ({"head_dim_qk": 0}, "head_dim_qk"),
+        ({"head_dim_qk": 513}, "head_dim_qk"),
+        ({"head_dim_vo": 32}, "head_dim_vo"),
+        ({"num_kv_heads": 3}, "divisible"),
+        ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),
+        ({"packed_custom_mask": torch.ones(2, dtype=torch.uint8)}, "packed_custom_mask"),
+        ({"logits_soft_cap": -1.0}, "logits_soft_cap"),
+    ],
+)
 def test_plan_errors(workspace, overrides, match):
     with pytest.raises(ValueError, match=match):
         plan_paged(workspace, **overrides)
@@ -530,22 +747,36 @@ def test_run_errors(workspace):
     with pytest.raises(NotImplementedError):
         wrapper.run(q, cache, sinks=torch.zeros(4))
     ragged = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 2, 64,
-                q_data_type=torch.bfloat16)
+    ragged.plan(
+        torch.tensor([0, 3], dtype=torch.int32),
+        torch.tensor([0, 5], dtype=torch.int32),
+        4,
+        2,
+        64,
+        q_data_type=torch.bfloat16,
+    )
     k = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="k must have shape"):
         ragged.run(q[:3], k[:4], k)
     with pytest.raises(ValueError, match="v must have shape"):
         ragged.run(q[:3], k, torch.zeros(5, 1, 64, dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError):
-        ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 2, 64,
-                    pos_encoding_mode="ROPE_LLAMA")
+        ragged.plan(
+            torch.tensor([0, 3], dtype=torch.int32),
+            torch.tensor([0, 5], dtype=torch.int32),
+            4,
+            2,
+            64,
+            pos_encoding_mode="ROPE_LLAMA",
+        )
 
 
 # --------------------------------------------------------------------------- AMX tier
 
 PREFILL_EMULATED = Module(
-    "prefill_amx_emulated", "prefill_amx_emulated.cpp.jinja", params=prefill.PREFILL.params,
+    "prefill_amx_emulated",
+    "prefill_amx_emulated.cpp.jinja",
+    params=prefill.PREFILL.params,
     structs=[prefill.PREFILL_PLAN, prefill.PREFILL_IO],
     entries=[*prefill.PREFILL.entries.values(), Entry("take_counters", "int64_t counters")],
 )
@@ -558,10 +789,15 @@ def _amx_counters(kernel) -> dict:
     return {"faults": faults, "last_fault": last, "dot_products": dots}
 
 
-@pytest.mark.parametrize("kv_dtype,num_qo_heads,tile,head_dims", [
-    (torch.bfloat16, 12, (64, 64), (64, 64)), (FP8, 8, (32, 32), (64, 64)), (torch.bfloat16, 6, (128, 64), (64, 64)),
-    (torch.bfloat16, 6, (64, 64), (33, 17)),
-])
+@pytest.mark.parametrize(
+    "kv_dtype,num_qo_heads,tile,head_dims",
+    [
+        (torch.bfloat16, 12, (64, 64), (64, 64)),
+        (FP8, 8, (32, 32), (64, 64)),
+        (torch.bfloat16, 6, (128, 64), (64, 64)),
+        (torch.bfloat16, 6, (64, 64), (33, 17)),
+    ],
+)
 def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile, head_dims):
     """The AMX products of the prefill kernel, with the tile instructions emulated (the same
     template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
@@ -578,34 +814,73 @@ def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, ti
     with kernforge.use_isa("avx512"):
         for window in (-1, 40):
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-            wrapper._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, 2, head_dim_qk, head_dim_vo, 1, None,
-                               None, True, "NONE", window, None, None, torch.bfloat16, kv_dtype, None, tile,
-                               module=PREFILL_EMULATED)
+            wrapper._make_plan(
+                qo_indptr,
+                kv_indptr,
+                None,
+                None,
+                num_qo_heads,
+                2,
+                head_dim_qk,
+                head_dim_vo,
+                1,
+                None,
+                None,
+                True,
+                "NONE",
+                window,
+                None,
+                None,
+                torch.bfloat16,
+                kv_dtype,
+                None,
+                tile,
+                module=PREFILL_EMULATED,
+            )
             kernel = wrapper._plan.kernel
             _amx_counters(kernel)
             out, lse = wrapper.run_return_lse(q, k, v)
             counters = _amx_counters(kernel)
             assert counters["faults"] == 0 and counters["dot_products"] > 0, counters
-            check_ragged(out, lse, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"window {window}", causal=True,
-                         window_left=window)
+            check_ragged(
+                out,
+                lse,
+                q,
+                k,
+                v,
+                qo_indptr,
+                kv_indptr,
+                torch.bfloat16,
+                f"window {window}",
+                causal=True,
+                window_left=window,
+            )
             check_rows_without_keys(out, lse, keyless_causal_rows(qo, kv), f"window {window}")
 
 
 def test_amx_build_compiles_with_the_tile_path(cache):
     """The amx tier's build of the prefill module compiles here, with the tile instructions in it."""
-    params = prefill.prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 128, 128, 4,
-                                            prefill.TILES[0])
+    params = prefill.prefill_variant_params(
+        torch.bfloat16, torch.bfloat16, torch.bfloat16, 128, 128, 4, prefill.TILES[0]
+    )
     result, _ = core.build(core.KernelSpec.make(prefill.PREFILL, params, "amx"), load=False)  # compile only
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed: cannot look into the built library")
-    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(disk.Entry(cache, result.key).so)],
-                          capture_output=True, text=True, check=True).stdout
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(disk.Entry(cache, result.key).so)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for mnemonic in ("tdpbf16ps", "ldtilecfg", "tileloadd", "tilestored", "tilezero", "tilerelease"):
         assert mnemonic in code, f"the amx build of prefill has no {mnemonic}"
 
 
-@pytest.mark.skipif(not kernforge.jit.isa.runnable("amx"), reason="this CPU or OS offers no AMX tiles: the "
-                    "amx tier's prefill runs only where it does (its tile logic is tested emulated above)")
+@pytest.mark.skipif(
+    not kernforge.jit.isa.runnable("amx"),
+    reason="this CPU or OS offers no AMX tiles: the "
+    "amx tier's prefill runs only where it does (its tile logic is tested emulated above)",
+)
 def test_amx_tier_matches_reference(workspace):
     with kernforge.use_isa("amx"):
         _, q, cache, indices, result = run_paged(workspace, [40, 100], [40, 300])
@@ -625,8 +900,17 @@ def test_kv_split_when_tiles_are_fewer_than_threads(tier, workspace, threads_set
         kernforge.set_num_threads(threads_setting)
         for disable in (False, True):
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-            wrapper.plan(indptr_q, indptr_kv, 2, 1, 64, causal=True, window_left=900, q_data_type=torch.bfloat16,
-                         disable_split_kv=disable)
+            wrapper.plan(
+                indptr_q,
+                indptr_kv,
+                2,
+                1,
+                64,
+                causal=True,
+                window_left=900,
+                q_data_type=torch.bfloat16,
+                disable_split_kv=disable,
+            )
             items = wrapper._plan.args.num_items
             assert items == (1 if disable else threads_setting), (disable, items)
             results[disable] = wrapper.run_return_lse(q, k, v)

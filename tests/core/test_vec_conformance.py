@@ -40,27 +40,27 @@ What is compared, and how:
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
 import kernforge
-from conftest import TEST_TEMPLATES
 from kernforge.jit import core, isa, render
 from kernforge.jit.module import DeclarationError, DType, Entry, Module
 from kernforge.ops._registry import FP8_DTYPE_NAMES
+
+from conftest import TEST_TEMPLATES
 
 TEMPLATES = TEST_TEMPLATES
 
 _ENTRIES = {
     "width": "",
     "exact": "int64_t op, int64_t n, int64_t a_addr, int64_t b_addr, int64_t c_addr, int64_t d_addr, "
-             "int64_t got_addr, int64_t want_addr",
+    "int64_t got_addr, int64_t want_addr",
     "masks": "int64_t op, int64_t n, int64_t a_addr, int64_t b_addr, int64_t got_addr, int64_t want_addr",
     "reduce": "int64_t op, int64_t n, int64_t a_addr, int64_t got_addr, int64_t want_addr",
     "compress": "int64_t n, int64_t a_addr, int64_t b_addr, int64_t c_addr, int64_t got_addr, "
-                "int64_t got_count_addr, int64_t want_addr, int64_t want_count_addr",
+    "int64_t got_count_addr, int64_t want_addr, int64_t want_count_addr",
     "splat": "int64_t n, int64_t a_addr, int64_t got_addr",
     "load_full": "int64_t dtype, int64_t n, int64_t src_addr, int64_t got_addr, int64_t want_addr",
     "load_partial": "int64_t dtype, int64_t count, int64_t n, int64_t src_addr, int64_t got_addr, int64_t want_addr",
@@ -77,7 +77,9 @@ _ENTRIES = {
 # One build per vector tier; amx machines run the avx512 vector code (the VECTOR_TIERS rule), so
 # the avx512 build is what the amx tier would run.
 VEC_CONFORMANCE = Module(
-    "vec_conformance", "vec_conformance.cpp.jinja", params={},
+    "vec_conformance",
+    "vec_conformance.cpp.jinja",
+    params={},
     entries=[Entry(name, args, returns="int64_t") for name, args in _ENTRIES.items()],
     tiers={"avx512": "avx512", "avx2": "avx2", "generic": "generic"},
     register=False,
@@ -87,13 +89,40 @@ TIERS = [t for t in isa.runnable_tiers() if t != "amx"]
 pytestmark = [pytest.mark.all_tiers, pytest.mark.parametrize("isa_tier", TIERS, ids=[f"vec={t}" for t in TIERS])]
 
 # Op codes of the template's `exact` entry.
-EXACT_OPS = {name: code for code, name in enumerate(
-    ["add", "sub", "mul", "div", "neg", "fma", "abs", "copysign", "clamp", "rint", "ldexp", "max",
-     "select_lt", "select_ge", "add_if_lt", "add_if_ge", "add_assign", "mul_assign"])}
+EXACT_OPS = {
+    name: code
+    for code, name in enumerate(
+        [
+            "add",
+            "sub",
+            "mul",
+            "div",
+            "neg",
+            "fma",
+            "abs",
+            "copysign",
+            "clamp",
+            "rint",
+            "ldexp",
+            "max",
+            "select_lt",
+            "select_ge",
+            "add_if_lt",
+            "add_if_ge",
+            "add_assign",
+            "mul_assign",
+        ]
+    )
+}
 # Ops that only move bits: a NaN must come out with its payload and sign intact.
 BIT_EXACT_NAN = {"neg", "abs", "copysign", "clamp", "max", "select_lt", "select_ge"}
-DTYPES = {"fp32": (0, np.float32, np.uint32), "bf16": (1, np.uint16, np.uint16), "fp16": (2, np.uint16, np.uint16),
-          "fp8_e4m3": (3, np.uint8, np.uint8), "fp8_e5m2": (4, np.uint8, np.uint8)}
+DTYPES = {
+    "fp32": (0, np.float32, np.uint32),
+    "bf16": (1, np.uint16, np.uint16),
+    "fp16": (2, np.uint16, np.uint16),
+    "fp8_e4m3": (3, np.uint8, np.uint8),
+    "fp8_e5m2": (4, np.uint8, np.uint8),
+}
 FP8 = {name: dtype for dtype, name in FP8_DTYPE_NAMES.items()}  # kernforge name -> torch dtype
 STREAM_DTYPES = ["fp32", "bf16", "fp16"]  # no non-temporal fp8 stores
 MATH_OPS = {"exp": 0, "erf": 1, "tanh": 2, "sigmoid": 3}
@@ -123,18 +152,74 @@ def bits_of(x: np.ndarray) -> np.ndarray:
 # Awkward fp32 values: signed zeros, subnormals, the normal range's edges, infinities, quiet and
 # signaling NaNs with payloads and both signs, rint ties, values around 2^23, huge and tiny.
 SPECIAL_BITS = [
-    0x00000000, 0x80000000,  # +-0
-    0x00000001, 0x80000001, 0x00000003, 0x007FFFFF, 0x807FFFFF, 0x00400000,  # subnormals
-    0x00800000, 0x80800000, 0x00800005,  # smallest normals (and one just above)
-    0x7F7FFFFF, 0xFF7FFFFF, 0x7F000000,  # FLT_MAX, 2^127
-    0x7F800000, 0xFF800000,  # +-inf
-    0x7FC00000, 0xFFC00000, 0x7FC12345, 0x7F800001, 0xFFA00000, 0x7FBFFFFF,  # NaNs
+    0x00000000,
+    0x80000000,  # +-0
+    0x00000001,
+    0x80000001,
+    0x00000003,
+    0x007FFFFF,
+    0x807FFFFF,
+    0x00400000,  # subnormals
+    0x00800000,
+    0x80800000,
+    0x00800005,  # smallest normals (and one just above)
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x7F000000,  # FLT_MAX, 2^127
+    0x7F800000,
+    0xFF800000,  # +-inf
+    0x7FC00000,
+    0xFFC00000,
+    0x7FC12345,
+    0x7F800001,
+    0xFFA00000,
+    0x7FBFFFFF,  # NaNs
 ]
 SPECIAL_VALUES = [
-    1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, -3.5, 0.49999997, -0.49999997, 0.50000006,
-    1.0000001, 0.99999994, 2.0, 3.0, -7.0, 0.1, -0.1, 100.0, -100.0, 88.72, -87.3,
-    4194303.5, 4194304.5, 8388607.5, -8388607.5, 8388608.0, 8388609.0, 16777215.0, 16777217.0,
-    1e30, -1e30, 3e38, -3e38, 1e-30, -1e-30, 1e-38, 1e-40, -1e-44, 65504.0, 65520.0, 1e5,
+    1.0,
+    -1.0,
+    0.5,
+    -0.5,
+    1.5,
+    -1.5,
+    2.5,
+    -2.5,
+    3.5,
+    -3.5,
+    0.49999997,
+    -0.49999997,
+    0.50000006,
+    1.0000001,
+    0.99999994,
+    2.0,
+    3.0,
+    -7.0,
+    0.1,
+    -0.1,
+    100.0,
+    -100.0,
+    88.72,
+    -87.3,
+    4194303.5,
+    4194304.5,
+    8388607.5,
+    -8388607.5,
+    8388608.0,
+    8388609.0,
+    16777215.0,
+    16777217.0,
+    1e30,
+    -1e30,
+    3e38,
+    -3e38,
+    1e-30,
+    -1e-30,
+    1e-38,
+    1e-40,
+    -1e-44,
+    65504.0,
+    65520.0,
+    1e5,
 ]
 SPECIALS = np.concatenate([f32(SPECIAL_BITS), np.array(SPECIAL_VALUES, dtype=np.float32)])
 
@@ -237,8 +322,10 @@ def same_bits(got: np.ndarray, want: np.ndarray, nan_payloads: bool = True) -> n
 def pairs(gen, extra: int = 20000):
     """All SPECIALS x SPECIALS pairs, then random-bit and moderate random pairs."""
     a, b = (m.ravel() for m in np.meshgrid(SPECIALS, SPECIALS, indexing="ij"))
-    return (np.concatenate([a, random_bits(gen, extra), random_moderate(gen, extra)]),
-            np.concatenate([b, random_bits(gen, extra), random_moderate(gen, extra)]))
+    return (
+        np.concatenate([a, random_bits(gen, extra), random_moderate(gen, extra)]),
+        np.concatenate([b, random_bits(gen, extra), random_moderate(gen, extra)]),
+    )
 
 
 def exact_inputs(op: str, gen: np.random.Generator):
@@ -273,9 +360,10 @@ def exact_inputs(op: str, gen: np.random.Generator):
     elif op == "rint":
         ties = np.arange(-40, 40, dtype=np.float32) + np.float32(0.5)
         big = np.float32(2.0**22) + np.arange(-8, 8, dtype=np.float32) * np.float32(0.5)
-        near = np.concatenate([ties, big, -big, np.nextafter(ties, np.float32(np.inf)),
-                               np.nextafter(ties, np.float32(-np.inf))]).astype(np.float32)
-        span = (gen.uniform(-2.0**24, 2.0**24, 20000)).astype(np.float32)
+        near = np.concatenate(
+            [ties, big, -big, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))]
+        ).astype(np.float32)
+        span = (gen.uniform(-(2.0**24), 2.0**24, 20000)).astype(np.float32)
         a = np.concatenate([SPECIALS, near, span, a])
         b = np.zeros_like(a)
     elif op == "ldexp":
@@ -283,8 +371,10 @@ def exact_inputs(op: str, gen: np.random.Generator):
         xs = np.concatenate([SPECIALS, f32([0x00800005, 0x00FFFFFF, 0x3FFFFFFF, 0x00C00001])])
         ga, gb = (m.ravel() for m in np.meshgrid(xs, n_range[::7], indexing="ij"))
         # Every exponent for a few mantissas whose scaled results land on subnormal ties.
-        ta, tb = (m.ravel() for m in np.meshgrid(f32([0x00800005, 0x3F80000B, 0x3FFFFFFF, 0x00000007]),
-                                                  n_range, indexing="ij"))
+        ta, tb = (
+            m.ravel()
+            for m in np.meshgrid(f32([0x00800005, 0x3F80000B, 0x3FFFFFFF, 0x00000007]), n_range, indexing="ij")
+        )
         m = 40000
         a = np.concatenate([ga, ta, random_bits(gen, m), random_moderate(gen, m)])
         b = np.concatenate([gb, tb, gen.integers(-252, 255, 2 * m).astype(np.float32)])
@@ -311,9 +401,15 @@ def test_exact_ops(vec, op):
         with np.errstate(invalid="ignore"):
             clear = ~(a < b) if op == "add_if_lt" else ~(a >= b)
         ok |= clear & same_bits(got, c)
-    names = {"select_lt": ("a", "b", "if_true", "if_false"), "select_ge": ("a", "b", "if_true", "if_false"),
-             "add_if_lt": ("a", "b", "acc", "v"), "add_if_ge": ("a", "b", "acc", "v"),
-             "fma": ("a", "b", "c"), "clamp": ("x", "lo", "hi"), "ldexp": ("x", "n")}
+    names = {
+        "select_lt": ("a", "b", "if_true", "if_false"),
+        "select_ge": ("a", "b", "if_true", "if_false"),
+        "add_if_lt": ("a", "b", "acc", "v"),
+        "add_if_ge": ("a", "b", "acc", "v"),
+        "fma": ("a", "b", "c"),
+        "clamp": ("x", "lo", "hi"),
+        "ldexp": ("x", "n"),
+    }
     inputs = dict(zip(names.get(op, ("a", "b")), (a, b, c, d)))
     if op in ("neg", "abs", "rint"):
         inputs = {"a": a}
@@ -335,8 +431,9 @@ def test_comparison_masks(vec, op):
     assert (want_lane == python).all(), "scalar reference disagrees with IEEE comparison"
     assert np.all(got >> vec.width == 0), f"to_bits set bits at or above kWidth on {vec.tier}"
     ok = got_lane == want_lane
-    assert ok.all(), report(f"to_bits(a {'<' if op == 'lt' else '>='} b)", vec, ~ok,
-                            {"a": a, "b": b, "got": got_lane, "want": want_lane})
+    assert ok.all(), report(
+        f"to_bits(a {'<' if op == 'lt' else '>='} b)", vec, ~ok, {"a": a, "b": b, "got": got_lane, "want": want_lane}
+    )
 
 
 def reduction_vectors(vec: Vec, gen: np.random.Generator, with_nan: bool) -> np.ndarray:
@@ -346,7 +443,8 @@ def reduction_vectors(vec: Vec, gen: np.random.Generator, with_nan: bool) -> np.
         np.resize(pool, (len(pool) // w + 1) * w).reshape(-1, w),  # specials, in order
         gen.choice(pool, (4000, w)),  # specials, shuffled together
         random_moderate(gen, 4000 * w).reshape(-1, w),
-        np.full((1, w), -0.0, np.float32), np.full((1, w), np.float32(-np.inf)),
+        np.full((1, w), -0.0, np.float32),
+        np.full((1, w), np.float32(-np.inf)),
         np.full((1, w), np.float32(FLT_MAX)),  # sums overflow
         np.array([[0.0, -0.0] * (w // 2)], np.float32),
         np.array([[1e30, 1.0, -1e30, 2.0] * (w // 4)], np.float32),  # cancellation: order matters
@@ -374,8 +472,9 @@ def test_reductions(vec, op):
         assert not np.isnan(want).any()
     rows = a.reshape(nvec, vec.width)
     bad = np.flatnonzero(~ok)
-    detail = "\n".join(f"  vector {i}: lanes={[show(x) for x in rows[i]]} got={show(got[i])} want={show(want[i])}"
-                       for i in bad[:4])
+    detail = "\n".join(
+        f"  vector {i}: lanes={[show(x) for x in rows[i]]} got={show(got[i])} want={show(want[i])}" for i in bad[:4]
+    )
     assert ok.all(), f"{op} on tier {vec.tier}: {len(bad)} of {nvec} vectors differ\n{detail}"
 
 
@@ -389,8 +488,10 @@ def test_compress_store(vec):
     got = np.full(2 * len(a), sentinel, np.uint32).view(np.float32)
     want = np.full(2 * len(a), sentinel, np.uint32).view(np.float32)
     got_count, want_count = np.empty(nvec, np.int64), np.empty(nvec, np.int64)
-    assert vec.kernel.compress(len(a), addr(a), addr(b), addr(c), addr(got), addr(got_count), addr(want),
-                               addr(want_count)) == 0
+    assert (
+        vec.kernel.compress(len(a), addr(a), addr(b), addr(c), addr(got), addr(got_count), addr(want), addr(want_count))
+        == 0
+    )
     got_slots, want_slots = bits_of(got).reshape(nvec, 2 * w), bits_of(want).reshape(nvec, 2 * w)
     for j in range(nvec):
         k = int(want_count[j])
@@ -406,7 +507,8 @@ def test_compress_store(vec):
             raise AssertionError(
                 f"compress_store(dst, a < b, v) on tier {vec.tier}, vector {j}: {'; '.join(problems)}\n"
                 f"  a={[show(x) for x in a[sl]]}\n  b={[show(x) for x in b[sl]]}\n  v={[show(x) for x in c[sl]]}\n"
-                f"  got={[hex(x) for x in got_slots[j, :w]]}\n  want={[hex(x) for x in want_slots[j, :k]]}")
+                f"  got={[hex(x) for x in got_slots[j, :w]]}\n  want={[hex(x) for x in want_slots[j, :k]]}"
+            )
 
 
 def test_broadcast_and_zero(vec):
@@ -418,8 +520,9 @@ def test_broadcast_and_zero(vec):
     want = np.concatenate([np.repeat(bits_of(a), w), np.zeros(w, np.uint32)]).reshape(-1, w)
     ok = (rows == want).ravel()
     value = np.concatenate([np.repeat(a, w), np.zeros(w, np.float32)])
-    assert ok.all(), report("broadcast(x) / zero() (last row)", vec, ~ok,
-                            {"x": value, "got": got, "want": want.ravel().view(np.float32)})
+    assert ok.all(), report(
+        "broadcast(x) / zero() (last row)", vec, ~ok, {"x": value, "got": got, "want": want.ravel().view(np.float32)}
+    )
 
 
 # ---- loads and stores
@@ -448,15 +551,24 @@ def fp8_ties(dtype: str) -> np.ndarray:
     finite = np.sort(np.unique(values[torch.isfinite(values)].numpy()))
     mids = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)
     core_ = np.concatenate([mids, finite.astype(np.float32)])
-    return np.concatenate([f32(prefixes[:, None] | np.array(lows, np.uint32)).ravel(), core_,
-                           np.nextafter(core_, np.float32(np.inf)), np.nextafter(core_, np.float32(-np.inf))])
+    return np.concatenate(
+        [
+            f32(prefixes[:, None] | np.array(lows, np.uint32)).ravel(),
+            core_,
+            np.nextafter(core_, np.float32(np.inf)),
+            np.nextafter(core_, np.float32(-np.inf)),
+        ]
+    )
 
 
 def narrowing_inputs(dtype: str, gen: np.random.Generator) -> np.ndarray:
     """fp32 values whose narrowing is delicate: exact RNE ties and their neighbours, overflow to
     Inf, NaNs whose payload lives only in the dropped bits, subnormals, plus random bits."""
-    parts = [SPECIALS, random_bits(gen, 1 << 16), f32([0x7F800001, 0xFF800001, 0x7F80FFFF, 0x7F7FFFFF,
-                                                       0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000])]
+    parts = [
+        SPECIALS,
+        random_bits(gen, 1 << 16),
+        f32([0x7F800001, 0xFF800001, 0x7F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000]),
+    ]
     if dtype == "bf16":
         # Every bf16 top half with the dropped half at the tie, either side of it, zero and all-ones.
         tops = np.arange(1 << 16, dtype=np.uint32) << 16
@@ -469,8 +581,13 @@ def narrowing_inputs(dtype: str, gen: np.random.Generator) -> np.ndarray:
         core_ = np.concatenate([mids, above_max, halves.astype(np.float32)])
         parts += [core_, -core_, np.nextafter(core_, np.float32(np.inf)), np.nextafter(core_, np.float32(-np.inf))]
     elif dtype in FP8:
-        parts += [fp8_ties(dtype), np.array([448, 449, 463.99997, 464, 464.00003, 479.99997, 480, 57344, 61439.996,
-                                             61440, 61440.004, 65536, 1e6], np.float32)]
+        parts += [
+            fp8_ties(dtype),
+            np.array(
+                [448, 449, 463.99997, 464, 464.00003, 479.99997, 480, 57344, 61439.996, 61440, 61440.004, 65536, 1e6],
+                np.float32,
+            ),
+        ]
     return np.concatenate(parts).astype(np.float32)
 
 
@@ -499,8 +616,12 @@ def test_load_full(vec, dtype):
     # bit for bit.
     reference = as_float(dtype, src)
     agrees = same_bits(want, reference, nan_payloads=dtype in FP8)
-    assert agrees.all(), report(f"kf::to_float({dtype}) vs {'torch' if dtype in FP8 else 'numpy'}", vec, ~agrees,
-                                {"stored": src, "to_float": want, "reference": reference})
+    assert agrees.all(), report(
+        f"kf::to_float({dtype}) vs {'torch' if dtype in FP8 else 'numpy'}",
+        vec,
+        ~agrees,
+        {"stored": src, "to_float": want, "reference": reference},
+    )
     ok = same_bits(got, want)
     assert ok.all(), report(f"VecF::load(const {dtype}*)", vec, ~ok, {"stored": src, "got": got, "want": want})
 
@@ -518,8 +639,9 @@ def test_store_full(vec, dtype):
     if dtype in FP8:  # kf::from_float is torch's narrowing, bit for bit
         ref = to_storage(dtype, src)
         agrees = want == ref
-        assert agrees.all(), report(f"kf::from_float<{dtype}> vs torch", vec, ~agrees,
-                                    {"x": src, "from_float": want, "torch": ref})
+        assert agrees.all(), report(
+            f"kf::from_float<{dtype}> vs torch", vec, ~agrees, {"x": src, "from_float": want, "torch": ref}
+        )
     ok = bits_of(got) == bits_of(want)
     assert ok.all(), report(f"VecF::store({dtype}*)", vec, ~ok, {"x": src, "got": got, "want": want})
 
@@ -538,8 +660,9 @@ def test_load_partial(vec, dtype):
         got, want = np.empty(len(src), np.float32), np.empty(len(src), np.float32)
         assert vec.kernel.load_partial(code, count, len(src), addr(src), addr(got), addr(want)) == 0
         ok = same_bits(got, want)
-        assert ok.all(), report(f"VecF::load(const {dtype}*, count={count})", vec, ~ok,
-                                {"stored": src, "got": got, "want": want})
+        assert ok.all(), report(
+            f"VecF::load(const {dtype}*, count={count})", vec, ~ok, {"stored": src, "got": got, "want": want}
+        )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -551,8 +674,12 @@ def test_store_partial(vec, dtype):
         got, want = np.full(len(src), sentinel, storage), np.full(len(src), sentinel, storage)
         assert vec.kernel.store_partial(code, count, len(src), addr(src), addr(got), addr(want)) == 0
         ok = bits_of(got) == bits_of(want)
-        assert ok.all(), report(f"v.store({dtype}*, count={count}) (sentinel 0x{sentinel:x} past count)", vec,
-                                ~ok, {"x": src, "got": got, "want": want})
+        assert ok.all(), report(
+            f"v.store({dtype}*, count={count}) (sentinel 0x{sentinel:x} past count)",
+            vec,
+            ~ok,
+            {"x": src, "got": got, "want": want},
+        )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -562,8 +689,9 @@ def test_partial_access_guard_page(vec, dtype):
     w = vec.width
     for count in partial_counts(vec):
         got = np.full(w, 99.0, np.float32)
-        assert vec.kernel.guard(code, 0, count, addr(got)) == 0, \
+        assert vec.kernel.guard(code, 0, count, addr(got)) == 0, (
             f"VecF::load(const {dtype}*, count={count}) touched memory at or past element count on {vec.tier}"
+        )
         valid = min(count, w)
         # The template stores from_float<T>(1..valid) before the guard: exact except for e5m2 (9 -> 8 ...).
         stored = np.arange(1, valid + 1, dtype=np.float32)
@@ -571,8 +699,9 @@ def test_partial_access_guard_page(vec, dtype):
             stored = as_float(dtype, to_storage(dtype, stored))
         want = np.concatenate([stored, np.zeros(w - valid, np.float32)])
         assert np.array_equal(bits_of(got), bits_of(want)), f"guarded load count={count}: {got} != {want}"
-        assert vec.kernel.guard(code, 1, count, 0) == 0, \
+        assert vec.kernel.guard(code, 1, count, 0) == 0, (
             f"v.store({dtype}*, count={count}) touched memory at or past element count on {vec.tier}"
+        )
 
 
 def test_guard_page_detects_touches(vec):
@@ -610,12 +739,16 @@ def math_inputs(op: str, gen: np.random.Generator) -> np.ndarray:
     }[op]
     e = np.array(edges, np.float32)
     near = np.concatenate([e, np.nextafter(e, np.float32(np.inf)), np.nextafter(e, np.float32(-np.inf))])
-    return np.concatenate([
-        SPECIALS, near, -near,
-        np.linspace(*sweep, 1 << 17, dtype=np.float32),
-        random_bits(gen, 1 << 15),
-        (gen.standard_normal(1 << 15) * 2).astype(np.float32),
-    ]).astype(np.float32)
+    return np.concatenate(
+        [
+            SPECIALS,
+            near,
+            -near,
+            np.linspace(*sweep, 1 << 17, dtype=np.float32),
+            random_bits(gen, 1 << 15),
+            (gen.standard_normal(1 << 15) * 2).astype(np.float32),
+        ]
+    ).astype(np.float32)
 
 
 def ulp_of(exact: np.ndarray) -> np.ndarray:
@@ -634,13 +767,18 @@ def test_math(vec, op):
         err = np.abs(got.astype(np.float64) - want) / ulp_of(want)
     nan_in = np.isnan(want)
     special = nan_in | np.isinf(want32) | (want == 0)  # NaN, overflow, exact zero: exact match
-    ok = np.where(special, same_bits(got, want32, nan_payloads=False),
-                  (err <= MATH_ULP[op]) & (np.signbit(got) == np.signbit(want)))
+    ok = np.where(
+        special,
+        same_bits(got, want32, nan_payloads=False),
+        (err <= MATH_ULP[op]) & (np.signbit(got) == np.signbit(want)),
+    )
     if op == "sigmoid":
         # 1 / (1 + e^-x) gives +0 once e^-x overflows fp32 (x < -88.72), as torch.sigmoid does; the
         # exact result there is subnormal (below FLT_MIN).
         ok |= (x < -88.7) & (bits_of(got) == 0) & (want < FLT_MIN)
-    assert ok.all(), report(f"{op} (max {MATH_ULP[op]} ulp)", vec, ~ok, {"x": x, "got": got, "want": want, "ulp_err": err})
+    assert ok.all(), report(
+        f"{op} (max {MATH_ULP[op]} ulp)", vec, ~ok, {"x": x, "got": got, "want": want, "ulp_err": err}
+    )
 
 
 # ---- int32 lanes: kf::VecI32 and the u8 x s8 dot of 4
@@ -658,20 +796,21 @@ def test_i32_moves(vec):
     for bit, and touch nothing outside their vector; zero() is 0."""
     w = int(vec.kernel.i32_width())
     assert w == vec.width, "VecI32 has VecF's lane count"
-    values = rng(1000).integers(-2**31, 2**31, 64 * w, dtype=np.int64).astype(np.int32)
-    values[:8] = [0, -1, 2**31 - 1, -2**31, 1, -2, 0x01020304, -0x01020305]
+    values = rng(1000).integers(-(2**31), 2**31, 64 * w, dtype=np.int64).astype(np.int32)
+    values[:8] = [0, -1, 2**31 - 1, -(2**31), 1, -2, 0x01020304, -0x01020305]
     for offset in (0, 1, 3, 4, 60):
         src = np.zeros(4 * len(values) + 64, np.uint8)
-        src[offset:offset + 4 * len(values)] = values.view(np.uint8)
+        src[offset : offset + 4 * len(values)] = values.view(np.uint8)
         out = offset // 4 * 4
         got = np.full(4 * (len(values) + w) + 64, 0xA5, np.uint8)
         assert vec.kernel.i32_moves(len(values), addr(src) + offset, addr(got) + out) == 0
-        moved = got[out:out + 4 * len(values)].view(np.int32)
+        moved = got[out : out + 4 * len(values)].view(np.int32)
         assert np.array_equal(moved, values), f"VecI32 load at byte offset {offset}, store at {out} on {vec.tier}"
-        zero = got[out + 4 * len(values):out + 4 * (len(values) + w)].view(np.int32)
+        zero = got[out + 4 * len(values) : out + 4 * (len(values) + w)].view(np.int32)
         assert not zero.any(), f"VecI32::zero() on {vec.tier}: {zero}"
-        assert (got[:out] == 0xA5).all() and (got[out + 4 * (len(values) + w):] == 0xA5).all(), \
+        assert (got[:out] == 0xA5).all() and (got[out + 4 * (len(values) + w) :] == 0xA5).all(), (
             f"VecI32 store wrote outside its vectors at byte offset {out} on {vec.tier}"
+        )
 
 
 def dot4_inputs(gen: np.random.Generator, w: int):
@@ -689,15 +828,19 @@ def dot4_inputs(gen: np.random.Generator, w: int):
     # The largest and smallest sums of a dot of 4: 4 * 255 * 127 and 4 * 255 * -128 (beyond int16:
     # no vpmaddubsw-style saturation), landing exactly on INT32_MAX / INT32_MIN.
     top, bottom = 4 * 255 * 127, 4 * 255 * -128
-    for word_a, word_b, start in ((0xFFFFFFFF, 0x7F7F7F7F, 2**31 - 1 - top), (0xFFFFFFFF, 0x80808080, -2**31 - bottom),
-                                  (0xFFFFFFFF, 0x80808080, 2**31 - 1), (0xFFFFFFFF, 0x7F7F7F7F, -2**31)):
+    for word_a, word_b, start in (
+        (0xFFFFFFFF, 0x7F7F7F7F, 2**31 - 1 - top),
+        (0xFFFFFFFF, 0x80808080, -(2**31) - bottom),
+        (0xFFFFFFFF, 0x80808080, 2**31 - 1),
+        (0xFFFFFFFF, 0x7F7F7F7F, -(2**31)),
+    ):
         a_words.append(np.array([word_a], np.uint32))
         b.append(np.full(w, word_b, np.uint32))
         acc.append(np.full(w, start, np.int64))
     n_random = 4096
     a_words.append(gen.integers(0, 2**32, n_random, dtype=np.uint64).astype(np.uint32))
     b.append(gen.integers(0, 2**32, n_random * w, dtype=np.uint64).astype(np.uint32))
-    acc.append(gen.integers(-2**30, 2**30, n_random * w, dtype=np.int64))
+    acc.append(gen.integers(-(2**30), 2**30, n_random * w, dtype=np.int64))
     acc, a_words = np.concatenate(acc).astype(np.int32), np.concatenate(a_words).astype(np.uint32)
     b = np.concatenate(b).astype(np.uint32).view(np.int32)
     return acc, a_words, b
@@ -709,15 +852,18 @@ def test_dot4_u8s8(vec):
     w = vec.width
     acc, a_words, b = dot4_inputs(rng(1100), w)
     reference = dot4_reference(acc, a_words, b, w)
-    assert reference.min() >= -2**31 and reference.max() <= 2**31 - 1, "inputs must keep every sum in int32"
-    assert reference.max() == 2**31 - 1 and reference.min() == -2**31, "the int32 ends are reached"
+    assert reference.min() >= -(2**31) and reference.max() <= 2**31 - 1, "inputs must keep every sum in int32"
+    assert reference.max() == 2**31 - 1 and reference.min() == -(2**31), "the int32 ends are reached"
     got, want = np.empty_like(acc), np.empty_like(acc)
     assert vec.kernel.dot4_u8s8(len(acc), addr(acc), addr(a_words), addr(b), addr(got), addr(want)) == 0
     assert np.array_equal(want, reference), "the template's scalar reference disagrees with numpy"
     ok = got == reference
-    assert ok.all(), report("dot4_u8s8(acc, U8Quad::broadcast(a), b)", vec, ~ok,
-                            {"acc": acc, "a": np.repeat(a_words, w), "b": b.view(np.uint32), "got": got,
-                             "want": reference})
+    assert ok.all(), report(
+        "dot4_u8s8(acc, U8Quad::broadcast(a), b)",
+        vec,
+        ~ok,
+        {"acc": acc, "a": np.repeat(a_words, w), "b": b.view(np.uint32), "got": got, "want": reference},
+    )
 
 
 # ---- fp8 as a module parameter
@@ -726,9 +872,13 @@ def test_dot4_u8s8(vec):
 def test_fp8_dtype_param(isa_tier):
     """A module lists the fp8 storage types in its DType to get them (any tier: isa_tier is unused);
     the default DType, which the float ops use, still rejects them."""
-    module = Module("fp8_param_probe", "vec_conformance.cpp.jinja",
-                    params={"kv_dtype": DType(("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
-                    entries=[Entry("width", "", returns="int64_t")], register=False)
+    module = Module(
+        "fp8_param_probe",
+        "vec_conformance.cpp.jinja",
+        params={"kv_dtype": DType(("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
+        entries=[Entry("width", "", returns="int64_t")],
+        register=False,
+    )
     for torch_dtype, name in FP8_DTYPE_NAMES.items():
         for spelling in (torch_dtype, str(torch_dtype), name):
             assert module.variant(kv_dtype=spelling).params["kv_dtype"] == name

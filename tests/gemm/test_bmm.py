@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.gemm.bmm import bmm, bmm_fp8
 from kernforge.ops.gemm.bf16 import convert_weight_packed
+from kernforge.ops.gemm.bmm import bmm, bmm_fp8
+
 from op_helpers import seeded
 
 RTOL = 1e-2  # bf16 output; atol scales with the magnitude of the product
@@ -93,21 +94,24 @@ def _args(**changes):
     return args
 
 
-@pytest.mark.parametrize("changes, error, match", [
-    ({"a": torch.zeros(3, 7, dtype=torch.bfloat16)}, ValueError, "a must be 3-D"),
-    ({"a": torch.zeros(2, 3, 7, dtype=torch.int32)}, TypeError, "a has dtype"),
-    ({"b": torch.zeros(2, 5, 8, dtype=torch.bfloat16)}, ValueError, r"b must be \[2, N, 7\]"),
-    ({"b": torch.zeros(3, 5, 7, dtype=torch.bfloat16)}, ValueError, r"b must be \[2, N, 7\]"),
-    ({"b": torch.zeros(2, 5, 7, dtype=torch.float16)}, TypeError, "b has dtype"),
-    ({"b": torch.zeros(2, 5, 7).to(torch.float8_e4m3fn)}, ValueError, "scale is required"),
-    ({"b": "weights"}, TypeError, "b must be"),
-    ({"b": [convert_weight_packed(torch.zeros(5, 7, dtype=torch.bfloat16))]}, ValueError, "b must hold 2"),
-    ({"scale": torch.ones(2)}, ValueError, "scale must be a 0-dim"),
-    ({"scale": "2"}, TypeError, "scale must be"),
-    ({"out": torch.empty(2, 3, 6, dtype=torch.bfloat16)}, ValueError, "out must have shape"),
-    ({"out": torch.empty(2, 3, 5)}, TypeError, "out has dtype"),
-    ({"out": torch.empty(2, 5, 3, dtype=torch.bfloat16).transpose(1, 2)}, ValueError, "out must have a contiguous"),
-])
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        ({"a": torch.zeros(3, 7, dtype=torch.bfloat16)}, ValueError, "a must be 3-D"),
+        ({"a": torch.zeros(2, 3, 7, dtype=torch.int32)}, TypeError, "a has dtype"),
+        ({"b": torch.zeros(2, 5, 8, dtype=torch.bfloat16)}, ValueError, r"b must be \[2, N, 7\]"),
+        ({"b": torch.zeros(3, 5, 7, dtype=torch.bfloat16)}, ValueError, r"b must be \[2, N, 7\]"),
+        ({"b": torch.zeros(2, 5, 7, dtype=torch.float16)}, TypeError, "b has dtype"),
+        ({"b": torch.zeros(2, 5, 7).to(torch.float8_e4m3fn)}, ValueError, "scale is required"),
+        ({"b": "weights"}, TypeError, "b must be"),
+        ({"b": [convert_weight_packed(torch.zeros(5, 7, dtype=torch.bfloat16))]}, ValueError, "b must hold 2"),
+        ({"scale": torch.ones(2)}, ValueError, "scale must be a 0-dim"),
+        ({"scale": "2"}, TypeError, "scale must be"),
+        ({"out": torch.empty(2, 3, 6, dtype=torch.bfloat16)}, ValueError, "out must have shape"),
+        ({"out": torch.empty(2, 3, 5)}, TypeError, "out has dtype"),
+        ({"out": torch.empty(2, 5, 3, dtype=torch.bfloat16).transpose(1, 2)}, ValueError, "out must have a contiguous"),
+    ],
+)
 def test_bmm_errors_name_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         bmm(**_args(**changes))
@@ -115,8 +119,12 @@ def test_bmm_errors_name_the_argument(changes, error, match):
 
 # --------------------------------------------------------------------------- bmm_fp8 (FlashInfer)
 
-FP8_PAIRS = [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.float8_e5m2),
-             (torch.float8_e5m2, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e5m2)]
+FP8_PAIRS = [
+    (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    (torch.float8_e4m3fn, torch.float8_e5m2),
+    (torch.float8_e5m2, torch.float8_e4m3fn),
+    (torch.float8_e5m2, torch.float8_e5m2),
+]
 FP8_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
@@ -180,41 +188,60 @@ def test_bmm_fp8_any_layout_and_scales_of_one_element():
 def test_bmm_fp8_empty_sizes():
     scale = torch.tensor(1.0)
     e4m3 = torch.float8_e4m3fn
-    assert bmm_fp8(torch.zeros(0, 3, 4, dtype=e4m3), torch.zeros(0, 4, 5, dtype=e4m3), scale, scale,
-                   torch.bfloat16).shape == (0, 3, 5)
-    assert bmm_fp8(torch.zeros(2, 0, 4, dtype=e4m3), torch.zeros(2, 4, 5, dtype=e4m3), scale, scale,
-                   torch.bfloat16).shape == (2, 0, 5)
+    assert bmm_fp8(
+        torch.zeros(0, 3, 4, dtype=e4m3), torch.zeros(0, 4, 5, dtype=e4m3), scale, scale, torch.bfloat16
+    ).shape == (0, 3, 5)
+    assert bmm_fp8(
+        torch.zeros(2, 0, 4, dtype=e4m3), torch.zeros(2, 4, 5, dtype=e4m3), scale, scale, torch.bfloat16
+    ).shape == (2, 0, 5)
     out = bmm_fp8(torch.zeros(2, 3, 0, dtype=e4m3), torch.zeros(2, 0, 5, dtype=e4m3), scale, scale, torch.float16)
     assert out.shape == (2, 3, 5) and not out.any()
 
 
 def _fp8_args(**changes):
     a, b, a_scale, b_scale = _fp8_operands(2, 3, 5, 7, torch.float8_e4m3fn, torch.float8_e4m3fn, key=("errors",))
-    args = {"A": a, "B": b, "A_scale": a_scale, "B_scale": b_scale, "dtype": torch.bfloat16, "out": None,
-            "backend": "cublas"}
+    args = {
+        "A": a,
+        "B": b,
+        "A_scale": a_scale,
+        "B_scale": b_scale,
+        "dtype": torch.bfloat16,
+        "out": None,
+        "backend": "cublas",
+    }
     args.update(changes)
     return args
 
 
-@pytest.mark.parametrize("changes, error, match", [
-    ({"dtype": torch.float32}, ValueError,
-     r"Unsupported output dtype: torch.float32. Only torch.bfloat16 and torch.float16 are supported for FP8 GEMM"),
-    ({"backend": "cuda"}, ValueError, "backend must be one of 'cudnn', 'cublas', 'cutlass', 'auto'"),
-    ({"backend": "cutlass", "B": torch.zeros(2, 7, 5, dtype=torch.float8_e5m2)}, ValueError,
-     "e5m2 is not supported for bmm_fp8 with cutlass backend"),
-    ({"A": torch.zeros(2, 3, 7, dtype=torch.bfloat16)}, TypeError, "A has dtype torch.bfloat16; bmm_fp8 takes"),
-    ({"B": torch.zeros(2, 7, 5, dtype=torch.int8)}, TypeError, "B has dtype torch.int8"),
-    ({"A": "a"}, TypeError, "A must be a torch.Tensor"),
-    ({"A": torch.zeros(3, 7, dtype=torch.float8_e4m3fn)}, ValueError, "A must be 3-D"),
-    ({"B": torch.zeros(3, 7, 5, dtype=torch.float8_e4m3fn)}, ValueError, r"B must be \[2, 7, n\]"),
-    ({"B": torch.zeros(2, 8, 5, dtype=torch.float8_e4m3fn)}, ValueError, r"B must be \[2, 7, n\]"),
-    ({"B": torch.zeros(2, 7, 5, dtype=torch.float8_e4m3fn, device="meta")}, ValueError, "B is on device meta"),
-    ({"A_scale": torch.tensor(1.0, dtype=torch.float64)}, TypeError, "A_scale has dtype torch.float64"),
-    ({"B_scale": torch.ones(2)}, ValueError, "B_scale must hold one element"),
-    ({"B_scale": 0.5}, TypeError, "B_scale must be a torch.Tensor"),
-    ({"out": torch.empty(2, 3, 5, dtype=torch.float16)}, TypeError, "out has dtype torch.float16 but dtype is"),
-    ({"out": torch.empty(2, 5, 3, dtype=torch.bfloat16)}, ValueError, r"out must have shape \(2, 3, 5\)"),
-])
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (
+            {"dtype": torch.float32},
+            ValueError,
+            r"Unsupported output dtype: torch.float32. Only torch.bfloat16 and torch.float16 are supported for "
+            r"FP8 GEMM",
+        ),
+        ({"backend": "cuda"}, ValueError, "backend must be one of 'cudnn', 'cublas', 'cutlass', 'auto'"),
+        (
+            {"backend": "cutlass", "B": torch.zeros(2, 7, 5, dtype=torch.float8_e5m2)},
+            ValueError,
+            "e5m2 is not supported for bmm_fp8 with cutlass backend",
+        ),
+        ({"A": torch.zeros(2, 3, 7, dtype=torch.bfloat16)}, TypeError, "A has dtype torch.bfloat16; bmm_fp8 takes"),
+        ({"B": torch.zeros(2, 7, 5, dtype=torch.int8)}, TypeError, "B has dtype torch.int8"),
+        ({"A": "a"}, TypeError, "A must be a torch.Tensor"),
+        ({"A": torch.zeros(3, 7, dtype=torch.float8_e4m3fn)}, ValueError, "A must be 3-D"),
+        ({"B": torch.zeros(3, 7, 5, dtype=torch.float8_e4m3fn)}, ValueError, r"B must be \[2, 7, n\]"),
+        ({"B": torch.zeros(2, 8, 5, dtype=torch.float8_e4m3fn)}, ValueError, r"B must be \[2, 7, n\]"),
+        ({"B": torch.zeros(2, 7, 5, dtype=torch.float8_e4m3fn, device="meta")}, ValueError, "B is on device meta"),
+        ({"A_scale": torch.tensor(1.0, dtype=torch.float64)}, TypeError, "A_scale has dtype torch.float64"),
+        ({"B_scale": torch.ones(2)}, ValueError, "B_scale must hold one element"),
+        ({"B_scale": 0.5}, TypeError, "B_scale must be a torch.Tensor"),
+        ({"out": torch.empty(2, 3, 5, dtype=torch.float16)}, TypeError, "out has dtype torch.float16 but dtype is"),
+        ({"out": torch.empty(2, 5, 3, dtype=torch.bfloat16)}, ValueError, r"out must have shape \(2, 3, 5\)"),
+    ],
+)
 def test_bmm_fp8_errors_name_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         bmm_fp8(**_fp8_args(**changes))

@@ -16,12 +16,24 @@ import pytest
 import torch
 
 import kernforge
-from conftest import clean_env
 from kernforge.jit import tuning
 from kernforge.ops.gemm import bf16
-from kernforge.ops.gemm.bf16 import (DEFAULT_BLOCKING, GEMM, LAYOUT_VERSION, TILE_CANDIDATES, PackedWeight, config_name,
-                                convert_weight_packed, gemm_config, linear_with_config, linear_with_tile, tile_shape,
-                                weight_packed_linear)
+from kernforge.ops.gemm.bf16 import (
+    DEFAULT_BLOCKING,
+    GEMM,
+    LAYOUT_VERSION,
+    TILE_CANDIDATES,
+    PackedWeight,
+    config_name,
+    convert_weight_packed,
+    gemm_config,
+    linear_with_config,
+    linear_with_tile,
+    tile_shape,
+    weight_packed_linear,
+)
+
+from conftest import clean_env
 from op_helpers import seeded
 from references import linear_reference
 
@@ -134,8 +146,13 @@ def _assert_every_candidate_matches(dtype, m, n, k, key):
     try:
         kernforge.ops.set_num_threads(2)
         for config in _configs_for(dtype, m, n, k, GEMM.built_tier(kernforge.jit.isa.selected_tier())):
-            torch.testing.assert_close(linear_with_config(x, packed, config, b).float(), expected, rtol=rtol,
-                                       atol=atol * k ** 0.5, msg=lambda text: f"{config_name(config)}: {text}")
+            torch.testing.assert_close(
+                linear_with_config(x, packed, config, b).float(),
+                expected,
+                rtol=rtol,
+                atol=atol * k**0.5,
+                msg=lambda text: f"{config_name(config)}: {text}",
+            )
     finally:
         kernforge.ops.set_num_threads(None)
 
@@ -154,24 +171,34 @@ def test_the_tests_cover_every_candidate_and_rank_the_default_first():
     for tier in ("avx512", "avx2", "generic"):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             name = kernforge.ops._registry.DTYPE_NAMES[dtype]
-            listed = [c.params for c in [*TILE_CANDIDATES.candidates, TILE_CANDIDATES.reference]
-                      if tier in c.tiers and c.when({**WIDEST_SHAPE, "dtype": name})]
+            listed = [
+                c.params
+                for c in [*TILE_CANDIDATES.candidates, TILE_CANDIDATES.reference]
+                if tier in c.tiers and c.when({**WIDEST_SHAPE, "dtype": name})
+            ]
             assert _configs_for(dtype, *CANDIDATE_SHAPE, tier) == listed, (tier, name)
     # kf::gemm::DefaultTile with the default blocking: 8 x 32 for vdpbf16ps, 4 x 32 for the AVX-512 FMA
     # path, 4 x 16 below, whatever M and K; except bf16 on avx512 with K over one block, where the
     # 512-deep K block is the default (measured faster on Zen 5)
-    for dtype, tier, tile in [(torch.bfloat16, "avx512", (8, 32)), (torch.float32, "avx512", (4, 32)),
-                              (torch.float16, "avx512", (4, 32)), (torch.bfloat16, "avx2", (4, 16)),
-                              (torch.float32, "generic", (4, 16))]:
+    for dtype, tier, tile in [
+        (torch.bfloat16, "avx512", (8, 32)),
+        (torch.float32, "avx512", (4, 32)),
+        (torch.float16, "avx512", (4, 32)),
+        (torch.bfloat16, "avx2", (4, 16)),
+        (torch.float32, "generic", (4, 16)),
+    ]:
         for m in (1, 7, 300, 2048):
             for k in (1, 4096):
                 deep = dtype == torch.bfloat16 and tier == "avx512" and k > DEFAULT_BLOCKING["depth_block"]
                 expected = gemm_config(tile, depth_block=512) if deep else gemm_config(tile)
                 assert TILE_CANDIDATES.default(tile_shape(dtype, m, 64, k), tier).params == expected
     assert _configs_for(torch.bfloat16, 1, 64, 64, "avx512") == [gemm_config((8, 32)), gemm_config((1, 16))]
+
     # blocking is tuned where it changes something: K over one K block, M over one row block
-    blocked = lambda m, k: [c for c in _configs_for(torch.bfloat16, m, 64, k, "avx512")  # noqa: E731
-                            if {name: c[name] for name in DEFAULT_BLOCKING} != DEFAULT_BLOCKING]
+    def blocked(m, k):
+        configs = _configs_for(torch.bfloat16, m, 64, k, "avx512")
+        return [c for c in configs if {name: c[name] for name in DEFAULT_BLOCKING} != DEFAULT_BLOCKING]
+
     assert blocked(64, 256) == []
     assert blocked(64, 257) == [gemm_config((8, 32), depth_block=512)]
     assert blocked(65, 256) == [gemm_config((8, 32), row_block=128), gemm_config((8, 32), split="m")]
@@ -215,14 +242,15 @@ def test_tuned_config_is_dispatched_for_its_bucket_only(tuning_cache):
         timed.append(config)
         return 0.5 if config == forced else 1.0
 
-    result, = kernforge.tune_gemm([200], [(n, k)], measure=fake_timer)
+    (result,) = kernforge.tune_gemm([200], [(n, k)], measure=fake_timer)
     assert result["config"] == forced and result["default"] == default and result["m_bucket"] == 256
     assert timed == configs  # every applicable candidate, the default first, once each
     assert set(result["seconds"]) == {config_name(c) for c in configs}
     for m in (129, 256):  # one bucket: 129..256 rows
         x, w, b = _operands(m, n, k, bias=True, key=("tuned",))
-        _assert_matches(weight_packed_linear(x, convert_weight_packed(w), b), linear_reference(x, w, b),
-                        torch.bfloat16, k)
+        _assert_matches(
+            weight_packed_linear(x, convert_weight_packed(w), b), linear_reference(x, w, b), torch.bfloat16, k
+        )
         assert _dispatched(m, n, k) == forced
     assert _dispatched(128, n, k) == default  # another bucket
     assert _dispatched(200, n, k + 2) == default  # another K
@@ -235,7 +263,7 @@ def test_the_default_is_kept_unless_another_is_clearly_faster(tuning_cache, gain
     tier = GEMM.built_tier(kernforge.jit.isa.selected_tier())
     configs = _configs_for(torch.bfloat16, 16, 40, 64, tier)
     fastest = configs[1]
-    result, = kernforge.tune_gemm([16], [(40, 64)], measure=lambda c, run: 1.0 - gain if c == fastest else 1.0)
+    (result,) = kernforge.tune_gemm([16], [(40, 64)], measure=lambda c, run: 1.0 - gain if c == fastest else 1.0)
     assert result["config"] == (fastest if wins else configs[0])
     assert _dispatched(16, 40, 64) == result["config"]
 
@@ -265,15 +293,24 @@ def test_recorded_config_is_used_and_a_corrupt_record_is_ignored(tuning_cache, c
 
 
 def test_tune_cli_records_winners(tuning_cache):
-    out = subprocess.run([sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "3", "--nk", "17x15",
-                          "--threads", "1"], env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "3", "--nk", "17x15", "--threads", "1"],
+        env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "bf16 m=1 (bucket 1) n=17 k=15" in out.stdout and "bf16 m=3 (bucket 4) n=17 k=15" in out.stdout
     records = json.loads((tuning_cache / "tuning" / "weight_packed_linear.json").read_text())
     assert sorted(r["bucket"] for r in records.values()) == ["bf16_m1_n17_k15", "bf16_m4_n17_k15"]
-    bad = subprocess.run([sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "--nk", "17by15"],
-                         env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kernforge", "tune", "gemm", "--m", "1", "--nk", "17by15"],
+        env=clean_env(KERNFORGE_CACHE_DIR=tuning_cache),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "--nk takes NxK" in bad.stderr
 
 
@@ -287,9 +324,14 @@ def test_tune_gemm_rejects_bad_shapes():
 # --------------------------------------------------------------------------- the packed weight
 
 
-@pytest.mark.parametrize("module, cls", [("kernforge.ops.gemm", "PackedWeight"),
-                                         ("kernforge.ops.gemm_int8", "PackedInt8Weight"),
-                                         ("kernforge.ops.gemm_fp8", "PackedFp8Weight")])
+@pytest.mark.parametrize(
+    "module, cls",
+    [
+        ("kernforge.ops.gemm", "PackedWeight"),
+        ("kernforge.ops.gemm_int8", "PackedInt8Weight"),
+        ("kernforge.ops.gemm_fp8", "PackedFp8Weight"),
+    ],
+)
 def test_weights_saved_under_the_flat_module_names_still_load(module, cls, monkeypatch):
     """Files saved before the GEMM ops became a package name their classes kernforge.ops.gemm_int8...
     (pickle writes a class's module and name): torch.load's default weights_only=True takes them."""
@@ -299,8 +341,7 @@ def test_weights_saved_under_the_flat_module_names_still_load(module, cls, monke
     import kernforge.ops.gemm as family
 
     found = next(getattr(m, cls) for m in (family.bf16, family.int8, family.fp8) if hasattr(m, cls))
-    fields = {f: torch.zeros(1) if f in ("packed", "compensation", "scale") else 1
-              for f in found.__dataclass_fields__}
+    fields = {f: torch.zeros(1) if f in ("packed", "compensation", "scale") else 1 for f in found.__dataclass_fields__}
     saved = found(**fields)
     monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{cls: found}))
     monkeypatch.setattr(found, "__module__", module)
@@ -337,8 +378,9 @@ def test_packed_layout_is_the_same_on_every_tier():
     assert all(torch.equal(packed[t].packed, packed[tiers[0]].packed) for t in tiers)
     for packed_under, run_under in zip(tiers, [*tiers[1:], tiers[0]]):
         with kernforge.use_isa(run_under):
-            _assert_matches(weight_packed_linear(x, packed[packed_under], b), linear_reference(x, w, b),
-                            torch.bfloat16, k)
+            _assert_matches(
+                weight_packed_linear(x, packed[packed_under], b), linear_reference(x, w, b), torch.bfloat16, k
+            )
 
 
 def test_packed_weight_of_another_layout_is_refused():
@@ -347,8 +389,11 @@ def test_packed_weight_of_another_layout_is_refused():
     buffer = io.BytesIO()
     torch.save(older, buffer)  # as an older kernforge would have saved it
     buffer.seek(0)
-    with pytest.raises(ValueError, match=f"packed has layout version {LAYOUT_VERSION - 1}; this kernforge reads "
-                                         f"version {LAYOUT_VERSION}: pack the weight again"):
+    with pytest.raises(
+        ValueError,
+        match=f"packed has layout version {LAYOUT_VERSION - 1}; this kernforge reads "
+        f"version {LAYOUT_VERSION}: pack the weight again",
+    ):
         weight_packed_linear(x, torch.load(buffer))
     # NR 16 tiles could read 16-column panels, NR 32 ones could not: refused whatever the tier and tile
     narrow = PackedWeight(torch.zeros(bf16.packed_shape(8, 16, 16), dtype=torch.bfloat16), 8, 16, panel_width=16)

@@ -23,8 +23,14 @@ from kernforge.cache import disk
 from kernforge.jit import core, isa
 from kernforge.jit.module import Entry, Module
 from kernforge.ops.gemm.bf16 import GEMM, TILE_CANDIDATES, convert_weight_packed, tile_shape, weight_packed_linear
-from kernforge.ops.gemm.int8 import (GEMM_INT8, convert_weight_packed_int8, int8_accumulate, int8_scaled_mm,
-                                     per_token_quant_int8)
+from kernforge.ops.gemm.int8 import (
+    GEMM_INT8,
+    convert_weight_packed_int8,
+    int8_accumulate,
+    int8_scaled_mm,
+    per_token_quant_int8,
+)
+
 from op_helpers import seeded
 from references import int8_accumulate_reference, int8_linear_reference, linear_reference
 
@@ -41,15 +47,26 @@ _LINEAR_ARGS = GEMM.entries["linear"].args
 _COUNTERS = Entry("take_counters", "int64_t counters")
 # The real modules' parameters and entries, plus the test entries of the emulated templates.
 GEMM_EMULATED = Module(
-    "gemm_amx_emulated", "gemm_amx_emulated.cpp.jinja", params=GEMM.params,
-    entries=[*GEMM.entries.values(), Entry("linear_tiles", _LINEAR_ARGS), _COUNTERS,
-             Entry("tile_product", "int64_t c, int64_t a, int64_t b, int64_t op"), Entry("misuse", "int64_t which")],
-    tiers={"avx512": "avx512"}, register=False,
+    "gemm_amx_emulated",
+    "gemm_amx_emulated.cpp.jinja",
+    params=GEMM.params,
+    entries=[
+        *GEMM.entries.values(),
+        Entry("linear_tiles", _LINEAR_ARGS),
+        _COUNTERS,
+        Entry("tile_product", "int64_t c, int64_t a, int64_t b, int64_t op"),
+        Entry("misuse", "int64_t which"),
+    ],
+    tiers={"avx512": "avx512"},
+    register=False,
 )
 GEMM_INT8_EMULATED = Module(
-    "gemm_int8_amx_emulated", "gemm_int8_amx_emulated.cpp.jinja", params=GEMM_INT8.params,
+    "gemm_int8_amx_emulated",
+    "gemm_int8_amx_emulated.cpp.jinja",
+    params=GEMM_INT8.params,
     entries=[*GEMM_INT8.entries.values(), Entry("accumulate_tiles", GEMM_INT8.entries["accumulate"].args), _COUNTERS],
-    tiers={"avx512": "avx512"}, register=False,
+    tiers={"avx512": "avx512"},
+    register=False,
 )
 
 
@@ -126,7 +143,7 @@ def test_emulated_tdpbf16ps_follows_the_sdm(gemm_emulated):
     a = torch.randn(16, 32, generator=g).bfloat16()
     b = torch.randn(16, 32, generator=g).bfloat16()
     c = torch.randn(16, 16, generator=g)
-    denormal = torch.tensor([0x7f], dtype=torch.int16).view(torch.bfloat16)[0]  # the largest, ~1.17e-38
+    denormal = torch.tensor([0x7F], dtype=torch.int16).view(torch.bfloat16)[0]  # the largest, ~1.17e-38
     a[3, 4], b[2, 6] = denormal, 1e35  # row 3, column 3: the denormal times 1e35 would add ~1e-3
     out = c.clone()
     gemm_emulated.tile_product(out.data_ptr(), a.data_ptr(), b.data_ptr(), 0)
@@ -140,7 +157,7 @@ def test_emulated_tdpbusd_is_exact_and_wraps(gemm_emulated):
     g = seeded("amx-emu-int8")
     a = torch.randint(0, 256, (16, 64), generator=g, dtype=torch.int32).to(torch.uint8)
     b = torch.randint(-128, 128, (16, 64), generator=g, dtype=torch.int32).to(torch.int8)
-    c = torch.randint(-2**20, 2**20, (16, 16), generator=g, dtype=torch.int32)
+    c = torch.randint(-(2**20), 2**20, (16, 16), generator=g, dtype=torch.int32)
     c[0, 0] = 2**31 - 1  # with a positive product the sum wraps past 2^31, as the instruction's does
     a[0], b[:, 0:4] = 255, 127
     out = c.clone()
@@ -153,11 +170,27 @@ def test_emulated_tdpbusd_is_exact_and_wraps(gemm_emulated):
     assert exact[0, 0] > 2**31 - 1 and torch.equal(out.long(), wrapped)
 
 
-@pytest.mark.parametrize("which,fault", [
-    (0, "bad_config"), (1, "bad_config"), (2, "shape_mismatch"), (3, "same_tile"), (4, "not_configured"),
-    (5, "bad_row_bytes"), (6, "not_configured"),
-], ids=["17-rows", "rows-without-bytes", "k-mismatch", "same-tile", "unconfigured-tile", "partial-dword",
-        "after-release"])
+@pytest.mark.parametrize(
+    "which,fault",
+    [
+        (0, "bad_config"),
+        (1, "bad_config"),
+        (2, "shape_mismatch"),
+        (3, "same_tile"),
+        (4, "not_configured"),
+        (5, "bad_row_bytes"),
+        (6, "not_configured"),
+    ],
+    ids=[
+        "17-rows",
+        "rows-without-bytes",
+        "k-mismatch",
+        "same-tile",
+        "unconfigured-tile",
+        "partial-dword",
+        "after-release",
+    ],
+)
 def test_emulation_reports_what_the_hardware_faults_on(gemm_emulated, which, fault):
     gemm_emulated.misuse(which)
     assert _take_counters(gemm_emulated) == {"faults": 1, "last_fault": FAULTS[fault], "dot_products": 0}
@@ -199,14 +232,33 @@ def _tile_order_model(x, w, bias):
 def _run_linear(kernel, entry, x, packed, bias, threads=2):
     m, k = x.shape
     out = torch.full((m, packed.n), float("nan"), dtype=torch.bfloat16)
-    status = getattr(kernel, entry)(out.data_ptr(), packed.n, x.data_ptr(), k, packed.packed.data_ptr(),
-                                    packed.panel_width, bias.data_ptr(), m, packed.n, k, threads)
+    status = getattr(kernel, entry)(
+        out.data_ptr(),
+        packed.n,
+        x.data_ptr(),
+        k,
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        bias.data_ptr(),
+        m,
+        packed.n,
+        k,
+        threads,
+    )
     assert status in (None, 0), f"{entry} returned {status}"
     return out
 
 
-BF16_SHAPES = [(1, 1, 1), (1, 47, 17), (5, 33, 64), (16, 32, 31), (17, 64, 33), (33, 47, 129), (70, 40, 95),
-               (33, 15, 4109)]
+BF16_SHAPES = [
+    (1, 1, 1),
+    (1, 47, 17),
+    (5, 33, 64),
+    (16, 32, 31),
+    (17, 64, 33),
+    (33, 47, 129),
+    (70, 40, 95),
+    (33, 15, 4109),
+]
 
 
 @pytest.mark.parametrize("m,n,k", BF16_SHAPES, ids=[f"m{m}_n{n}_k{k}" for m, n, k in BF16_SHAPES])
@@ -217,7 +269,7 @@ def test_emulated_bf16_tiles_match_the_operation_order_and_torch(gemm_emulated, 
     assert _no_faults(gemm_emulated) == _expected_dot_products(m, n, k, STEP_K["bf16"], TASK_COLUMNS["bf16"])
     assert torch.equal(out, _tile_order_model(x, w, bias))
     reference = linear_reference(x, w, bias)
-    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k ** 0.5)
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k**0.5)
 
 
 def test_emulated_bf16_linear_takes_tiles_from_min_rows(gemm_emulated):
@@ -230,8 +282,7 @@ def test_emulated_bf16_linear_takes_tiles_from_min_rows(gemm_emulated):
         dots = _no_faults(gemm_emulated)
         if m < MIN_ROWS:
             assert dots == 0, f"m={m} took the tile path"
-            torch.testing.assert_close(out.float(), linear_reference(x, w, bias), rtol=1e-2,
-                                       atol=1e-2 * k ** 0.5)
+            torch.testing.assert_close(out.float(), linear_reference(x, w, bias), rtol=1e-2, atol=1e-2 * k**0.5)
         else:
             assert dots == _expected_dot_products(m, n, k, STEP_K["bf16"], TASK_COLUMNS["bf16"])
             assert torch.equal(out, _tile_order_model(x, w, bias))
@@ -259,8 +310,19 @@ def _int8_operands(m, n, k, key):
 def _accumulate(kernel, entry, a_q, packed, threads=2):
     m, k = a_q.shape
     out = torch.full((m, packed.n), -7, dtype=torch.int32)
-    status = getattr(kernel, entry)(a_q.data_ptr(), k, packed.packed.data_ptr(), packed.panel_width,
-                                    packed.compensation.data_ptr(), out.data_ptr(), packed.n, m, packed.n, k, threads)
+    status = getattr(kernel, entry)(
+        a_q.data_ptr(),
+        k,
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        packed.compensation.data_ptr(),
+        out.data_ptr(),
+        packed.n,
+        m,
+        packed.n,
+        k,
+        threads,
+    )
     assert status in (None, 0), f"{entry} returned {status}"
     return out
 
@@ -297,9 +359,22 @@ def test_emulated_int8_scaled_mm_equals_the_vector_path(int8_emulated):
     a_scale = torch.rand(m, generator=seeded("amx-int8-scale")) * 1e-2
     bias = torch.randn(n, generator=seeded("amx-int8-bias"))
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    status = int8_emulated.scaled_mm(a_q.data_ptr(), k, a_scale.data_ptr(), packed.packed.data_ptr(),
-                                     packed.panel_width, packed.compensation.data_ptr(), packed.scale.data_ptr(),
-                                     bias.data_ptr(), out.data_ptr(), n, m, n, k, 2)
+    status = int8_emulated.scaled_mm(
+        a_q.data_ptr(),
+        k,
+        a_scale.data_ptr(),
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        packed.compensation.data_ptr(),
+        packed.scale.data_ptr(),
+        bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        2,
+    )
     assert status == 0 and _no_faults(int8_emulated) > 0
     assert torch.equal(out, int8_scaled_mm(a_q, packed, a_scale, bias))
 
@@ -318,13 +393,19 @@ def _amx_build(module, params, cache):
 def _mnemonics(so) -> str:
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed: cannot look into the built library")
-    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True, check=True
+    ).stdout
 
 
-@pytest.mark.parametrize("module,params,product", [
-    (GEMM, None, "tdpbf16ps"), (GEMM_INT8, {"dtype": "bf16"}, "tdpbusd"),
-], ids=["gemm", "gemm_int8"])
+@pytest.mark.parametrize(
+    "module,params,product",
+    [
+        (GEMM, None, "tdpbf16ps"),
+        (GEMM_INT8, {"dtype": "bf16"}, "tdpbusd"),
+    ],
+    ids=["gemm", "gemm_int8"],
+)
 def test_amx_builds_compile_with_the_tile_path(cache, module, params, product):
     so = _amx_build(module, params or _gemm_params(), cache)
     code = _mnemonics(so)
@@ -361,7 +442,7 @@ def test_amx_bf16_linear_matches_torch(amx, m, n, k):
     x, w, bias = _bf16_operands(m, n, k, ("hardware",))
     out = weight_packed_linear(x, convert_weight_packed(w), bias)
     reference = linear_reference(x, w, bias)
-    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k ** 0.5)
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2 * k**0.5)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 15, 17), (5, 64, 64), (33, 70, 129), (256, 130, 4109)])
@@ -372,5 +453,6 @@ def test_amx_int8_is_bit_exact(amx, m, n, k):
     x = torch.randn(m, k, generator=seeded("amx-int8-x", m, k)).bfloat16()
     q, q_scale = per_token_quant_int8(x)
     ref = int8_linear_reference(q, q_scale, w, scale)
-    torch.testing.assert_close(int8_scaled_mm(q, packed, q_scale).float(), ref, rtol=1e-2,
-                               atol=1e-2 * ref.abs().max().item())
+    torch.testing.assert_close(
+        int8_scaled_mm(q, packed, q_scale).float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item()
+    )

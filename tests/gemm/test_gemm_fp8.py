@@ -18,6 +18,7 @@ import torch
 import kernforge
 from kernforge.ops.gemm import fp8
 from kernforge.ops.gemm.fp8 import LAYOUT_VERSION, PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
+
 from op_helpers import seeded
 from references import fp8_block_linear_reference
 
@@ -52,7 +53,7 @@ def _assert_matches(actual, expected, dtype, k):
     assert actual.dtype is dtype
     rtol = TOLERANCE[dtype]
     # fp32 accumulation over k terms adds ~k * 2^-24 of the largest partial sum on top of out's rounding.
-    atol = (rtol + k * 2.0 ** -24) * expected.abs().max().item() + 1e-6
+    atol = (rtol + k * 2.0**-24) * expected.abs().max().item() + 1e-6
     torch.testing.assert_close(actual.float(), expected, rtol=rtol, atol=atol)
 
 
@@ -152,12 +153,13 @@ def test_thread_counts_agree(path):
 def test_empty_m_and_k(path):
     w, scale = _weight(5, 0)
     bias = torch.arange(5, dtype=torch.float32)
-    out = fp8_scaled_mm(torch.zeros(3, 0, dtype=torch.bfloat16), convert_weight_packed_fp8(w, scale), scale,
-                        bias=bias)
+    out = fp8_scaled_mm(torch.zeros(3, 0, dtype=torch.bfloat16), convert_weight_packed_fp8(w, scale), scale, bias=bias)
     assert torch.equal(out.float(), bias.expand(3, 5))
     w, scale = _weight(5, 7)
-    assert fp8_scaled_mm(torch.zeros(0, 7, dtype=torch.bfloat16), convert_weight_packed_fp8(w, scale),
-                         scale).shape == (0, 5)
+    assert fp8_scaled_mm(torch.zeros(0, 7, dtype=torch.bfloat16), convert_weight_packed_fp8(w, scale), scale).shape == (
+        0,
+        5,
+    )
 
 
 # --------------------------------------------------------------------------- packing

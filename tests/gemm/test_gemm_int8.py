@@ -16,8 +16,16 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.gemm.int8 import (LAYOUT_VERSION, PackedInt8Weight, convert_weight_packed_int8, int8_accumulate,
-                                     int8_scaled_mm, int8_scaled_mm_with_quant, per_token_quant_int8)
+from kernforge.ops.gemm.int8 import (
+    LAYOUT_VERSION,
+    PackedInt8Weight,
+    convert_weight_packed_int8,
+    int8_accumulate,
+    int8_scaled_mm,
+    int8_scaled_mm_with_quant,
+    per_token_quant_int8,
+)
+
 from op_helpers import seeded
 from references import int8_accumulate_reference, int8_linear_reference
 
@@ -207,8 +215,9 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="packed must be a PackedInt8Weight"):
         int8_scaled_mm(a_q, w, a_scale)
     with pytest.raises(ValueError, match="packed has layout version 99"):
-        int8_scaled_mm(a_q, PackedInt8Weight(packed.packed, packed.compensation, packed.scale, 8, 16,
-                                             layout_version=99), a_scale)
+        int8_scaled_mm(
+            a_q, PackedInt8Weight(packed.packed, packed.compensation, packed.scale, 8, 16, layout_version=99), a_scale
+        )
     with pytest.raises(ValueError, match="packed.compensation must be"):
         int8_scaled_mm(a_q, PackedInt8Weight(packed.packed, packed.compensation[:7], packed.scale, 8, 16), a_scale)
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):

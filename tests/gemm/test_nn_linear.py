@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernforge.nn as knn
+
 from op_helpers import seeded
 from references import fp8_block_dequantize
 
@@ -156,8 +157,11 @@ def test_state_dict_and_torch_save_round_trip(quant):
 def test_linear_compiles_without_graph_breaks():
     """kernforge.nn.Linear calls its GEMM through torch.ops.kernforge, one node of a compiled graph."""
     layer = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
-    model = torch.nn.Sequential(knn.Linear.from_linear(layer), torch.nn.ReLU(), knn.Linear.from_linear(
-        torch.nn.Linear(48, 32).to(torch.bfloat16), quant="int8"))
+    model = torch.nn.Sequential(
+        knn.Linear.from_linear(layer),
+        torch.nn.ReLU(),
+        knn.Linear.from_linear(torch.nn.Linear(48, 32).to(torch.bfloat16), quant="int8"),
+    )
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(x)

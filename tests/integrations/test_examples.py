@@ -7,13 +7,15 @@ import sys
 import pytest
 
 import kernforge
+
 from conftest import EXAMPLES_DIR as EXAMPLES
 
 
 @pytest.mark.slow  # a child process: imports torch, compiles the example on every tier
 def test_custom_variant_example_runs_on_every_tier(kernforge_cache_dir):
-    result = subprocess.run([sys.executable, str(EXAMPLES / "custom_variant.py")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "custom_variant.py")], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for tier in kernforge.jit.runnable_tiers():
         assert f"relu2_and_mul on tier {tier}: matches torch" in result.stdout
@@ -21,7 +23,8 @@ def test_custom_variant_example_runs_on_every_tier(kernforge_cache_dir):
 
 @pytest.mark.slow  # a child process: imports torch, compiles RoPE, append and decode
 def test_decode_step_example_matches_torch(kernforge_cache_dir):
-    result = subprocess.run([sys.executable, str(EXAMPLES / "decode_step.py")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "decode_step.py")], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("max |error| vs torch") == 4

@@ -21,16 +21,19 @@ so the suite compiles no variant for this file alone.
 from __future__ import annotations
 
 import gc
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch._dynamo.testing
 
 import kernforge
-from kernforge.ops.attention import decode, prefill
-from kernforge.ops.gemm import bf16 as gemm, int8 as gemm_int8
 from kernforge import torch_library as tl
+from kernforge.ops.attention import decode, prefill
+from kernforge.ops.gemm import bf16 as gemm
+from kernforge.ops.gemm import int8 as gemm_int8
+
 from op_helpers import randn, seeded
 
 BF16 = torch.bfloat16
@@ -39,18 +42,35 @@ OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 # Each op's written arguments, stated independently of the module.
 WRITES = {
-    "rmsnorm": set(), "rmsnorm_out": {"out"}, "gemma_rmsnorm": set(), "gemma_rmsnorm_out": {"out"},
-    "fused_add_rmsnorm": {"input", "residual"}, "gemma_fused_add_rmsnorm": {"input", "residual"},
-    "silu_and_mul": set(), "silu_and_mul_out": {"out"}, "gelu_and_mul": set(), "gelu_and_mul_out": {"out"},
-    "gelu_tanh_and_mul": set(), "gelu_tanh_and_mul_out": {"out"},
-    "apply_rope_pos_ids": set(), "apply_rope_pos_ids_inplace": {"q", "k"},
-    "apply_llama31_rope_pos_ids": set(), "apply_llama31_rope_pos_ids_inplace": {"q", "k"},
-    "apply_rope": set(), "apply_rope_inplace": {"q", "k"},
-    "apply_llama31_rope": set(), "apply_llama31_rope_inplace": {"q", "k"},
-    "apply_rope_with_cos_sin_cache": set(), "apply_rope_with_cos_sin_cache_inplace": {"query", "key"},
+    "rmsnorm": set(),
+    "rmsnorm_out": {"out"},
+    "gemma_rmsnorm": set(),
+    "gemma_rmsnorm_out": {"out"},
+    "fused_add_rmsnorm": {"input", "residual"},
+    "gemma_fused_add_rmsnorm": {"input", "residual"},
+    "silu_and_mul": set(),
+    "silu_and_mul_out": {"out"},
+    "gelu_and_mul": set(),
+    "gelu_and_mul_out": {"out"},
+    "gelu_tanh_and_mul": set(),
+    "gelu_tanh_and_mul_out": {"out"},
+    "apply_rope_pos_ids": set(),
+    "apply_rope_pos_ids_inplace": {"q", "k"},
+    "apply_llama31_rope_pos_ids": set(),
+    "apply_llama31_rope_pos_ids_inplace": {"q", "k"},
+    "apply_rope": set(),
+    "apply_rope_inplace": {"q", "k"},
+    "apply_llama31_rope": set(),
+    "apply_llama31_rope_inplace": {"q", "k"},
+    "apply_rope_with_cos_sin_cache": set(),
+    "apply_rope_with_cos_sin_cache_inplace": {"query", "key"},
     "append_paged_kv_cache": {"paged_kv_cache", "paged_v_cache"},
-    "weight_packed_linear": set(), "weight_packed_linear_out": {"out"}, "int8_scaled_mm_with_quant": set(),
-    "top_k_top_p_sampling_from_logits": set(), "attention_run": set(), "attention_run_return_lse": set(),
+    "weight_packed_linear": set(),
+    "weight_packed_linear_out": {"out"},
+    "int8_scaled_mm_with_quant": set(),
+    "top_k_top_p_sampling_from_logits": set(),
+    "attention_run": set(),
+    "attention_run_return_lse": set(),
 }
 
 
@@ -88,6 +108,7 @@ class Case(NamedTuple):
 
 def _writes_out(op):
     """The Python op called as an ``<op>_out`` custom op is: the result in ``out``, nothing returned."""
+
     def call(*args, out):
         op(*args, out=out)
 
@@ -124,7 +145,7 @@ def _gated_out_case(op, g):
 def _qk(g, nnz=5, head_dim=64):
     """q [nnz, 4, D] and k [nnz, 2, D]: views of one packed qkv tensor, as models make them."""
     qkv = bf16((nnz, 8 * head_dim), g)
-    return qkv[:, :4 * head_dim].view(nnz, 4, head_dim), qkv[:, 4 * head_dim:6 * head_dim].view(nnz, 2, head_dim)
+    return qkv[:, : 4 * head_dim].view(nnz, 4, head_dim), qkv[:, 4 * head_dim : 6 * head_dim].view(nnz, 2, head_dim)
 
 
 def _rope_pos_ids_case(op, g):
@@ -139,8 +160,11 @@ def _llama31_pos_ids_case(op, g):
 
 def _rope_segments_case(op, g):
     q, k = _qk(g)
-    return Case((q, k, torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([4, 0], dtype=torch.int32)), op,
-                {"interleave": True})
+    return Case(
+        (q, k, torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([4, 0], dtype=torch.int32)),
+        op,
+        {"interleave": True},
+    )
 
 
 def _cos_sin_case(op, g):
@@ -153,7 +177,7 @@ def _cos_sin_case(op, g):
 def _paged_batch(g, kv_lens, num_pages=8):
     """Pages in a shuffled order: (indptr, indices, last_page_len) for requests of ``kv_lens`` tokens."""
     counts = [-(-n // PAGE_SIZE) for n in kv_lens]
-    indices = torch.randperm(num_pages, generator=g)[:sum(counts)].to(torch.int32)
+    indices = torch.randperm(num_pages, generator=g)[: sum(counts)].to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     last = torch.tensor([(n - 1) % PAGE_SIZE + 1 for n in kv_lens], dtype=torch.int32)
     return indptr, indices, last
@@ -166,9 +190,12 @@ def _append_case(g, pair: bool):
     cache = bf16((8, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM), g)
     k, v = bf16((5, KV_HEADS, HEAD_DIM), g), bf16((5, KV_HEADS, HEAD_DIM), g)
     halves = (cache[:, 0], cache[:, 1]) if pair else (cache, None)
-    return Case((k, v, batch_indices, positions, *halves, indices, indptr, last),
-                lambda k, v, b, p, kv, v_cache, *rest: kernforge.append_paged_kv_cache(
-                    k, v, b, p, kv if v_cache is None else (kv, v_cache), *rest))
+    return Case(
+        (k, v, batch_indices, positions, *halves, indices, indptr, last),
+        lambda k, v, b, p, kv, v_cache, *rest: kernforge.append_paged_kv_cache(
+            k, v, b, p, kv if v_cache is None else (kv, v_cache), *rest
+        ),
+    )
 
 
 def _packed(g, n=45, k=70):
@@ -177,31 +204,53 @@ def _packed(g, n=45, k=70):
 
 def _linear_case(g):
     packed = _packed(g)
-    return Case((bf16((2, 3, 70), g), packed.packed, packed.n, packed.k, packed.panel_width, bf16((45,), g)),
-                lambda x, p, n, k, width, bias: kernforge.weight_packed_linear(x, packed, bias))
+    return Case(
+        (bf16((2, 3, 70), g), packed.packed, packed.n, packed.k, packed.panel_width, bf16((45,), g)),
+        lambda x, p, n, k, width, bias: kernforge.weight_packed_linear(x, packed, bias),
+    )
 
 
 def _linear_out_case(g):
     packed = _packed(g)
-    return Case((bf16((3, 70), g), packed.packed, packed.n, packed.k, packed.panel_width, None),
-                _writes_out(lambda x, p, n, k, width, bias, out: kernforge.weight_packed_linear(x, packed, bias, out)),
-                {"out": torch.empty(3, 45, dtype=BF16)})
+    return Case(
+        (bf16((3, 70), g), packed.packed, packed.n, packed.k, packed.panel_width, None),
+        _writes_out(lambda x, p, n, k, width, bias, out: kernforge.weight_packed_linear(x, packed, bias, out)),
+        {"out": torch.empty(3, 45, dtype=BF16)},
+    )
 
 
 def _int8_case(g):
     weight = torch.randint(-127, 128, (45, 70), generator=g, dtype=torch.int8)
     packed = gemm_int8.convert_weight_packed_int8(weight, randn((45,), g).abs() * 0.01)
-    return Case((bf16((3, 70), g), packed.packed, packed.compensation, packed.scale, packed.n, packed.k,
-                 packed.panel_width, randn((45,), g)),
-                lambda x, *weight_args: kernforge.int8_scaled_mm_with_quant(x, packed, weight_args[-1]))
+    return Case(
+        (
+            bf16((3, 70), g),
+            packed.packed,
+            packed.compensation,
+            packed.scale,
+            packed.n,
+            packed.k,
+            packed.panel_width,
+            randn((45,), g),
+        ),
+        lambda x, *weight_args: kernforge.int8_scaled_mm_with_quant(x, packed, weight_args[-1]),
+    )
 
 
 def _sampling_case(g):
     logits = randn((4, 1000), g, 3.0)
-    return Case((logits, torch.tensor([50, 1, 1000, 7]), torch.tensor([0.9, 1.0, 0.5, 0.0]),
-                 torch.tensor([1234567], dtype=torch.int64), torch.tensor([3], dtype=torch.int64)),
-                lambda logits, top_k, top_p, seed, offset: kernforge.top_k_top_p_sampling_from_logits(
-                    logits, top_k, top_p, seed=seed, offset=offset, return_valid=True))
+    return Case(
+        (
+            logits,
+            torch.tensor([50, 1, 1000, 7]),
+            torch.tensor([0.9, 1.0, 0.5, 0.0]),
+            torch.tensor([1234567], dtype=torch.int64),
+            torch.tensor([3], dtype=torch.int64),
+        ),
+        lambda logits, top_k, top_p, seed, offset: kernforge.top_k_top_p_sampling_from_logits(
+            logits, top_k, top_p, seed=seed, offset=offset, return_valid=True
+        ),
+    )
 
 
 KV_LENS, QO_LENS = [20, 7], [3, 5]
@@ -214,56 +263,89 @@ def _decode_case(g, workspace, wrapper_class, return_lse=False):
     tl.register_wrapper(wrapper)
     cache = bf16((8, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM), g)
     q = bf16((2, QO_HEADS, HEAD_DIM), g)
-    return Case(([q, cache, None], wrapper._torch_library_handle, BF16, HEAD_DIM),
-                lambda tensors, *planned: decode.BatchDecodeWithPagedKVCacheWrapper.run(
-                    wrapper, tensors[0], tensors[1], return_lse=return_lse),
-                keep=wrapper)
+    return Case(
+        ([q, cache, None], wrapper._torch_library_handle, BF16, HEAD_DIM),
+        lambda tensors, *planned: decode.BatchDecodeWithPagedKVCacheWrapper.run(
+            wrapper, tensors[0], tensors[1], return_lse=return_lse
+        ),
+        keep=wrapper,
+    )
 
 
 def _prefill_case(g, workspace, return_lse=False):
     indptr, indices, last = _paged_batch(g, KV_LENS)
     wrapper = tl.BatchPrefillWithPagedKVCacheWrapper(workspace)
     qo_indptr = torch.tensor([0, 3, 8], dtype=torch.int32)
-    wrapper.plan(qo_indptr, indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=True,
-                 q_data_type=BF16)
+    wrapper.plan(
+        qo_indptr, indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=True, q_data_type=BF16
+    )
     cache = bf16((8, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM), g)
     q = bf16((8, QO_HEADS, HEAD_DIM), g)
-    return Case(([q, cache[:, 0], cache[:, 1]], wrapper._torch_library_handle, BF16, HEAD_DIM, 0.5, 1.5, 0.75),
-                lambda tensors, *planned: prefill.BatchPrefillWithPagedKVCacheWrapper.run(
-                    wrapper, tensors[0], tuple(tensors[1:]), q_scale=0.5, k_scale=1.5, v_scale=0.75,
-                    return_lse=return_lse),
-                keep=wrapper)
+    return Case(
+        ([q, cache[:, 0], cache[:, 1]], wrapper._torch_library_handle, BF16, HEAD_DIM, 0.5, 1.5, 0.75),
+        lambda tensors, *planned: prefill.BatchPrefillWithPagedKVCacheWrapper.run(
+            wrapper, tensors[0], tuple(tensors[1:]), q_scale=0.5, k_scale=1.5, v_scale=0.75, return_lse=return_lse
+        ),
+        keep=wrapper,
+    )
 
 
 def _ragged_case(g, workspace):
     wrapper = tl.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper.plan(torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 20, 27], dtype=torch.int32),
-                 QO_HEADS, KV_HEADS, HEAD_DIM, causal=True, q_data_type=BF16)
+    wrapper.plan(
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([0, 20, 27], dtype=torch.int32),
+        QO_HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        causal=True,
+        q_data_type=BF16,
+    )
     q, k, v = bf16((8, QO_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g)
-    return Case(([q, k, v], wrapper._torch_library_handle, BF16, HEAD_DIM),
-                lambda tensors, *planned: prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, *tensors),
-                keep=wrapper)
+    return Case(
+        ([q, k, v], wrapper._torch_library_handle, BF16, HEAD_DIM),
+        lambda tensors, *planned: prefill.BatchPrefillWithRaggedKVCacheWrapper.run(wrapper, *tensors),
+        keep=wrapper,
+    )
 
 
 CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
-    **{name: (lambda op: lambda g, ws: _norm_case(op, g))(getattr(kernforge, name))
-       for name in ("rmsnorm", "gemma_rmsnorm")},
-    **{f"{name}_out": (lambda op: lambda g, ws: _norm_out_case(op, g))(getattr(kernforge, name))
-       for name in ("rmsnorm", "gemma_rmsnorm")},
-    **{name: (lambda op: lambda g, ws: _fused_add_case(op, g))(getattr(kernforge, name))
-       for name in ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")},
-    **{name: (lambda op: lambda g, ws: _gated_case(op, g))(getattr(kernforge, name))
-       for name in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")},
-    **{f"{name}_out": (lambda op: lambda g, ws: _gated_out_case(op, g))(getattr(kernforge, name))
-       for name in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")},
-    **{name: (lambda op: lambda g, ws: _rope_pos_ids_case(op, g))(getattr(kernforge, name))
-       for name in ("apply_rope_pos_ids", "apply_rope_pos_ids_inplace")},
-    **{name: (lambda op: lambda g, ws: _llama31_pos_ids_case(op, g))(getattr(kernforge, name))
-       for name in ("apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace")},
-    **{name: (lambda op: lambda g, ws: _rope_segments_case(op, g))(getattr(kernforge, name))
-       for name in ("apply_rope", "apply_rope_inplace", "apply_llama31_rope", "apply_llama31_rope_inplace")},
-    **{name: (lambda op: lambda g, ws: _cos_sin_case(op, g))(getattr(kernforge, name))
-       for name in ("apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace")},
+    **{
+        name: (lambda op: lambda g, ws: _norm_case(op, g))(getattr(kernforge, name))
+        for name in ("rmsnorm", "gemma_rmsnorm")
+    },
+    **{
+        f"{name}_out": (lambda op: lambda g, ws: _norm_out_case(op, g))(getattr(kernforge, name))
+        for name in ("rmsnorm", "gemma_rmsnorm")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _fused_add_case(op, g))(getattr(kernforge, name))
+        for name in ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _gated_case(op, g))(getattr(kernforge, name))
+        for name in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
+    },
+    **{
+        f"{name}_out": (lambda op: lambda g, ws: _gated_out_case(op, g))(getattr(kernforge, name))
+        for name in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _rope_pos_ids_case(op, g))(getattr(kernforge, name))
+        for name in ("apply_rope_pos_ids", "apply_rope_pos_ids_inplace")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _llama31_pos_ids_case(op, g))(getattr(kernforge, name))
+        for name in ("apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _rope_segments_case(op, g))(getattr(kernforge, name))
+        for name in ("apply_rope", "apply_rope_inplace", "apply_llama31_rope", "apply_llama31_rope_inplace")
+    },
+    **{
+        name: (lambda op: lambda g, ws: _cos_sin_case(op, g))(getattr(kernforge, name))
+        for name in ("apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace")
+    },
     "append_paged_kv_cache": lambda g, ws: _append_case(g, pair=False),
     "append_paged_kv_cache[pair]": lambda g, ws: _append_case(g, pair=True),
     "weight_packed_linear": lambda g, ws: _linear_case(g),
@@ -273,8 +355,9 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "attention_run[decode]": lambda g, ws: _decode_case(g, ws, kernforge.BatchDecodeWithPagedKVCacheWrapper),
     "attention_run[prefill]": lambda g, ws: _prefill_case(g, ws),
     "attention_run[ragged]": lambda g, ws: _ragged_case(g, ws),
-    "attention_run_return_lse[decode]":
-        lambda g, ws: _decode_case(g, ws, tl.BatchDecodeWithPagedKVCacheWrapper, return_lse=True),
+    "attention_run_return_lse[decode]": lambda g, ws: _decode_case(
+        g, ws, tl.BatchDecodeWithPagedKVCacheWrapper, return_lse=True
+    ),
     "attention_run_return_lse[prefill]": lambda g, ws: _prefill_case(g, ws, return_lse=True),
 }
 
@@ -304,8 +387,9 @@ def test_custom_op_gives_the_python_op_result(case_id, workspace):
     want_case = CASES[case_id](seeded(case_id), workspace)
     want = want_case.python(*want_case.args, **want_case.kwargs)
     # the results, then the tensor arguments afterwards (what the in-place ops wrote)
-    got_args, want_args = ([t for t in _tensors([case.args, case.kwargs]) if isinstance(t, torch.Tensor)]
-                           for case in (got_case, want_case))
+    got_args, want_args = (
+        [t for t in _tensors([case.args, case.kwargs]) if isinstance(t, torch.Tensor)] for case in (got_case, want_case)
+    )
     for a, b in zip(_tensors(got) + got_args, _tensors(want) + want_args, strict=True):
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
@@ -326,8 +410,10 @@ def test_opcheck(case_id, workspace):
 def test_attention_run_refuses_a_dead_or_mismatched_handle(workspace):
     case = CASES["attention_run[decode]"](seeded("handles"), workspace)
     tensors, handle, dtype, head_dim = case.args
-    with pytest.raises(ValueError, match="out_dtype torch.float32 and head_dim_vo 128, but the wrapper's plan "
-                                         "gives torch.bfloat16 and 128"):
+    with pytest.raises(
+        ValueError,
+        match="out_dtype torch.float32 and head_dim_vo 128, but the wrapper's plan gives torch.bfloat16 and 128",
+    ):
         custom_op("attention_run")(tensors, handle, torch.float32, head_dim)
     del case
     gc.collect()
@@ -375,8 +461,15 @@ class _TraceableSplitQueryRagged(tl._TraceableRun, _SplitQueryRagged):
 def test_a_wrapper_with_its_own_run_signature_compiles_through_attention_run(workspace):
     g = seeded("split query")
     wrapper = _TraceableSplitQueryRagged(workspace)
-    wrapper.plan(torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 20, 27], dtype=torch.int32),
-                 QO_HEADS, KV_HEADS, HEAD_DIM, causal=True, q_data_type=BF16)
+    wrapper.plan(
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([0, 20, 27], dtype=torch.int32),
+        QO_HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        causal=True,
+        q_data_type=BF16,
+    )
     q = bf16((8, QO_HEADS, HEAD_DIM), g)
     k, v = bf16((27, KV_HEADS, HEAD_DIM), g), bf16((27, KV_HEADS, HEAD_DIM), g)
     q_a, q_b = q[..., :40].contiguous(), q[..., 40:].contiguous()
@@ -398,10 +491,14 @@ def test_traced_sampling_takes_python_parameters_and_seeds():
         return tl.top_k_top_p_sampling_from_logits(logits, 5000, 0.8, seed=seed, offset=2)
 
     traced = torch.compile(sample, backend="eager", fullgraph=True)
-    assert torch.equal(traced(logits, seed), kernforge.top_k_top_p_sampling_from_logits(logits, 5000, 0.8, seed=seed,
-                                                                                         offset=2))
-    drawn = torch.compile(lambda logits: tl.top_k_top_p_sampling_from_logits(logits, 3, 0.9, return_valid=True),
-                          backend="eager", fullgraph=True)(logits)  # seed from torch's default generator
+    assert torch.equal(
+        traced(logits, seed), kernforge.top_k_top_p_sampling_from_logits(logits, 5000, 0.8, seed=seed, offset=2)
+    )
+    drawn = torch.compile(
+        lambda logits: tl.top_k_top_p_sampling_from_logits(logits, 3, 0.9, return_valid=True),
+        backend="eager",
+        fullgraph=True,
+    )(logits)  # seed from torch's default generator
     top3 = logits.topk(3).indices
     assert drawn[1].all() and (drawn[0][:, None].long() == top3).any(1).all()
 
@@ -434,14 +531,15 @@ class TinyLlamaLayer(torch.nn.Module):
         self.gate_up = PackedLinear(bf16((2 * intermediate, hidden), g, 0.1))
         self.down = PackedLinear(bf16((hidden, intermediate), g, 0.1))
 
-    def forward(self, hidden, residual, pos_ids, batch_indices, positions, cache, kv_indices, kv_indptr, kv_last,
-                wrapper):
+    def forward(
+        self, hidden, residual, pos_ids, batch_indices, positions, cache, kv_indices, kv_indptr, kv_last, wrapper
+    ):
         tl.fused_add_rmsnorm(hidden, residual, self.input_norm)  # residual += hidden; hidden = norm(residual)
         qkv = self.qkv(hidden)
         q_size, kv_size = QO_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
         q = qkv[:, :q_size].view(-1, QO_HEADS, HEAD_DIM)
-        k = qkv[:, q_size:q_size + kv_size].view(-1, KV_HEADS, HEAD_DIM)
-        v = qkv[:, q_size + kv_size:].view(-1, KV_HEADS, HEAD_DIM)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, KV_HEADS, HEAD_DIM)
+        v = qkv[:, q_size + kv_size :].view(-1, KV_HEADS, HEAD_DIM)
         tl.apply_llama31_rope_pos_ids_inplace(q, k, pos_ids)
         tl.append_paged_kv_cache(k, v, batch_indices, positions, cache, kv_indices, kv_indptr, kv_last)
         attn = wrapper.run(q, cache)
@@ -471,10 +569,12 @@ class Sequences:
         last = torch.tensor([(n - 1) % PAGE_SIZE + 1 for n in self.lengths], dtype=torch.int32)
         qo_indptr = torch.tensor([0, new_tokens[0], sum(new_tokens)], dtype=torch.int32)
         batch_indices, positions = kernforge.get_batch_indices_positions(
-            qo_indptr, torch.tensor(self.lengths, dtype=torch.int32), sum(new_tokens))
+            qo_indptr, torch.tensor(self.lengths, dtype=torch.int32), sum(new_tokens)
+        )
         if max(new_tokens) > 1:
-            self.prefill.plan(qo_indptr, indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=True,
-                              q_data_type=BF16)
+            self.prefill.plan(
+                qo_indptr, indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=True, q_data_type=BF16
+            )
             wrapper = self.prefill
         else:
             self.decode.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=BF16)
@@ -498,14 +598,21 @@ def test_llama_layer_compiles_without_graph_breaks_and_matches_eager(workspace):
         inputs = (pos_ids, batch_indices, positions)
         with torch.no_grad():
             if check_explain:  # traced on copies: explain runs the function
-                explained = torch._dynamo.explain(layer)(hidden.clone(), residual.clone(), *inputs,
-                                                         eager_cache.clone(), *table, wrapper)
+                explained = torch._dynamo.explain(layer)(
+                    hidden.clone(), residual.clone(), *inputs, eager_cache.clone(), *table, wrapper
+                )
                 assert explained.graph_break_count == 0, explained.break_reasons
                 assert explained.graph_count == 1
                 ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
-                assert {"kernforge.fused_add_rmsnorm", "kernforge.weight_packed_linear",
-                        "kernforge.apply_llama31_rope_pos_ids_inplace", "kernforge.append_paged_kv_cache",
-                        "kernforge.attention_run", "kernforge.silu_and_mul_out", "kernforge.rmsnorm"} <= ops
+                assert {
+                    "kernforge.fused_add_rmsnorm",
+                    "kernforge.weight_packed_linear",
+                    "kernforge.apply_llama31_rope_pos_ids_inplace",
+                    "kernforge.append_paged_kv_cache",
+                    "kernforge.attention_run",
+                    "kernforge.silu_and_mul_out",
+                    "kernforge.rmsnorm",
+                } <= ops
             want, _ = layer(hidden.clone(), eager_residual, *inputs, eager_cache, *table, wrapper)
             got, _ = compiled(hidden.clone(), compiled_residual, *inputs, compiled_cache, *table, wrapper)
         assert torch.equal(got, want)
@@ -554,8 +661,15 @@ ADAPTED = {
 
 
 # torch's spelling of a schema argument's type, for a Python annotation
-_TORCH_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Optional[Tensor]", "int": "int",
-                "int | None": "Optional[int]", "float": "float", "bool": "bool", "str": "str"}
+_TORCH_TYPES = {
+    "torch.Tensor": "Tensor",
+    "torch.Tensor | None": "Optional[Tensor]",
+    "int": "int",
+    "int | None": "Optional[int]",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
+}
 
 
 def _call_shape(fn) -> list:
@@ -575,8 +689,11 @@ def test_schema_matches_the_python_signature(name):
     base = name.removesuffix("_out")
     python_op = kernforge.ops.PUBLIC.get(base)
     facade = getattr(tl, base, None)
-    if facade is not None and python_op is not None and [k for _, k, _ in _call_shape(facade)] != [
-            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:  # (*args, **kwargs) forwards as is
+    if (
+        facade is not None
+        and python_op is not None
+        and [k for _, k, _ in _call_shape(facade)] != [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+    ):  # (*args, **kwargs) forwards as is
         assert _call_shape(facade) == _call_shape(python_op)
     if name in ADAPTED:
         return

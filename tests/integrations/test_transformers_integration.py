@@ -14,18 +14,37 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
-from transformers import (DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (  # noqa: E402
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import kernforge  # noqa: E402
 from kernforge.integrations import transformers as kft  # noqa: E402
 from kernforge.integrations.transformers import _compat  # noqa: E402
 
 VOCAB = 1000
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096,
-             initializer_range=0.05, dtype="bfloat16")
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+    initializer_range=0.05,
+    dtype="bfloat16",
+)
 DECODE_STEPS = 32
 # The name this transformers release gives the KV cache argument (``cache`` from 5.24 on); the
 # optimized model takes either (test_both_cache_argument_names).
@@ -73,7 +92,7 @@ def teacher_forced_decode(model, sequence: torch.Tensor, prompt_len: int) -> tor
     cache = kft.new_cache(model)
     steps = [model(sequence[:, :prompt_len], **{CACHE: cache}).logits[0, -1]]
     for position in range(prompt_len, sequence.shape[1] - 1):
-        steps.append(model(sequence[:, position:position + 1], **{CACHE: cache}).logits[0, -1])
+        steps.append(model(sequence[:, position : position + 1], **{CACHE: cache}).logits[0, -1])
     return torch.stack(steps)
 
 
@@ -91,8 +110,9 @@ def test_prefill_logits_match_stock(llama, length):
 def test_decode_logits_match_stock_for_32_steps(llama):
     stock, reference, ours = llama
     ids = prompt(17)
-    out = stock.generate(ids, max_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = stock.generate(
+        ids, max_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     sequence = out.sequences
     ours_steps = teacher_forced_decode(ours, sequence, 17)
     stock_steps = torch.cat(out.logits)
@@ -104,7 +124,9 @@ def test_decode_logits_match_stock_for_32_steps(llama):
     # these steps): compare the steps' mean, and bound every step by stock's worst.
     ours_error = (ours_steps.float() - reference_steps).abs().amax(dim=-1)
     stock_error = (stock_steps.float() - reference_steps).abs().amax(dim=-1)
-    assert ours_error.mean() <= 1.25 * stock_error.mean(), f"mean max |error|: {ours_error.mean()} vs {stock_error.mean()}"
+    assert ours_error.mean() <= 1.25 * stock_error.mean(), (
+        f"mean max |error|: {ours_error.mean()} vs {stock_error.mean()}"
+    )
     assert ours_error.max() <= 1.5 * stock_error.max(), f"worst step: {ours_error.max()} vs {stock_error.max()}"
 
 
@@ -126,8 +148,9 @@ def test_int8_logits_track_stock(llama):
 def test_greedy_tokens_match_stock_or_diverge_at_a_near_tie(llama, length, record_property):
     stock, _, ours = llama
     ids = prompt(length, seed=length)
-    out = stock.generate(ids, max_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = stock.generate(
+        ids, max_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     expected = out.sequences[0, length:]
     got = kft.generate(ours, ids, max_new_tokens=DECODE_STEPS)[0, length:]
     assert got.shape == expected.shape == (DECODE_STEPS,)
@@ -137,8 +160,10 @@ def test_greedy_tokens_match_stock_or_diverge_at_a_near_tie(llama, length, recor
         logits = out.logits[step][0].float()
         top = logits.max().item()
         margin = top - logits[got[step]].item()
-        report = (f"greedy diverges from stock at step {step}: stock picks {int(expected[step])}, kernforge "
-                  f"{int(got[step])}, {margin} below stock's top logit {top} (bf16 step {bf16_step(top)})")
+        report = (
+            f"greedy diverges from stock at step {step}: stock picks {int(expected[step])}, kernforge "
+            f"{int(got[step])}, {margin} below stock's top logit {top} (bf16 step {bf16_step(top)})"
+        )
         record_property("divergence", report)
         print(report)
         assert margin <= 2 * bf16_step(top), report
@@ -151,7 +176,8 @@ def test_transformers_generate_runs_on_the_paged_cache(llama):
     calls = []
     hook = ours.model.layers[0].self_attn.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(type(kwargs.get("cache", kwargs.get("past_key_values"))).__name__),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     try:
         theirs = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     finally:
@@ -167,8 +193,8 @@ def padded_batch(lengths, seed: int = 7):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(0, VOCAB, (length,), generator=generator)
-        mask[row, width - length:] = 1
+        ids[row, width - length :] = torch.randint(0, VOCAB, (length,), generator=generator)
+        mask[row, width - length :] = 1
     return ids, mask
 
 
@@ -180,7 +206,7 @@ def test_batch_of_uneven_prompts_equals_each_alone(llama):
     batch = kft.generate(ours, ids, attention_mask=mask, max_new_tokens=12)
     assert batch.shape == (len(lengths), width + 12)
     for row, length in enumerate(lengths):
-        alone = kft.generate(ours, ids[row:row + 1, width - length:], max_new_tokens=12)
+        alone = kft.generate(ours, ids[row : row + 1, width - length :], max_new_tokens=12)
         assert torch.equal(batch[row, width:], alone[0, length:]), f"prompt {row} ({length} tokens)"
 
 
@@ -194,7 +220,7 @@ def test_padded_prefill_logits_match_stock(llama):
         batch = ours(ids, attention_mask=mask).logits[:, -1]
         stock_batch = stock(ids, attention_mask=mask).logits[:, -1]
         for row, length in enumerate(lengths):
-            alone = ids[row:row + 1, ids.shape[1] - length:]
+            alone = ids[row : row + 1, ids.shape[1] - length :]
             assert_logits_close(batch[row], stock_batch[row], reference(alone).logits[0, -1])
 
 
@@ -212,8 +238,15 @@ def test_sampling_uses_kernforge_and_is_reproducible(llama, monkeypatch):
     monkeypatch.setattr(kft._kernels, "top_k_top_p_sampling_from_logits", recording)
 
     def sampled(seed, **kwargs):
-        return kft.generate(ours, ids, attention_mask=mask, max_new_tokens=10, do_sample=True,
-                            generator=torch.Generator().manual_seed(seed), **kwargs)
+        return kft.generate(
+            ours,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=True,
+            generator=torch.Generator().manual_seed(seed),
+            **kwargs,
+        )
 
     first = sampled(3, temperature=0.8, top_k=5, top_p=0.9)
     assert len(calls) == 10
@@ -235,7 +268,7 @@ def test_eos_finishes_a_sequence_with_padding(llama):
     eos = int(greedy[2])
     out = kft.generate(ours, ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=999)[0, 6:]
     first_eos = int((greedy == eos).nonzero()[0])
-    assert out.tolist()[:first_eos + 1] == greedy.tolist()[:first_eos + 1]
+    assert out.tolist()[: first_eos + 1] == greedy.tolist()[: first_eos + 1]
     assert len(out) == first_eos + 1  # one sequence: the loop stops at its end
 
 
@@ -245,8 +278,8 @@ def test_eos_finishes_a_sequence_with_padding(llama):
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
 def test_llama_family_models_match_stock(kind):
     model_class, config_class, overrides = {
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),                 # biased q/k/v
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config, {}),                 # per-head q/k RMSNorm
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),  # biased q/k/v
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config, {}),  # per-head q/k RMSNorm
         "mistral": (MistralForCausalLM, MistralConfig, {"sliding_window": 16}),  # window < prompt
     }[kind]
     stock, reference, ours = build(model_class, config_class, **overrides)
@@ -371,7 +404,8 @@ def test_optimize_leaves_models_sharing_its_config_alone():
 def test_untested_transformers_version_warns_once_naming_the_range(version, warns):
     requirement = _compat.tested_requirement()
     assert requirement is not None and requirement.specifier.contains(transformers.__version__), (
-        "the installed transformers is outside the range pyproject.toml declares as tested")
+        "the installed transformers is outside the range pyproject.toml declares as tested"
+    )
     message = _compat.check_version(version, requirement)
     assert (message is not None) == warns
     if warns:
@@ -415,11 +449,16 @@ def test_a_supported_model_optimizes_without_warnings(llama):
 def test_example_runs_and_agrees(kernforge_cache_dir):
     import subprocess
     import sys
+
     from conftest import EXAMPLES_DIR
 
     example = EXAMPLES_DIR / "llama_generate.py"
-    result = subprocess.run([sys.executable, str(example), "--layers", "1", "--prompt-len", "48", "--new-tokens", "4"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(example), "--layers", "1", "--prompt-len", "48", "--new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "TTFT (ms)" in result.stdout and "TPOT (ms)" in result.stdout
     assert "sequence 0: " in result.stdout
@@ -455,7 +494,7 @@ def test_compiled_model_has_no_graph_breaks(llama):
     compiled_cache, eager_cache = kft.new_cache(model), kft.new_cache(model)
     compiled_cache.plan_step(1, 17)
     ours, eager = compiled(ids, **{CACHE: compiled_cache}).logits, model(ids, **{CACHE: eager_cache}).logits
-    for step in range(4):
+    for _ in range(4):
         assert cosine(ours[0, -1], eager[0, -1]) > 0.9999
         torch.testing.assert_close(ours.float(), eager.float(), atol=2e-2, rtol=2e-2)
         token = eager[:, -1:].argmax(-1)
@@ -495,12 +534,16 @@ def test_prewarm_from_the_model_config_leaves_nothing_to_compile(kernforge_cache
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     command = [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(path)]
-    built = subprocess.run(command + (["--quant", quant] if quant else []), capture_output=True, text=True,
-                           timeout=600)
+    built = subprocess.run(command + (["--quant", quant] if quant else []), capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     env = {**__import__("os").environ, "KERNFORGE_JIT": "0", "KERNFORGE_CACHE_DIR": str(kernforge_cache_dir)}
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, json.dumps(SHAPE), quant or ""], capture_output=True,
-                         text=True, timeout=600, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, json.dumps(SHAPE), quant or ""],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "generated (2, 12)" in run.stdout
     assert "compiling" not in run.stderr
@@ -513,6 +556,11 @@ def test_model_spec_describes_the_linears_optimize_packs(llama):
     stock, _, ours = llama
     shapes = ModelSpec.from_config(stock.config.to_dict()).linear_shapes()
     layer = ours.model.layers[0]
-    packed = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-              "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj, "lm_head": ours.lm_head}
+    packed = {
+        "qkv_proj": layer.self_attn.qkv_proj,
+        "o_proj": layer.self_attn.o_proj,
+        "gate_up_proj": layer.mlp.gate_up_proj,
+        "down_proj": layer.mlp.down_proj,
+        "lm_head": ours.lm_head,
+    }
     assert {name: [m.out_features, m.in_features] for name, m in packed.items()} == shapes

@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import kernforge
-from conftest import clean_env
-from kernels import AMX_TILE_MATMUL, AXPY, VNNI_MATMUL_REF
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render
+
+from conftest import clean_env
+from kernels import AMX_TILE_MATMUL, AXPY, VNNI_MATMUL_REF
 
 AMX_TEMPLATE = AMX_TILE_MATMUL.template
 AMX_FEATURES = ("amx_tile", "amx_bf16", "amx_int8")
@@ -66,10 +67,19 @@ def proc_cpuinfo_flags() -> set[str] | None:
 # Probe output layout (see templates/cpu_probe.cpp.jinja): 0 max leaf, 1 CPUID.1:ECX,
 # 2/3/4 CPUID.(7,0):EBX/ECX/EDX, 5 CPUID.(7,1):EAX, 6 XCR0, 7 AMX tile data granted.
 SDM_BITS = {
-    "fma": (1, 12), "f16c": (1, 29),
-    "avx2": (2, 5), "avx512f": (2, 16), "avx512dq": (2, 17), "avx512bw": (2, 30), "avx512vl": (2, 31),
-    "avx512vbmi": (3, 1), "avx512_vnni": (3, 11),
-    "amx_bf16": (4, 22), "avx512_fp16": (4, 23), "amx_tile": (4, 24), "amx_int8": (4, 25),
+    "fma": (1, 12),
+    "f16c": (1, 29),
+    "avx2": (2, 5),
+    "avx512f": (2, 16),
+    "avx512dq": (2, 17),
+    "avx512bw": (2, 30),
+    "avx512vl": (2, 31),
+    "avx512vbmi": (3, 1),
+    "avx512_vnni": (3, 11),
+    "amx_bf16": (4, 22),
+    "avx512_fp16": (4, 23),
+    "amx_tile": (4, 24),
+    "amx_int8": (4, 25),
     "avx512_bf16": (5, 5),
 }
 XCR0_AVX = 0b111  # x87, SSE, AVX
@@ -99,24 +109,39 @@ def test_decode_features_matches_the_sdm_bit_table():
         assert isa.decode_features(regs([name])) == {name}, name
 
 
-@pytest.mark.parametrize("features, xcr0, granted, expected", [
-    ((), XCR0_AMX, True, set()),
-    (AVX2_SET, XCR0_AVX, False, AVX2_SET),
-    (ZEN5_SET, XCR0_AVX512, False, ZEN5_SET),
-    (SPR_SET, XCR0_AMX, True, SPR_SET),
-    # AVX-512 in CPUID, but the OS did not enable ZMM state in XCR0: no AVX-512 at all
-    (ZEN5_SET, XCR0_AVX, False, AVX2_SET),
-    (ZEN5_SET, XCR0_AVX512 & ~(1 << 7), False, AVX2_SET),  # Hi16_ZMM missing
-    (ZEN5_SET, XCR0_AVX512 & ~(1 << 5), False, AVX2_SET),  # opmask missing
-    # no YMM state: not even AVX2/FMA/F16C
-    (SPR_SET, 0b011, True, set()),
-    # AMX in CPUID and XCR0, but the kernel did not grant this process the tile data
-    (SPR_SET, XCR0_AMX, False, SPR_SET - set(AMX_FEATURES)),
-    # AMX granted (so to speak) but the OS has no tile state in XCR0
-    (SPR_SET, XCR0_AVX512, True, SPR_SET - set(AMX_FEATURES)),
-    (SPR_SET, XCR0_AVX512 | (1 << 17), True, SPR_SET - set(AMX_FEATURES)),  # XTILECFG only
-], ids=["none", "avx2", "zen5", "sapphire-rapids", "avx512-no-zmm-state", "avx512-no-hi16",
-        "avx512-no-opmask", "no-ymm-state", "amx-not-granted", "amx-no-xcr0", "amx-no-tiledata"])
+@pytest.mark.parametrize(
+    "features, xcr0, granted, expected",
+    [
+        ((), XCR0_AMX, True, set()),
+        (AVX2_SET, XCR0_AVX, False, AVX2_SET),
+        (ZEN5_SET, XCR0_AVX512, False, ZEN5_SET),
+        (SPR_SET, XCR0_AMX, True, SPR_SET),
+        # AVX-512 in CPUID, but the OS did not enable ZMM state in XCR0: no AVX-512 at all
+        (ZEN5_SET, XCR0_AVX, False, AVX2_SET),
+        (ZEN5_SET, XCR0_AVX512 & ~(1 << 7), False, AVX2_SET),  # Hi16_ZMM missing
+        (ZEN5_SET, XCR0_AVX512 & ~(1 << 5), False, AVX2_SET),  # opmask missing
+        # no YMM state: not even AVX2/FMA/F16C
+        (SPR_SET, 0b011, True, set()),
+        # AMX in CPUID and XCR0, but the kernel did not grant this process the tile data
+        (SPR_SET, XCR0_AMX, False, SPR_SET - set(AMX_FEATURES)),
+        # AMX granted (so to speak) but the OS has no tile state in XCR0
+        (SPR_SET, XCR0_AVX512, True, SPR_SET - set(AMX_FEATURES)),
+        (SPR_SET, XCR0_AVX512 | (1 << 17), True, SPR_SET - set(AMX_FEATURES)),  # XTILECFG only
+    ],
+    ids=[
+        "none",
+        "avx2",
+        "zen5",
+        "sapphire-rapids",
+        "avx512-no-zmm-state",
+        "avx512-no-hi16",
+        "avx512-no-opmask",
+        "no-ymm-state",
+        "amx-not-granted",
+        "amx-no-xcr0",
+        "amx-no-tiledata",
+    ],
+)
 def test_decode_features(features, xcr0, granted, expected):
     assert isa.decode_features(regs(features, xcr0, granted)) == expected
 
@@ -179,16 +204,20 @@ def test_dispatch_picks_the_best_runnable_tier(dispatch):
         assert tier != "amx"
 
 
-@pytest.mark.parametrize("features, expected", [
-    (SPR_SET, "amx"),
-    (SPR_SET - {"amx_tile"}, "avx512"),  # e.g. AMX not granted by the OS
-    (SPR_SET - {"avx512_bf16"}, "avx512"),
-    (ZEN5_SET, "avx512"),
-    (AVX512_SET - {"avx512vl"}, "avx2"),
-    (AVX2_SET, "avx2"),
-    (AVX2_SET - {"fma"}, "generic"),
-    (set(), "generic"),
-], ids=["spr", "amx-not-granted", "no-avx512bf16", "zen5", "no-avx512vl", "avx2", "no-fma", "none"])
+@pytest.mark.parametrize(
+    "features, expected",
+    [
+        (SPR_SET, "amx"),
+        (SPR_SET - {"amx_tile"}, "avx512"),  # e.g. AMX not granted by the OS
+        (SPR_SET - {"avx512_bf16"}, "avx512"),
+        (ZEN5_SET, "avx512"),
+        (AVX512_SET - {"avx512vl"}, "avx2"),
+        (AVX2_SET, "avx2"),
+        (AVX2_SET - {"fma"}, "generic"),
+        (set(), "generic"),
+    ],
+    ids=["spr", "amx-not-granted", "no-avx512bf16", "zen5", "no-avx512vl", "avx2", "no-fma", "none"],
+)
 def test_dispatch_never_selects_an_unrunnable_tier(dispatch, features, expected):
     fake_cpu(dispatch, features)
     assert isa.selected_tier() == expected
@@ -293,10 +322,17 @@ except Exception as exc:
 def test_kernforge_isa_env_in_new_processes(cache):
     env = clean_env()
     wanted = {"avx2": "avx2", " AVX2 ": "avx2", "generic": "generic", "amx": None}
-    procs = {value: subprocess.Popen([sys.executable, "-c", _INFO_CHILD], env={**env, "KERNFORGE_ISA": value},
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-             for value in wanted}
+    procs = {
+        value: subprocess.Popen(
+            [sys.executable, "-c", _INFO_CHILD],
+            env={**env, "KERNFORGE_ISA": value},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for value in wanted
+    }
     results = {}
     try:
         for value, proc in procs.items():

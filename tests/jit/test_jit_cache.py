@@ -30,10 +30,11 @@ import pytest
 import torch
 
 import kernforge
-from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
-from kernels import AXPY, BROKEN
 from kernforge.cache import disk
 from kernforge.jit import Bool, Entry, Enum, Int, Module, Struct, compiler, core, loader, render
+
+from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
+from kernels import AXPY, BROKEN
 
 CHILD_TIMEOUT = 180
 _COMPILING = re.compile(r"^kernforge: compiling (\S+) \.\.\.$", re.MULTILINE)
@@ -121,8 +122,12 @@ def child_env(cache_root: Path, **extra) -> dict:
 def start_child(cache_root: Path, args: dict | None = None, **env) -> subprocess.Popen:
     args = {"templates": str(TEST_TEMPLATES), "tests": str(TESTS_DIR), **(args or {})}
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(args)], env=child_env(cache_root, **env),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        env=child_env(cache_root, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -136,7 +141,7 @@ def finish_child(proc: subprocess.Popen) -> tuple[dict, str]:
         pytest.fail(f"child timed out\nstdout:\n{out}\nstderr:\n{err}")
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode})\nstdout:\n{out}\nstderr:\n{err}"
-    return json.loads(lines[-1][len("RESULT "):]), err
+    return json.loads(lines[-1][len("RESULT ") :]), err
 
 
 def run_child(cache_root: Path, args: dict | None = None, **env) -> tuple[dict, str]:
@@ -206,8 +211,9 @@ def test_racing_processes_compile_exactly_once(cache, tmp_path):
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     go = barrier / "go"
-    procs = [start_child(cache, {"ready": str(barrier / f"ready-{i}"), "go": str(go), "dtype": "fp32"})
-             for i in range(n)]
+    procs = [
+        start_child(cache, {"ready": str(barrier / f"ready-{i}"), "go": str(go), "dtype": "fp32"}) for i in range(n)
+    ]
     try:
         deadline = time.monotonic() + CHILD_TIMEOUT
         while len(list(barrier.glob("ready-*"))) < n:
@@ -319,6 +325,7 @@ def _edit_meta(**changes):
         meta = json.loads(entry.meta_path.read_text())
         meta.update(changes)
         entry.meta_path.write_text(json.dumps(meta))
+
     return edit
 
 
@@ -328,7 +335,7 @@ DAMAGE = {
     "so_byte_flipped": lambda e: _flip_byte(e.so),
     "so_missing": lambda e: e.so.unlink(),
     "meta_missing": lambda e: e.meta_path.unlink(),
-    "meta_not_json": lambda e: e.meta_path.write_text("{\"key\": "),
+    "meta_not_json": lambda e: e.meta_path.write_text('{"key": '),
     "meta_not_an_object": lambda e: e.meta_path.write_text("[1, 2, 3]"),
     "meta_wrong_key": _edit_meta(key="axpy_dtype-fp32_generic-00000000000000000000"),
     "meta_wrong_sha": _edit_meta(so_sha256="0" * 64),
@@ -462,21 +469,24 @@ def test_broken_template_raises_compile_error_with_details(cache, monkeypatch, m
 
 
 @pytest.mark.parametrize("mode", ["api", "abi"])
-def test_template_without_its_entry_declaration_is_a_clear_error(cache, tmp_path, user_template_dirs, monkeypatch,
-                                                                  mode):
+def test_template_without_its_entry_declaration_is_a_clear_error(
+    cache, tmp_path, user_template_dirs, monkeypatch, mode
+):
     monkeypatch.setenv("KERNFORGE_CFFI_MODE", mode)
     (tmp_path / "nodecl.cpp.jinja").write_text("int x;\n")
     kernforge.register_template_dir(tmp_path)
-    nodecl = Module("nodecl", "nodecl.cpp.jinja", params={}, entries=[Entry("run", "int64_t n", returns="int64_t")],
-                    register=False)
+    nodecl = Module(
+        "nodecl", "nodecl.cpp.jinja", params={}, entries=[Entry("run", "int64_t n", returns="int64_t")], register=False
+    )
     with pytest.raises(ValueError, match=r"nodecl.cpp.jinja.*does not define entry 'run'.*decl\.run"):
         core.build(core.KernelSpec.make(nodecl, {}, "generic"))
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [], "nothing should be compiled"
 
 
 def test_unknown_template_is_a_clear_error(cache):
-    missing = Module("missing", "no_such_template.cpp.jinja", params={}, entries=[Entry("run", "int64_t n")],
-                     register=False)
+    missing = Module(
+        "missing", "no_such_template.cpp.jinja", params={}, entries=[Entry("run", "int64_t n")], register=False
+    )
     with pytest.raises(ValueError, match="no_such_template.cpp.jinja.*not found"):
         core.build(core.KernelSpec.make(missing, {}, "generic"))
 
@@ -606,8 +616,13 @@ def _split(key: str) -> tuple[str, str]:
 def test_key_is_readable_prefix_plus_hash():
     key = key_of(axpy_spec("fp32", "generic"))
     assert re.fullmatch(r"axpy_dtype-fp32_generic-[0-9a-f]{20}", key), key
-    more = Module("axpy", "axpy.cpp.jinja", params={"alpha": Int(), "dtype": Enum(("fp32", "fp64")), "zeta": Bool()},
-                  entries=AXPY.entries.values(), register=False)
+    more = Module(
+        "axpy",
+        "axpy.cpp.jinja",
+        params={"alpha": Int(), "dtype": Enum(("fp32", "fp64")), "zeta": Bool()},
+        entries=AXPY.entries.values(),
+        register=False,
+    )
     spec = core.KernelSpec.make(more, {"zeta": True, "dtype": "fp64", "alpha": 3}, "avx2")
     assert spec.prefix() == "axpy_alpha-3_dtype-fp64_zeta-1_avx2"  # params in declaration order, bools as 0/1
     assert key_of(spec).startswith(spec.prefix() + "-")
@@ -624,8 +639,9 @@ def test_key_changes_with_the_source(tmp_path, user_template_dirs):
     body = '#include <cstdint>\nextern "C" {{ decl.run }} { return n + ADDEND; }\n'
     template.write_text(body.replace("ADDEND", "1"))
     kernforge.register_template_dir(tmp_path)
-    keysrc = Module("keysrc", "keysrc.cpp.jinja", params={},
-                    entries=[Entry("run", "int64_t n", returns="int64_t")], register=False)
+    keysrc = Module(
+        "keysrc", "keysrc.cpp.jinja", params={}, entries=[Entry("run", "int64_t n", returns="int64_t")], register=False
+    )
     spec = core.KernelSpec.make(keysrc, {}, "generic")
     before = key_of(spec)
     template.write_text(body.replace("ADDEND", "2"))
@@ -653,11 +669,12 @@ def test_key_changes_with_the_headers(tmp_path, user_template_dirs):
     (headers / "inner.h").write_text("#pragma once\nconstexpr int64_t kInner = 2;\n")
     (headers / "unused.h").write_text("#pragma once\nconstexpr int64_t kUnused = 3;\n")
     (user / "keyhdr.cpp.jinja").write_text(
-        '#include <cstdint>\n#include "keyhdr/used.h"\n'
-        'extern "C" {{ decl.run }} { return n + kUsed + kInner; }\n')
+        '#include <cstdint>\n#include "keyhdr/used.h"\nextern "C" {{ decl.run }} { return n + kUsed + kInner; }\n'
+    )
     kernforge.register_template_dir(user)
-    keyhdr = Module("keyhdr", "keyhdr.cpp.jinja", params={},
-                    entries=[Entry("run", "int64_t n", returns="int64_t")], register=False)
+    keyhdr = Module(
+        "keyhdr", "keyhdr.cpp.jinja", params={}, entries=[Entry("run", "int64_t n", returns="int64_t")], register=False
+    )
     spec = core.KernelSpec.make(keyhdr, {}, "generic")
     source = render.render(keyhdr.template, spec.variables())
     assert [name for name, _ in render.included_headers(source)] == ["keyhdr/inner.h", "keyhdr/used.h"]
@@ -751,13 +768,19 @@ def test_struct_argument_in_both_cffi_modes(cache, tmp_path, user_template_dirs,
     both modes (cffi parses the cdef as C) and reads the fields set by name."""
     monkeypatch.setenv("KERNFORGE_CFFI_MODE", mode)
     (tmp_path / "structarg.cpp.jinja").write_text(
-        '#include <cstdint>\n{{ abi_structs }}\n'
+        "#include <cstdint>\n{{ abi_structs }}\n"
         'extern "C" __attribute__((visibility("default"))) {{ decl.run }} {\n'
-        "  return args->n * 10 + static_cast<int64_t>(args->scale * 4);\n}\n")
+        "  return args->n * 10 + static_cast<int64_t>(args->scale * 4);\n}\n"
+    )
     kernforge.register_template_dir(tmp_path)
-    structarg = Module("structarg", "structarg.cpp.jinja", params={},
-                       structs=[Struct("structarg_args", (("n", "int64_t"), ("scale", "double")))],
-                       entries=[Entry("run", "const structarg_args* args", returns="int64_t")], register=False)
+    structarg = Module(
+        "structarg",
+        "structarg.cpp.jinja",
+        params={},
+        structs=[Struct("structarg_args", (("n", "int64_t"), ("scale", "double")))],
+        entries=[Entry("run", "const structarg_args* args", returns="int64_t")],
+        register=False,
+    )
     kernel = core.load_kernel(structarg, {}, "generic")
     assert kernel.run(kernel.new("structarg_args", {"n": 7, "scale": 0.75})) == 73
 
@@ -775,21 +798,28 @@ def test_register_template_dir_with_a_user_template_and_header(cache, tmp_path, 
     user = tmp_path / "my_kernels"
     (user / "include" / "my_kernels").mkdir(parents=True)
     (user / "include" / "my_kernels" / "scale.h").write_text(
-        "#pragma once\nnamespace my_kernels { constexpr double kScale = 4.0; }\n")
+        "#pragma once\nnamespace my_kernels { constexpr double kScale = 4.0; }\n"
+    )
     (user / "user_scale.cpp.jinja").write_text(
         "#include <cstdint>\n"
         '#include "my_kernels/scale.h"\n'
         'extern "C" __attribute__((visibility("default"))) {{ decl.run }} {\n'
         "  double* xs = reinterpret_cast<double*>(x);\n"
         "  for (int64_t i = 0; i < n; ++i) xs[i] = my_kernels::kScale * xs[i] + {{ offset }};\n"
-        "  return n;\n}\n")
+        "  return n;\n}\n"
+    )
     generation = core._generation
     kernforge.register_template_dir(user)
     assert core._generation != generation, "registering a folder must re-resolve the ops' kernels"
     assert render.template_dirs()[0] == user.resolve()
 
-    user_scale = Module("user_scale", "user_scale.cpp.jinja", params={"offset": Int()},
-                        entries=[Entry("run", "int64_t x, int64_t n", returns="int64_t")], register=False)
+    user_scale = Module(
+        "user_scale",
+        "user_scale.cpp.jinja",
+        params={"offset": Int()},
+        entries=[Entry("run", "int64_t x, int64_t n", returns="int64_t")],
+        register=False,
+    )
     kernel = core.load_kernel(user_scale, {"offset": 3}, "generic")
     x = torch.arange(10, dtype=torch.float64)
     assert kernel.run(x.data_ptr(), x.numel()) == 10

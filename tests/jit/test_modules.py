@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import kernforge
-from conftest import EXAMPLES_DIR, clean_env
 from kernforge.jit import core, isa, render, tuning
 from kernforge.jit.module import (
     ALL_TIERS,
@@ -32,6 +31,8 @@ from kernforge.jit.module import (
     Struct,
 )
 
+from conftest import EXAMPLES_DIR, clean_env
+
 sys.path.insert(0, str(EXAMPLES_DIR))
 import planned_op  # noqa: E402  (the README's plan/run example)
 
@@ -39,27 +40,34 @@ pytestmark = pytest.mark.usefixtures("test_templates")
 
 
 def toy(**overrides) -> Module:
-    fields = dict(name="toy", template="axpy.cpp.jinja", params={"dtype": Enum(("fp32", "fp64"))},
-                  entries=[Entry("run", "int64_t x, int64_t y, int64_t n, double a", returns="int64_t")],
-                  register=False)
+    fields = dict(
+        name="toy",
+        template="axpy.cpp.jinja",
+        params={"dtype": Enum(("fp32", "fp64"))},
+        entries=[Entry("run", "int64_t x, int64_t y, int64_t n, double a", returns="int64_t")],
+        register=False,
+    )
     return Module(**{**fields, **overrides})
 
 
 # --------------------------------------------------------------------------- declarations
 
 
-@pytest.mark.parametrize("param, value, message", [
-    (Enum(("silu", "gelu")), "relu", "one of silu, gelu"),
-    (DType(("fp32", "bf16")), torch.float16, "one of fp32, bf16"),
-    (DType(), "int8", "one of fp32, bf16, fp16"),
-    (Bool(), "yes", "a bool"),
-    (Int(choices=(64, 128)), 96, "one of 64, 128"),
-    (Int(minimum=1), 0, "in [1, None]"),
-    (Int(), 1.5, "an int"),
-    (IntTuple(2), [4, 16], "(a tuple, not a list)"),
-    (IntTuple(2), (4, 16, 1), "a tuple of 2 positive ints"),
-    (IntTuple(2, choices=((4, 16),)), (8, 16), "one of 4x16"),
-])
+@pytest.mark.parametrize(
+    "param, value, message",
+    [
+        (Enum(("silu", "gelu")), "relu", "one of silu, gelu"),
+        (DType(("fp32", "bf16")), torch.float16, "one of fp32, bf16"),
+        (DType(), "int8", "one of fp32, bf16, fp16"),
+        (Bool(), "yes", "a bool"),
+        (Int(choices=(64, 128)), 96, "one of 64, 128"),
+        (Int(minimum=1), 0, "in [1, None]"),
+        (Int(), 1.5, "an int"),
+        (IntTuple(2), [4, 16], "(a tuple, not a list)"),
+        (IntTuple(2), (4, 16, 1), "a tuple of 2 positive ints"),
+        (IntTuple(2, choices=((4, 16),)), (8, 16), "one of 4x16"),
+    ],
+)
 def test_bad_parameter_values_name_module_and_parameter(param, value, message):
     module = toy(params={"p": param})
     with pytest.raises(DeclarationError, match=r"toy: parameter p must be .*" + re.escape(message)):
@@ -74,13 +82,16 @@ def test_unknown_and_missing_parameters_are_errors():
         module.variant()
 
 
-@pytest.mark.parametrize("args, message", [
-    ("int64_t x, int64_t x", "declared twice"),
-    ("char* x", "C type 'char\\*'"),
-    ("x", "needs a C type and a name"),
-    ("const undeclared* args", "C type 'const undeclared\\*'"),
-    (None, "declares no entry point"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("int64_t x, int64_t x", "declared twice"),
+        ("char* x", "C type 'char\\*'"),
+        ("x", "needs a C type and a name"),
+        ("const undeclared* args", "C type 'const undeclared\\*'"),
+        (None, "declares no entry point"),
+    ],
+)
 def test_bad_entry_declarations(args, message):
     with pytest.raises(DeclarationError, match=message):
         toy(entries=[] if args is None else [Entry("run", args)])
@@ -96,9 +107,11 @@ def test_bad_names_and_tiers_are_rejected():
 
 
 def test_declaration_derives_cdef_prefix_and_schema():
-    module = toy(params={"dtype": DType(), "tile": IntTuple(2), "causal": Bool()},
-                 structs=[Struct("toy_args", (("n", "int64_t"), ("scale", "double")))],
-                 entries=[Entry("run", "const toy_args* args", returns="int64_t"), Entry("size", "int64_t n")])
+    module = toy(
+        params={"dtype": DType(), "tile": IntTuple(2), "causal": Bool()},
+        structs=[Struct("toy_args", (("n", "int64_t"), ("scale", "double")))],
+        entries=[Entry("run", "const toy_args* args", returns="int64_t"), Entry("size", "int64_t n")],
+    )
     assert module.cdef.splitlines() == [
         "typedef struct toy_args { int64_t n; double scale; } toy_args;",
         "int64_t kf_toy_run(const toy_args* args);",
@@ -175,15 +188,23 @@ def test_amx_variant_compiles_here_without_running(cache):
 
 def _constant_template(folder: Path, value: int, name: str = "answer.cpp.jinja") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(textwrap.dedent(f"""\
+    (folder / name).write_text(
+        textwrap.dedent(f"""\
         #include <cstdint>
         extern "C" __attribute__((visibility("default"))) {{{{ decl.answer }}}} {{ return {value}; }}
-    """))
+    """)
+    )
     return folder
 
 
-ANSWER = Module("answer", "answer.cpp.jinja", params={}, entries=[Entry("answer", "", returns="int64_t")],
-                tiers={t: "generic" for t in ALL_TIERS}, register=False)
+ANSWER = Module(
+    "answer",
+    "answer.cpp.jinja",
+    params={},
+    entries=[Entry("answer", "", returns="int64_t")],
+    tiers={t: "generic" for t in ALL_TIERS},
+    register=False,
+)
 
 
 def test_template_registered_after_first_use_shadows_the_old_one(cache, tmp_path, user_template_dirs):
@@ -205,11 +226,20 @@ def test_editing_a_header_rebuilds_only_its_dependants(cache, tmp_path, user_tem
         (folder / "include" / "toy" / f"{name}.h").write_text(f"inline int64_t value_{name}() {{ return {value}; }}\n")
         (folder / f"uses_{name}.cpp.jinja").write_text(
             f'#include <cstdint>\n#include "toy/{name}.h"\n'
-            f'extern "C" __attribute__((visibility("default"))) {{{{ decl.get }}}} {{ return value_{name}(); }}\n')
+            f'extern "C" __attribute__((visibility("default"))) {{{{ decl.get }}}} {{ return value_{name}(); }}\n'
+        )
     kernforge.register_template_dir(folder)
-    modules = {name: Module(f"uses_{name}", f"uses_{name}.cpp.jinja", params={},
-                            entries=[Entry("get", "", returns="int64_t")], tiers={"generic": "generic"},
-                            register=False) for name in "ab"}
+    modules = {
+        name: Module(
+            f"uses_{name}",
+            f"uses_{name}.cpp.jinja",
+            params={},
+            entries=[Entry("get", "", returns="int64_t")],
+            tiers={"generic": "generic"},
+            register=False,
+        )
+        for name in "ab"
+    }
     for name, value in (("a", 10), ("b", 20)):
         result, kernel = core.build(core.KernelSpec.make(modules[name], {}, "generic"))
         assert result.compiled and kernel.get() == value
@@ -231,14 +261,16 @@ def test_included_headers_follow_the_include_graph():
 
 
 MATMUL = Module(
-    "blocked_matmul", "blocked_matmul.cpp.jinja",
+    "blocked_matmul",
+    "blocked_matmul.cpp.jinja",
     params={"tile": IntTuple(2, choices=((1, 1), (4, 1), (2, 2), (6, 2)))},
     entries=[Entry("run", "int64_t c, int64_t a, int64_t b, int64_t m, int64_t n, int64_t k, int64_t num_threads")],
     register=False,
 )
 VECTOR = ("avx512", "avx2", "generic")
 MATMUL_CANDIDATES = tuning.Candidates(
-    "blocked_matmul", MATMUL,
+    "blocked_matmul",
+    MATMUL,
     candidates=[
         tuning.Candidate({"tile": (4, 1)}, VECTOR, rank=1),
         tuning.Candidate({"tile": (2, 2)}, VECTOR, rank=2),
@@ -252,7 +284,8 @@ MATMUL_CANDIDATES = tuning.Candidates(
 def _run_matmul(candidate, a, b):
     c = torch.full((a.shape[0], b.shape[1]), float("nan"))
     MATMUL.variant(**candidate.params).kernel().run(
-        c.data_ptr(), a.data_ptr(), b.data_ptr(), a.shape[0], b.shape[1], a.shape[1], 2)
+        c.data_ptr(), a.data_ptr(), b.data_ptr(), a.shape[0], b.shape[1], a.shape[1], 2
+    )
     return c
 
 
@@ -261,8 +294,9 @@ def test_every_candidate_computes_the_same_product(tier, m, n, k):
     a, b = torch.randn(m, k), torch.randn(k, n)
     built = MATMUL.built_tier(tier)
     for candidate in MATMUL_CANDIDATES.applicable({"m": m, "n": n, "k": k}, built):
-        torch.testing.assert_close(_run_matmul(candidate, a, b), a @ b, atol=1e-5, rtol=1e-5,
-                                   msg=lambda text: f"{candidate.label()}: {text}")
+        torch.testing.assert_close(
+            _run_matmul(candidate, a, b), a @ b, atol=1e-5, rtol=1e-5, msg=lambda text: f"{candidate.label()}: {text}"
+        )
 
 
 def test_static_ranking_and_predicates():
@@ -283,9 +317,16 @@ def test_tuned_winner_is_remembered_and_reloaded_in_a_new_process(cache):
     record = json.loads((cache / "tuning" / "blocked_matmul.json").read_text())
     assert list(record.values())[0]["seconds"]["tile=[2, 2]"] == 1.0
     bucket = MATMUL_CANDIDATES.bucket(shape)
-    child = f"from kernforge.jit import tuning; print(tuning.TuningStore().lookup('blocked_matmul', {bucket!r}, 'avx512'))"
-    out = subprocess.run([sys.executable, "-c", child], env=clean_env(KERNFORGE_CACHE_DIR=cache),
-                         capture_output=True, text=True, timeout=180)
+    child = (
+        f"from kernforge.jit import tuning; print(tuning.TuningStore().lookup('blocked_matmul', {bucket!r}, 'avx512'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        env=clean_env(KERNFORGE_CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "{'tile': [2, 2]}"
 
@@ -297,6 +338,7 @@ def test_tuning_with_real_timings_picks_an_applicable_candidate(cache, tier):
     def measure(candidate):
         _run_matmul(candidate, a, b)  # compile and warm up
         import time
+
         start = time.perf_counter()
         for _ in range(20):
             _run_matmul(candidate, a, b)
@@ -313,7 +355,7 @@ def test_corrupt_stale_and_foreign_records_are_ignored(cache, monkeypatch, caplo
     assert MATMUL_CANDIDATES.choose(shape, tier="avx512").params == {"tile": (2, 2)}
     path = cache / "tuning" / "blocked_matmul.json"
     good = json.loads(path.read_text())
-    (key, record), = good.items()
+    ((key, record),) = good.items()
 
     with monkeypatch.context() as patch:
         patch.setattr(isa, "cpu_model", lambda: "another CPU")  # records are per CPU model

@@ -22,20 +22,35 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.attention import prefill
-from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
-from kernels import AXPY
 from kernforge import cli, tune
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render, tuning
+from kernforge.ops.attention import prefill
+
+from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
+from kernels import AXPY
 
 prewarm = importlib.import_module("kernforge.prewarm")  # the module (``kernforge.prewarm`` is the function)
 
-LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "hidden_act": "silu", "torch_dtype": "bfloat16",
-         "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8}
-GEMMA2 = {"hidden_size": 2304, "intermediate_size": 9216, "hidden_activation": "gelu_pytorch_tanh",
-          "torch_dtype": "bfloat16", "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 4,
-          "head_dim": 256}
+LLAMA = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+}
+GEMMA2 = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "torch_dtype": "bfloat16",
+    "model_type": "gemma2",
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+}
 
 
 pytestmark = pytest.mark.usefixtures("test_templates")
@@ -105,6 +120,7 @@ def test_prewarm_results_load_and_run(cache):
     loaded, kernel = core.build(result.spec)
     assert not loaded.compiled
     import torch
+
     x, y = torch.arange(5, dtype=torch.int64), torch.ones(5, dtype=torch.int64)
     kernel.call("run", x=x.data_ptr(), y=y.data_ptr(), n=5, a=3.0)
     assert y.tolist() == [1, 4, 7, 10, 13]
@@ -134,36 +150,54 @@ def test_prewarm_cross_builds_a_tier_this_cpu_lacks(cache, monkeypatch):
 def test_prewarm_op_form(cache):
     if not (render.PACKAGE_TEMPLATES / "norm.cpp.jinja").is_file():
         pytest.skip("the norm template is not there yet")
-    (result,) = kernforge.prewarm({"kernels": [{"op": "rmsnorm", "dtype": "bfloat16"}]}, isa_tier="generic",
-                                  progress=False)
+    (result,) = kernforge.prewarm(
+        {"kernels": [{"op": "rmsnorm", "dtype": "bfloat16"}]}, isa_tier="generic", progress=False
+    )
     assert result.compiled
-    assert result.spec == core.KernelSpec.make("norm", {"dtype": "bf16", "fused_add": False, "gemma": False},
-                                               "generic")
+    assert result.spec == core.KernelSpec.make("norm", {"dtype": "bf16", "fused_add": False, "gemma": False}, "generic")
 
 
 def test_specs_from_manifest_expands_and_dedups():
-    specs = prewarm.specs_from_manifest({"kernels": [
-        {"op": "rmsnorm", "dtype": ["bfloat16", "fp16", "bf16"]},
-        {"op": "silu_and_mul", "dtype": "float32"},
-        {"module": "axpy", "params": {"dtype": "fp32"}},
-        {"module": "kernels:AXPY", "params": {"dtype": "fp32"}},  # the same module, by import path
-    ]}, tier="avx2")
+    specs = prewarm.specs_from_manifest(
+        {
+            "kernels": [
+                {"op": "rmsnorm", "dtype": ["bfloat16", "fp16", "bf16"]},
+                {"op": "silu_and_mul", "dtype": "float32"},
+                {"module": "axpy", "params": {"dtype": "fp32"}},
+                {"module": "kernels:AXPY", "params": {"dtype": "fp32"}},  # the same module, by import path
+            ]
+        },
+        tier="avx2",
+    )
     assert [(s.template, dict(s.params).get("dtype"), s.tier) for s in specs] == [
-        ("norm.cpp.jinja", "bf16", "avx2"), ("norm.cpp.jinja", "fp16", "avx2"),
-        ("activation.cpp.jinja", "fp32", "avx2"), (AXPY.template, "fp32", "avx2"),
+        ("norm.cpp.jinja", "bf16", "avx2"),
+        ("norm.cpp.jinja", "fp16", "avx2"),
+        ("activation.cpp.jinja", "fp32", "avx2"),
+        (AXPY.template, "fp32", "avx2"),
     ]
 
 
-@pytest.mark.parametrize("item, match", [
-    ({"dtype": "bf16"}, "needs an 'op' or a 'module'"),
-    ({"op": "layernorm", "dtype": "bf16"}, "unknown op 'layernorm'"),
-    ({"module": "layernorm", "params": {}}, "unknown kernel module 'layernorm'"),
-    ({"module": "axpy", "params": {"dtype": "fp16"}}, "axpy: parameter dtype must be one of fp32, fp64, i64"),
-    ({"module": "axpy", "params": {}}, "axpy: parameter 'dtype' is missing"),
-    ({"module": "kernels:NO_SUCH", "params": {}}, "kernels:NO_SUCH is not a kernforge Module"),
-    ({"module": "no_such_package.kernels:AXPY", "params": {}}, "cannot import 'no_such_package.kernels'"),
-], ids=["no-op-or-module", "unknown-op", "unknown-module", "bad-param", "missing-param", "not-a-module",
-        "not-importable"])
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ({"dtype": "bf16"}, "needs an 'op' or a 'module'"),
+        ({"op": "layernorm", "dtype": "bf16"}, "unknown op 'layernorm'"),
+        ({"module": "layernorm", "params": {}}, "unknown kernel module 'layernorm'"),
+        ({"module": "axpy", "params": {"dtype": "fp16"}}, "axpy: parameter dtype must be one of fp32, fp64, i64"),
+        ({"module": "axpy", "params": {}}, "axpy: parameter 'dtype' is missing"),
+        ({"module": "kernels:NO_SUCH", "params": {}}, "kernels:NO_SUCH is not a kernforge Module"),
+        ({"module": "no_such_package.kernels:AXPY", "params": {}}, "cannot import 'no_such_package.kernels'"),
+    ],
+    ids=[
+        "no-op-or-module",
+        "unknown-op",
+        "unknown-module",
+        "bad-param",
+        "missing-param",
+        "not-a-module",
+        "not-importable",
+    ],
+)
 def test_bad_manifest_entries_are_rejected(item, match):
     with pytest.raises(ValueError, match=match):
         prewarm.specs_from_manifest({"kernels": [item]}, tier="generic")
@@ -180,100 +214,141 @@ def test_prewarm_of_a_broken_template_raises(cache):
 SAMPLER = {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"}
 
 
-ATTENTION_OPS = [{"op": op, "dtype": "bfloat16"} for op in
-                 ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")]
+ATTENTION_OPS = [
+    {"op": op, "dtype": "bfloat16"}
+    for op in ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
+]
 
 
 def decode_entry(kv_dtype: str, head_dim: int, group: int) -> dict:
-    return {"module": "decode", "params": {"q_dtype": "bf16", "kv_dtype": kv_dtype, "out_dtype": "bf16",
-                                           "head_dim": head_dim, "group": group}}
+    return {
+        "module": "decode",
+        "params": {"q_dtype": "bf16", "kv_dtype": kv_dtype, "out_dtype": "bf16", "head_dim": head_dim, "group": group},
+    }
 
 
 def prefill_entry(kv_dtype: str, head_dim: int) -> dict:
-    return {"module": "prefill", "params": {"q_dtype": "bf16", "kv_dtype": kv_dtype, "out_dtype": "bf16",
-                                            "head_dim_qk": head_dim, "head_dim_vo": head_dim,
-                                            "tile": list(prefill.TILES[0])}}
+    return {
+        "module": "prefill",
+        "params": {
+            "q_dtype": "bf16",
+            "kv_dtype": kv_dtype,
+            "out_dtype": "bf16",
+            "head_dim_qk": head_dim,
+            "head_dim_vo": head_dim,
+            "tile": list(prefill.TILES[0]),
+        },
+    }
 
 
 def test_tune_prefill_records_the_winner_where_plan_finds_it(cache):
     """A fake measure makes the (32, 64) tile fastest by far: tune_prefill records it and plan()
     then builds that variant; a 1% win does not displace the default."""
     fast = prefill.TILES[1]
-    results = tune.tune_prefill([(64, 64)], [2], length=40,
-                                   measure=lambda tile, run: (run(), 1.0 if tile == fast else 2.0)[1])
+    results = tune.tune_prefill(
+        [(64, 64)], [2], length=40, measure=lambda tile, run: (run(), 1.0 if tile == fast else 2.0)[1]
+    )
     assert results[0]["tile"] == fast and results[0]["default"] == prefill.TILES[0]
     params = prefill.prefill_variant_params(torch.bfloat16, torch.bfloat16, torch.bfloat16, 64, 64, 2)
     assert params["tile"] == fast
-    results = tune.tune_prefill([(64, 64)], [2], length=40,
-                                   measure=lambda tile, run: 0.99 if tile == fast else 1.0)
+    results = tune.tune_prefill([(64, 64)], [2], length=40, measure=lambda tile, run: 0.99 if tile == fast else 1.0)
     assert results[0]["tile"] == prefill.TILES[0]
 
 
 def test_manifest_from_llama_config():
     manifest = prewarm.manifest_from_model_config(LLAMA)
-    assert manifest["kernels"] == [{"op": "rmsnorm", "dtype": "bfloat16"},
-                                   {"op": "fused_add_rmsnorm", "dtype": "bfloat16"},
-                                   {"op": "silu_and_mul", "dtype": "bfloat16"},
-                                   *ATTENTION_OPS,
-                                   decode_entry("bf16", head_dim=128, group=4),  # hidden / heads, heads / KV heads
-                                   prefill_entry("bf16", head_dim=128),
-                                   SAMPLER, {"op": "top_k_top_p_sampling_from_logits", "dtype": "bfloat16"},
-                                   *[k for k in manifest["kernels"] if k.get("module") == "gemm"]]
+    assert manifest["kernels"] == [
+        {"op": "rmsnorm", "dtype": "bfloat16"},
+        {"op": "fused_add_rmsnorm", "dtype": "bfloat16"},
+        {"op": "silu_and_mul", "dtype": "bfloat16"},
+        *ATTENTION_OPS,
+        decode_entry("bf16", head_dim=128, group=4),  # hidden / heads, heads / KV heads
+        prefill_entry("bf16", head_dim=128),
+        SAMPLER,
+        {"op": "top_k_top_p_sampling_from_logits", "dtype": "bfloat16"},
+        *[k for k in manifest["kernels"] if k.get("module") == "gemm"],
+    ]
     assert len([k for k in manifest["kernels"] if k.get("module") == "gemm"]) >= 1
     assert manifest["model"]["hidden_size"] == 4096 and manifest["model"]["intermediate_size"] == 11008
 
 
 def test_manifest_builds_decode_for_each_kv_cache_dtype_and_mqa():
     mqa = {**LLAMA, "num_key_value_heads": 1}
-    decodes = [k for k in prewarm.manifest_from_model_config(mqa, ("float8_e4m3fn",))["kernels"]
-               if k.get("module") == "decode"]
+    decodes = [
+        k for k in prewarm.manifest_from_model_config(mqa, ("float8_e4m3fn",))["kernels"] if k.get("module") == "decode"
+    ]
     assert decodes == [decode_entry("bf16", 128, group=0), decode_entry("fp8_e4m3", 128, group=0)]  # group 32: runtime
     specs = prewarm.specs_from_manifest({"kernels": decodes}, tier="generic")
     assert [dict(s.params)["kv_dtype"] for s in specs] == ["bf16", "fp8_e4m3"]
-    assert decodes == [k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"]
-                       if k.get("module") == "decode"]
+    assert decodes == [
+        k for k in prewarm.manifest_from_model_config(mqa, ("fp8_e4m3",))["kernels"] if k.get("module") == "decode"
+    ]
     for head_dim in (0, 513, 7.5):
         with pytest.raises(ValueError, match=r"head_dim must be an int in \[1, 512\]"):
             prewarm.manifest_from_model_config({**LLAMA, "head_dim": head_dim})
     for head_dim in (1, 13, 72):  # any head_dim decode has a kernel for
-        decodes = [k for k in prewarm.manifest_from_model_config({**LLAMA, "head_dim": head_dim})["kernels"]
-                   if k.get("module") == "decode"]
+        decodes = [
+            k
+            for k in prewarm.manifest_from_model_config({**LLAMA, "head_dim": head_dim})["kernels"]
+            if k.get("module") == "decode"
+        ]
         assert decodes == [decode_entry("bf16", head_dim, group=4)]
-        assert [dict(s.params)["head_dim"] for s in prewarm.specs_from_manifest({"kernels": decodes},
-                                                                                tier="generic")] == [head_dim]
+        assert [
+            dict(s.params)["head_dim"] for s in prewarm.specs_from_manifest({"kernels": decodes}, tier="generic")
+        ] == [head_dim]
 
 
 def test_manifest_from_gemma2_config_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA2))
     manifest = prewarm.manifest_from_model_config(path)
-    model_kernels = [k for k in manifest["kernels"] if k != SAMPLER and k not in ATTENTION_OPS and "op" in k
-                     and k["op"] != "top_k_top_p_sampling_from_logits"]
+    model_kernels = [
+        k
+        for k in manifest["kernels"]
+        if k != SAMPLER and k not in ATTENTION_OPS and "op" in k and k["op"] != "top_k_top_p_sampling_from_logits"
+    ]
     assert {k["op"] for k in model_kernels} == {"gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul"}
     assert {k["dtype"] for k in model_kernels} == {"bfloat16"}
     assert decode_entry("bf16", head_dim=256, group=2) in manifest["kernels"]  # config's head_dim wins
     specs = prewarm.specs_from_manifest(manifest, tier="generic")
     assert {(s.template, dict(s.params).get("gemma")) for s in specs} >= {("norm.cpp.jinja", True)}
-    assert {dict(s.params).get("dtype", dict(s.params).get("q_dtype")) for s in specs
-            if s.template != "sampling.cpp.jinja"} == {"bf16"}
+    assert {
+        dict(s.params).get("dtype", dict(s.params).get("q_dtype")) for s in specs if s.template != "sampling.cpp.jinja"
+    } == {"bf16"}
 
 
 def test_manifest_from_multimodal_config_reads_the_text_config():
     config = {"model_type": "gemma3", "text_config": {**GEMMA2, "model_type": "gemma3_text"}}
     ops = [k["op"] for k in prewarm.manifest_from_model_config(config)["kernels"] if "op" in k]
-    assert ops == ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_tanh_and_mul",
-                   *(k["op"] for k in ATTENTION_OPS), SAMPLER["op"], "top_k_top_p_sampling_from_logits"]
+    assert ops == [
+        "gemma_rmsnorm",
+        "gemma_fused_add_rmsnorm",
+        "gelu_tanh_and_mul",
+        *(k["op"] for k in ATTENTION_OPS),
+        SAMPLER["op"],
+        "top_k_top_p_sampling_from_logits",
+    ]
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"hidden_act": "relu2"}, "activation 'relu2'"),
-    ({"hidden_size": None}, "hidden_size"),
-    ({"hidden_size": "4096"}, "hidden_size"),
-    ({"intermediate_size": 0}, "intermediate_size"),
-    ({"num_attention_heads": None}, "num_attention_heads"),
-    ({"num_key_value_heads": 5}, "num_key_value_heads"),
-], ids=["unknown-activation", "no-hidden-size", "string-hidden-size", "zero-intermediate", "no-heads",
-        "kv-heads-not-dividing"])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"hidden_act": "relu2"}, "activation 'relu2'"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"hidden_size": "4096"}, "hidden_size"),
+        ({"intermediate_size": 0}, "intermediate_size"),
+        ({"num_attention_heads": None}, "num_attention_heads"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads"),
+    ],
+    ids=[
+        "unknown-activation",
+        "no-hidden-size",
+        "string-hidden-size",
+        "zero-intermediate",
+        "no-heads",
+        "kv-heads-not-dividing",
+    ],
+)
 def test_bad_model_config_raises_value_error(change, match):
     config = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
@@ -282,8 +357,12 @@ def test_bad_model_config_raises_value_error(change, match):
 
 def test_manifest_records_the_linear_shapes():
     assert prewarm.manifest_from_model_config({**LLAMA, "vocab_size": 32000})["model"]["linear_shapes"] == {
-        "qkv_proj": [6144, 4096], "o_proj": [4096, 4096], "gate_up_proj": [22016, 4096], "down_proj": [4096, 11008],
-        "lm_head": [32000, 4096]}
+        "qkv_proj": [6144, 4096],
+        "o_proj": [4096, 4096],
+        "gate_up_proj": [22016, 4096],
+        "down_proj": [4096, 11008],
+        "lm_head": [32000, 4096],
+    }
     shapes = prewarm.manifest_from_model_config(GEMMA2)["model"]["linear_shapes"]  # 8 heads x 256 != 2304
     assert shapes["qkv_proj"] == [4096, 2304] and shapes["o_proj"] == [2304, 2048] and "lm_head" not in shapes
 
@@ -303,8 +382,16 @@ def test_manifest_builds_the_gemm_variants_dispatch_picks(fresh_gemm_choices):
 
 # --------------------------------------------------------------------------- tuning a model's linear layers
 
-TINY = {"hidden_size": 64, "intermediate_size": 96, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 TINY_NK = [(128, 64), (64, 64), (192, 64), (64, 96)]  # q|k|v, o, gate+up, down: each tuned once
 
 
@@ -329,6 +416,7 @@ def test_tune_model_linears_records_winners_that_dispatch_finds(fresh_gemm_choic
     assert [(r["n"], r["k"], r["m"]) for r in results] == [(n, k, m) for n, k in TINY_NK for m in (1, 3)]
     assert {r["dtype"] for r in results} == {"bf16"} and len(timed) > len(results)
     import torch
+
     for n, k in TINY_NK:
         for m in (1, 3):
             assert gemm._chosen_variant(torch.bfloat16, m, n, k).params["tile"] == (1, 16)
@@ -347,7 +435,8 @@ def test_cli_prewarm_tune_builds_then_tunes_the_model(fresh_gemm_choices, tmp_pa
     assert "bf16 m=16 (bucket 16) n=192 k=64" in out and "recorded in" in out
     records = json.loads((disk.cache_root() / "tuning" / "weight_packed_linear.json").read_text())
     assert sorted(r["bucket"] for r in records.values()) == sorted(
-        f"bf16_m{m}_n{n}_k{k}" for n, k in TINY_NK for m in (1, 16))
+        f"bf16_m{m}_n{n}_k{k}" for n, k in TINY_NK for m in (1, 16)
+    )
 
 
 def test_cli_tune_flag_needs_a_model_config(capsys):
@@ -366,10 +455,10 @@ def test_cli_print_manifest_from_model_config(tmp_path, capsys):
 
 
 def test_cli_print_manifest_for_ops(capsys):
-    assert cli.main(["prewarm", "--op", "rmsnorm", "--op", "silu_and_mul", "--dtype", "bf16",
-                     "--print-manifest"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"kernels": [{"op": "rmsnorm", "dtype": ["bf16"]},
-                                                               {"op": "silu_and_mul", "dtype": ["bf16"]}]}
+    assert cli.main(["prewarm", "--op", "rmsnorm", "--op", "silu_and_mul", "--dtype", "bf16", "--print-manifest"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "kernels": [{"op": "rmsnorm", "dtype": ["bf16"]}, {"op": "silu_and_mul", "dtype": ["bf16"]}]
+    }
 
 
 def test_cli_param_needs_name_value(capsys):
@@ -379,11 +468,15 @@ def test_cli_param_needs_name_value(capsys):
     assert "NAME=VALUE" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module, message", [
-    ("no_such", "unknown kernel module 'no_such'"),
-    ("no_such_package.kernels:AXPY", "cannot import 'no_such_package.kernels'"),
-    ("kernels:NO_SUCH", "kernels:NO_SUCH is not a kernforge Module"),
-], ids=["unknown-name", "not-importable", "not-a-module"])
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        ("no_such", "unknown kernel module 'no_such'"),
+        ("no_such_package.kernels:AXPY", "cannot import 'no_such_package.kernels'"),
+        ("kernels:NO_SUCH", "kernels:NO_SUCH is not a kernforge Module"),
+    ],
+    ids=["unknown-name", "not-importable", "not-a-module"],
+)
 def test_cli_unknown_module_is_an_error(cache, capsys, module, message):
     assert cli.main(["prewarm", "--module", module, "--isa", "generic"]) == 1
     assert re.search(rf"kernforge: error: .*{re.escape(message)}", capsys.readouterr().err)
@@ -426,11 +519,13 @@ def test_prewarm_compiles_even_when_jit_is_disabled(cache, monkeypatch):
 
 # --------------------------------------------------------------------------- the CLI in a subprocess
 
+
 def run_cli(cache_root: Path, *args: str, **env) -> subprocess.CompletedProcess:
     """``python -m kernforge ARGS`` in a new process (each imports torch: these tests are slow)."""
     env = clean_env(KERNFORGE_CACHE_DIR=cache_root, **env)
-    return subprocess.run([sys.executable, "-m", "kernforge", *args], env=env, capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "kernforge", *args], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def assert_rc0(proc: subprocess.CompletedProcess) -> None:
@@ -441,8 +536,21 @@ def assert_rc0(proc: subprocess.CompletedProcess) -> None:
 def test_cli_prewarm_module_with_params(cache):
     spec = core.KernelSpec.make(AXPY, {"dtype": "fp32"}, "generic")
     key = core._plan(spec).key
-    proc = run_cli(cache, "prewarm", "--module", "kernels:AXPY", "--template-dir", str(TEST_TEMPLATES),
-                   "--param", "dtype=fp32", "--isa", "generic", "--jobs", "2", PYTHONPATH=TESTS_DIR)
+    proc = run_cli(
+        cache,
+        "prewarm",
+        "--module",
+        "kernels:AXPY",
+        "--template-dir",
+        str(TEST_TEMPLATES),
+        "--param",
+        "dtype=fp32",
+        "--isa",
+        "generic",
+        "--jobs",
+        "2",
+        PYTHONPATH=TESTS_DIR,
+    )
     assert_rc0(proc)
     assert f"kernforge: compiling {key} ..." in proc.stderr
     assert "prewarm done: 1 compiled, 0 already cached" in proc.stderr
@@ -504,8 +612,13 @@ def test_cli_without_command_is_a_usage_error(capsys):
 
 def test_every_kernel_with_candidates_has_a_tuner_on_the_cli(cache, monkeypatch, capsys):
     """python -m kernforge tune offers a tuner per registered Candidates, each runnable from the CLI."""
-    library = {id(value) for name, module in list(sys.modules.items()) if name.startswith("kernforge.")
-               for value in vars(module).values() if isinstance(value, tuning.Candidates)}
+    library = {
+        id(value)
+        for name, module in list(sys.modules.items())
+        if name.startswith("kernforge.")
+        for value in vars(module).values()
+        if isinstance(value, tuning.Candidates)
+    }
     assert library and {id(t.candidates) for t in tune.TUNERS.values()} == library
     monkeypatch.setattr(tuning, "time_call", lambda run: 1.0)  # no timing here: the defaults win
     assert cli.main(["tune", "gemm", "--m", "1", "--nk", "64x32"]) == 0

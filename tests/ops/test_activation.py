@@ -13,9 +13,19 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
+
 from op_helpers import (
-    DTYPE_IDS, DTYPES, IN_OUT_LAYOUTS, PAD, ROWS, SHAPES_2D, SHAPES_3D,
-    assert_outside_untouched, make_rows, randn, seeded,
+    DTYPE_IDS,
+    DTYPES,
+    IN_OUT_LAYOUTS,
+    PAD,
+    ROWS,
+    SHAPES_2D,
+    SHAPES_3D,
+    assert_outside_untouched,
+    make_rows,
+    randn,
+    seeded,
 )
 
 HIDDEN = [1, 111, 4109, 11008]  # d; the input's last dim is 2*d
@@ -43,6 +53,7 @@ def _op(name):
 
 
 # --------------------------------------------------------------------------- values
+
 
 @pytest.mark.parametrize("d", HIDDEN, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -76,12 +87,14 @@ def test_act_tails(op, dtype, tier, assert_close_ref):
     limit = 3e4 if dtype == torch.float16 else 1e30
     mags = torch.logspace(-30.0, float(torch.tensor(limit).log10()), 64)
     extremes = torch.cat([mags, -mags]).repeat(d // 128 + 1)[:d]
-    gate = torch.stack([
-        ramp,
-        ramp.flip(0),
-        ramp[torch.randperm(d, generator=g)],
-        extremes[torch.randperm(d, generator=g)],
-    ])
+    gate = torch.stack(
+        [
+            ramp,
+            ramp.flip(0),
+            ramp[torch.randperm(d, generator=g)],
+            extremes[torch.randperm(d, generator=g)],
+        ]
+    )
     up = torch.rand((4, d), generator=g) * 2.0 - 1.0
     x = torch.cat([gate, up], dim=-1).to(dtype)
     y = _op(op)(x)
@@ -108,8 +121,9 @@ def test_act_layouts(op, dtype, case, tier, assert_close_ref):
                 y = _op(op)(x)
                 assert y.shape == lead + (d,) and y.dtype == dtype, ctx
             else:
-                out, ob, omask = make_rows(torch.empty(lead + (d,), dtype=dtype), out_layout, g,
-                                           pad=PAD + 2, fill=float("nan"))
+                out, ob, omask = make_rows(
+                    torch.empty(lead + (d,), dtype=dtype), out_layout, g, pad=PAD + 2, fill=float("nan")
+                )
                 ob_before = ob.clone()
                 y = _op(op)(x, out=out)
                 assert y is out, f"{ctx}: out= was not returned"
@@ -119,6 +133,7 @@ def test_act_layouts(op, dtype, case, tier, assert_close_ref):
 
 
 # --------------------------------------------------------------------------- 64-bit offsets
+
 
 def test_silu_and_mul_64bit_row_offsets(tier, assert_close_ref):
     """Rows more than 2**31 elements apart in one bf16 storage (input and out).

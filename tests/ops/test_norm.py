@@ -17,18 +17,26 @@ import pytest
 import torch
 
 import kernforge
-from op_helpers import (
-    DTYPE_IDS, DTYPES, IN_OUT_LAYOUTS, PAD, ROWS, SHAPES_2D, SHAPES_3D,
-    assert_outside_untouched, make_rows, randn, seeded,
-)
 
+from op_helpers import (
+    DTYPE_IDS,
+    DTYPES,
+    IN_OUT_LAYOUTS,
+    PAD,
+    ROWS,
+    SHAPES_2D,
+    SHAPES_3D,
+    assert_outside_untouched,
+    make_rows,
+    randn,
+    seeded,
+)
 
 HIDDEN = [1, 111, 4109, 16384]
 
 PLAIN_OPS = ["rmsnorm", "gemma_rmsnorm"]
 FUSED_OPS = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
-GEMMA = {"rmsnorm": False, "gemma_rmsnorm": True,
-         "fused_add_rmsnorm": False, "gemma_fused_add_rmsnorm": True}
+GEMMA = {"rmsnorm": False, "gemma_rmsnorm": True, "fused_add_rmsnorm": False, "gemma_fused_add_rmsnorm": True}
 
 DEFAULT_EPS = 1e-6
 
@@ -72,6 +80,7 @@ def _op(name):
 
 # --------------------------------------------------------------------------- rmsnorm / gemma_rmsnorm
 
+
 @pytest.mark.parametrize("D", HIDDEN, ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", PLAIN_OPS)
@@ -113,8 +122,9 @@ def test_norm_layouts(op, dtype, case, tier, assert_close_ref):
                 y = _op(op)(x, w)
                 assert y.shape == shape and y.dtype == dtype, ctx
             else:
-                out, ob, omask = make_rows(torch.empty(shape, dtype=dtype), out_layout, g,
-                                           pad=PAD + 2, fill=float("nan"))
+                out, ob, omask = make_rows(
+                    torch.empty(shape, dtype=dtype), out_layout, g, pad=PAD + 2, fill=float("nan")
+                )
                 ob_before = ob.clone()
                 y = _op(op)(x, w, out=out)
                 assert y is out, f"{ctx}: out= was not returned"
@@ -125,6 +135,7 @@ def test_norm_layouts(op, dtype, case, tier, assert_close_ref):
 
 # --------------------------------------------------------------------------- fused add + rmsnorm
 
+
 def _check_fused(op, x, r, w, eps, dtype, ctx, assert_close_ref, call_kw=None):
     gemma = GEMMA[op]
     exp_x, exp_r = ref_fused(x, r, w, eps, gemma)
@@ -133,9 +144,9 @@ def _check_fused(op, x, r, w, eps, dtype, ctx, assert_close_ref, call_kw=None):
     assert ret is None, f"{ctx}: in-place op returned {type(ret).__name__}, expected None"
     assert x.dtype == dtype and r.dtype == dtype, ctx
     # The residual is specified exactly: fp32 sum of the two inputs, rounded once.
-    torch.testing.assert_close(r, exp_r, atol=0, rtol=0,
-                               msg=lambda m: f"{ctx}: residual != (input + residual in fp32) "
-                                             f"rounded to {dtype}\n{m}")
+    torch.testing.assert_close(
+        r, exp_r, atol=0, rtol=0, msg=lambda m: f"{ctx}: residual != (input + residual in fp32) rounded to {dtype}\n{m}"
+    )
     assert_close_ref(x, exp_x, dtype, f"{ctx}: input")
     assert torch.equal(w, w_before), f"{ctx}: weight was modified"
 
@@ -177,8 +188,7 @@ def test_fused_layouts(op, dtype, case, tier, assert_close_ref):
             shape = tuple(lead) + (D,)
             ctx = f"{op} {case} dtype={dtype} tier={tier} shape={shape}"
             x, xb, xmask = make_rows(_rows_varied(shape, g).to(dtype), in_layout, g)
-            r, rb, rmask = make_rows(_rows_varied(shape, g).to(dtype), res_layout, g,
-                                     pad=PAD + 6)
+            r, rb, rmask = make_rows(_rows_varied(shape, g).to(dtype), res_layout, g, pad=PAD + 6)
             xb_before, rb_before = xb.clone(), rb.clone()
             _check_fused(op, x, r, w, DEFAULT_EPS, dtype, ctx, assert_close_ref)
             assert_outside_untouched(xb, xb_before, xmask, f"{ctx} (input)")
@@ -186,6 +196,7 @@ def test_fused_layouts(op, dtype, case, tier, assert_close_ref):
 
 
 # --------------------------------------------------------------------------- eps
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", PLAIN_OPS + FUSED_OPS)
@@ -220,6 +231,7 @@ def test_eps_is_honoured(op, dtype, tier, assert_close_ref):
 
 # --------------------------------------------------------------------------- 64-bit offsets
 
+
 def test_rmsnorm_64bit_row_offsets(tier, assert_close_ref):
     """Rows more than 2**31 elements apart in one bf16 storage (input and out).
 
@@ -248,6 +260,7 @@ def test_rmsnorm_64bit_row_offsets(tier, assert_close_ref):
 
 
 # --------------------------------------------------------------------------- cache isolation
+
 
 def test_kernels_are_built_in_the_session_cache(kernforge_cache_dir):
     """The run's KERNFORGE_CACHE_DIR (fresh, or the --reuse-cache one) is the cache actually used."""

@@ -36,8 +36,7 @@ def _names(arg):
     return re.compile(rf"\b{re.escape(arg)}\b", re.IGNORECASE)
 
 
-def _call(op, *, x=None, w=None, r=None, out=None, dtype=torch.float32, device="cpu",
-          shape=None, eps=None):
+def _call(op, *, x=None, w=None, r=None, out=None, dtype=torch.float32, device="cpu", shape=None, eps=None):
     """Call ``op`` with well-formed defaults for every argument not given."""
     kw = {}
     if eps is not None:
@@ -63,6 +62,7 @@ def _call(op, *, x=None, w=None, r=None, out=None, dtype=torch.float32, device="
 
 # --------------------------------------------------------------------------- dtype -> TypeError
 
+
 @pytest.mark.parametrize("bad", [torch.int32, torch.float64], ids=["int32", "float64"])
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_unsupported_input_dtype(op, bad):
@@ -81,11 +81,15 @@ def test_unsupported_input_dtype(op, bad):
             _call(op, x=x, w=torch.ones(D).to(bad))
 
 
-@pytest.mark.parametrize("in_dtype,w_dtype", [
-    (torch.bfloat16, torch.float32),
-    (torch.float32, torch.float16),
-    (torch.float16, torch.bfloat16),
-], ids=["bf16-fp32", "fp32-fp16", "fp16-bf16"])
+@pytest.mark.parametrize(
+    "in_dtype,w_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.bfloat16),
+    ],
+    ids=["bf16-fp32", "fp32-fp16", "fp16-bf16"],
+)
 @pytest.mark.parametrize("op", NORMS)
 def test_weight_dtype_mismatch(op, in_dtype, w_dtype):
     x = torch.randn(N, D, dtype=in_dtype)
@@ -111,6 +115,7 @@ def test_out_dtype_mismatch(op):
 
 # --------------------------------------------------------------------------- shape -> ValueError
 
+
 @pytest.mark.parametrize("wshape", [(D + 1,), (D - 1,), (1, D), ()], ids=str)
 @pytest.mark.parametrize("op", NORMS)
 def test_weight_shape(op, wshape):
@@ -118,8 +123,7 @@ def test_weight_shape(op, wshape):
         _call(op, w=torch.randn(wshape))
 
 
-@pytest.mark.parametrize("rshape", [(N + 1, D), (N, D + 1), (N - 1, D), (1, N, D), (N * D,)],
-                         ids=str)
+@pytest.mark.parametrize("rshape", [(N + 1, D), (N, D + 1), (N - 1, D), (1, N, D), (N * D,)], ids=str)
 @pytest.mark.parametrize("op", FUSED_NORMS)
 def test_residual_shape(op, rshape):
     with pytest.raises(ValueError, match=_names("residual")):
@@ -157,6 +161,7 @@ def test_out_shape(op):
 
 # --------------------------------------------------------------------------- device -> ValueError
 
+
 def _device_cases():
     cases = []
     for op in ALL_OPS:
@@ -191,6 +196,7 @@ def test_non_cpu_tensor(op, arg):
 
 
 # --------------------------------------------------------------------------- non-contiguous outputs
+
 
 def _noncontig(rows, cols, dtype=torch.float32):
     t = torch.randn(rows, 2 * cols, dtype=dtype)[:, ::2]

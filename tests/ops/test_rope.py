@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kernforge
+
 from op_helpers import DTYPE_IDS, DTYPES, seeded
 
 PAD = 3  # packed rows end in a few elements that belong to nobody
@@ -35,8 +36,11 @@ def ref_frequencies(rotary_dim, rope_scale=1.0, rope_theta=1e4, llama31=None):
     wavelength = 2 * math.pi / base
     smooth = (old_context_len / wavelength - low) / (high - low)
     blended = (1 - smooth) * base / rope_scale + smooth * base
-    freq = torch.where(wavelength < old_context_len / high, base,
-                       torch.where(wavelength > old_context_len / low, base / rope_scale, blended))
+    freq = torch.where(
+        wavelength < old_context_len / high,
+        base,
+        torch.where(wavelength > old_context_len / low, base / rope_scale, blended),
+    )
     return freq.float()
 
 
@@ -121,8 +125,9 @@ def _flat_indices(view, base):
 
 
 def assert_only_views_written(backing, before, views, ctx):
-    for t, old, mask in zip(backing if isinstance(backing, tuple) else (backing,), before,
-                            written_mask(backing, views)):
+    for t, old, mask in zip(
+        backing if isinstance(backing, tuple) else (backing,), before, written_mask(backing, views)
+    ):
         assert torch.equal(t[~mask], old[~mask]), f"{ctx}: bytes outside q and k changed"
 
 
@@ -130,8 +135,7 @@ def positions_for(nnz, g, dtype=torch.int32, high=40000):
     return torch.randint(0, high, (nnz,), generator=g, dtype=torch.int64).to(dtype)
 
 
-def check_result(result, q, k, q_in, k_in, expected_q, expected_k, rotary_dim, in_place, dtype, ctx,
-                 assert_close_ref):
+def check_result(result, q, k, q_in, k_in, expected_q, expected_k, rotary_dim, in_place, dtype, ctx, assert_close_ref):
     """The op's return value and outputs: None and q/k rotated in place, or new (q_rope, k_rope)
     with the inputs unchanged; the tail past rotary_dim bit-exact either way."""
     if in_place:
@@ -180,8 +184,20 @@ def test_pos_ids(dtype, interleave, head_dim, partial, mode, tier, assert_close_
     op = kernforge.apply_rope_pos_ids_inplace if in_place else kernforge.apply_rope_pos_ids
     result = op(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave)
     ctx = f"pos_ids {mode} dtype={dtype} interleave={interleave} D={head_dim} rot={rot} tier={tier}"
-    check_result(result, q, k, q_in, k_in, ref_rotate(q_in, cos, sin, rot, interleave),
-                 ref_rotate(k_in, cos, sin, rot, interleave), rot, in_place, dtype, ctx, assert_close_ref)
+    check_result(
+        result,
+        q,
+        k,
+        q_in,
+        k_in,
+        ref_rotate(q_in, cos, sin, rot, interleave),
+        ref_rotate(k_in, cos, sin, rot, interleave),
+        rot,
+        in_place,
+        dtype,
+        ctx,
+        assert_close_ref,
+    )
     if backing is not None:
         assert_only_views_written(backing, before, (q, k) if in_place else (), ctx)
 
@@ -251,8 +267,11 @@ def _rope_any_dim(form, q, k, rotary_dim, interleave, g):
     if form.startswith("cache"):
         cache = ref_cache(4096, rotary_dim)
         positions = positions_for(nnz, g, torch.int64, high=4096)
-        op = kernforge.apply_rope_with_cos_sin_cache_inplace if form == "cache_inplace" else \
-            kernforge.apply_rope_with_cos_sin_cache
+        op = (
+            kernforge.apply_rope_with_cos_sin_cache_inplace
+            if form == "cache_inplace"
+            else kernforge.apply_rope_with_cos_sin_cache
+        )
         head_dim = q.shape[-1]
         result = op(positions, q.flatten(1), k.flatten(1), head_dim, cache, is_neox=not interleave)
         result = result and tuple(r.view(nnz, -1, head_dim) for r in result)
@@ -261,16 +280,19 @@ def _rope_any_dim(form, q, k, rotary_dim, interleave, g):
     if form == "ragged":
         indptr, offsets = torch.tensor([0, 2, nnz], dtype=torch.int32), torch.tensor([5, 300], dtype=torch.int32)
         positions = torch.cat([torch.arange(2) + 5, torch.arange(nnz - 2) + 300])
-        return (kernforge.apply_rope(q, k, indptr, offsets, rotary_dim=rotary_dim, interleave=interleave),
-                *ref_cos_sin(positions, ref_frequencies(rotary_dim)))
+        return (
+            kernforge.apply_rope(q, k, indptr, offsets, rotary_dim=rotary_dim, interleave=interleave),
+            *ref_cos_sin(positions, ref_frequencies(rotary_dim)),
+        )
     pos_ids = positions_for(nnz, g)
     if form == "llama31_inplace":
         kernforge.apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave)
         freq = ref_frequencies(rotary_dim, 8.0, 5e5, llama31=(1.0, 4.0, 8192.0))
         return None, *ref_cos_sin(pos_ids, freq)
     op = kernforge.apply_rope_pos_ids_inplace if form == "pos_ids_inplace" else kernforge.apply_rope_pos_ids
-    return op(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave), *ref_cos_sin(pos_ids,
-                                                                                          ref_frequencies(rotary_dim))
+    return op(q, k, pos_ids, rotary_dim=rotary_dim, interleave=interleave), *ref_cos_sin(
+        pos_ids, ref_frequencies(rotary_dim)
+    )
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -292,9 +314,20 @@ def test_any_head_dim(dtype, dims, interleave, form, tier, assert_close_ref):
     result, cos, sin = _rope_any_dim(form, q, k, rotary_dim, interleave, g)
     in_place = form.endswith("inplace")
     ctx = f"{form} dtype={dtype} interleave={interleave} D={head_dim} rot={rotary_dim} tier={tier}"
-    check_result(result, q, k, q_in, k_in, ref_rotate(q_in, cos, sin, rotary_dim, interleave),
-                 ref_rotate(k_in, cos, sin, rotary_dim, interleave), rotary_dim, in_place, dtype, ctx,
-                 assert_close_ref)
+    check_result(
+        result,
+        q,
+        k,
+        q_in,
+        k_in,
+        ref_rotate(q_in, cos, sin, rotary_dim, interleave),
+        ref_rotate(k_in, cos, sin, rotary_dim, interleave),
+        rotary_dim,
+        in_place,
+        dtype,
+        ctx,
+        assert_close_ref,
+    )
     assert_only_views_written(backing, before, (q, k) if in_place else (), ctx)
 
 
@@ -319,14 +352,30 @@ def test_llama31_pos_ids(dtype, interleave, in_place, params, tier, assert_close
     q, k, backing = make_qk(37, 4, 1, 128, dtype, "packed", g)
     pos_ids = positions_for(37, g, torch.int64, 131072)
     q_in, k_in, before = q.clone(), k.clone(), snapshot(backing)
-    freq = ref_frequencies(128, kw["rope_scale"], kw["rope_theta"],
-                           llama31=(kw["low_freq_factor"], kw["high_freq_factor"], kw["old_context_len"]))
+    freq = ref_frequencies(
+        128,
+        kw["rope_scale"],
+        kw["rope_theta"],
+        llama31=(kw["low_freq_factor"], kw["high_freq_factor"], kw["old_context_len"]),
+    )
     cos, sin = ref_cos_sin(pos_ids, freq)
     op = kernforge.apply_llama31_rope_pos_ids_inplace if in_place else kernforge.apply_llama31_rope_pos_ids
     result = op(q, k, pos_ids, interleave=interleave, **kw)
     ctx = f"llama31 {params} dtype={dtype} interleave={interleave} in_place={in_place} tier={tier}"
-    check_result(result, q, k, q_in, k_in, ref_rotate(q_in, cos, sin, 128, interleave),
-                 ref_rotate(k_in, cos, sin, 128, interleave), 128, in_place, dtype, ctx, assert_close_ref)
+    check_result(
+        result,
+        q,
+        k,
+        q_in,
+        k_in,
+        ref_rotate(q_in, cos, sin, 128, interleave),
+        ref_rotate(k_in, cos, sin, 128, interleave),
+        128,
+        in_place,
+        dtype,
+        ctx,
+        assert_close_ref,
+    )
     assert_only_views_written(backing, before, (q, k) if in_place else (), ctx)
 
 
@@ -357,8 +406,20 @@ def test_ragged(dtype, in_place, llama31, index_dtype, tier, assert_close_ref):
     cos, sin = ref_cos_sin(positions, freq)
     result = op(q, k, indptr, offsets, rotary_dim=48, interleave=True, **kw)
     ctx = f"ragged dtype={dtype} in_place={in_place} llama31={llama31} tier={tier}"
-    check_result(result, q, k, q_in, k_in, ref_rotate(q_in, cos, sin, 48, True),
-                 ref_rotate(k_in, cos, sin, 48, True), 48, in_place, dtype, ctx, assert_close_ref)
+    check_result(
+        result,
+        q,
+        k,
+        q_in,
+        k_in,
+        ref_rotate(q_in, cos, sin, 48, True),
+        ref_rotate(k_in, cos, sin, 48, True),
+        48,
+        in_place,
+        dtype,
+        ctx,
+        assert_close_ref,
+    )
     assert_only_views_written(backing, before, (q, k) if in_place else (), ctx)
 
 
@@ -392,9 +453,20 @@ def test_cos_sin_cache(dtype, is_neox, in_place, sizes, pos_dtype, tier, assert_
         assert result[0].shape == query.shape and result[1].shape == key.shape
         result = tuple(r.view(nnz, -1, head_size) for r in result)
     ctx = f"cache dtype={dtype} neox={is_neox} in_place={in_place} sizes={sizes} tier={tier}"
-    check_result(result, q3, k3, q_in, k_in, ref_rotate(q_in, cos, sin, rotary_dim, not is_neox),
-                 ref_rotate(k_in, cos, sin, rotary_dim, not is_neox), rotary_dim, in_place, dtype, ctx,
-                 assert_close_ref)
+    check_result(
+        result,
+        q3,
+        k3,
+        q_in,
+        k_in,
+        ref_rotate(q_in, cos, sin, rotary_dim, not is_neox),
+        ref_rotate(k_in, cos, sin, rotary_dim, not is_neox),
+        rotary_dim,
+        in_place,
+        dtype,
+        ctx,
+        assert_close_ref,
+    )
     assert_only_views_written(qkv, before, (q3, k3) if in_place else (), ctx)
 
 
@@ -425,47 +497,102 @@ def _pos(nnz=4, dtype=torch.int32):
     return torch.arange(nnz, dtype=dtype)
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(dtype=torch.float64), _pos()), TypeError, r"\bq\b.*float64"),
-    (lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(dtype=torch.bfloat16)[1], _pos()), TypeError, r"\bk\b.*dtype"),
-    (lambda: kernforge.apply_rope_pos_ids(torch.randn(4, 128), _qk()[1], _pos()), ValueError, r"\bq\b.*3-D"),
-    (lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(nnz=5)[1], _pos()), ValueError, "number of tokens"),
-    (lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(d=32)[1], _pos()), ValueError, "head dim"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=33), ValueError, "rotary_dim"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=66), ValueError, "rotary_dim"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=0), ValueError, "rotary_dim"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=32.0), TypeError, "rotary_dim"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos().float()), TypeError, "pos_ids"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(5)), ValueError, "pos_ids"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), [0, 1, 2, 3]), TypeError, "pos_ids"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos().to("meta")), ValueError, "pos_ids.*device"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos()), ValueError, "rotary_dim=None.*head_dim 63 is odd"),
-    (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos(), rotary_dim=63), ValueError, "rotary_dim must be even"),
-    (lambda: kernforge.apply_llama31_rope_pos_ids(*_qk(), _pos(), low_freq_factor=2, high_freq_factor=2),
-     ValueError, "high_freq_factor"),
-    (lambda: kernforge.apply_rope(*_qk(), torch.tensor([0, 4]), torch.tensor([0], dtype=torch.int32)),
-     TypeError, "same dtype"),
-    (lambda: kernforge.apply_rope(*_qk(), torch.tensor([0, 2, 4]), torch.tensor([0])), ValueError, "indptr"),
-    (lambda: kernforge.apply_rope_pos_ids_inplace(torch.randn(4, 1, 64).expand(4, 2, 64), _qk()[1], _pos()),
-     ValueError, r"\bq\b.*overlap"),
-    (lambda: kernforge.apply_rope_pos_ids_inplace(torch.randn(4, 2, 128)[..., ::2], _qk()[1], _pos()),
-     ValueError, r"\bq\b.*contiguous"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), torch.randn(4, 64), 64,
-                                                     ref_cache(8, 64).half()),
-     ValueError, "^cos_sin_cache should be float32$"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), torch.randn(4, 64), 64,
-                                                     ref_cache(8, 64)[None]), ValueError, "cos_sin_cache.*2-D"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), torch.randn(4, 64), 64,
-                                                     ref_cache(8, 128)), ValueError, "head_size"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 100), torch.randn(4, 64), 64,
-                                                     ref_cache(8, 64)), ValueError, r"\bquery\b"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), torch.randn(3, 64), 64,
-                                                     ref_cache(8, 64)), ValueError, "number of tokens"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), torch.randn(4, 64), 0,
-                                                     ref_cache(8, 64)), ValueError, "head_size"),
-    (lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), None, 64, ref_cache(8, 64)),
-     TypeError, r"\bkey\b"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(dtype=torch.float64), _pos()), TypeError, r"\bq\b.*float64"),
+        (
+            lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(dtype=torch.bfloat16)[1], _pos()),
+            TypeError,
+            r"\bk\b.*dtype",
+        ),
+        (lambda: kernforge.apply_rope_pos_ids(torch.randn(4, 128), _qk()[1], _pos()), ValueError, r"\bq\b.*3-D"),
+        (lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(nnz=5)[1], _pos()), ValueError, "number of tokens"),
+        (lambda: kernforge.apply_rope_pos_ids(_qk()[0], _qk(d=32)[1], _pos()), ValueError, "head dim"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=33), ValueError, "rotary_dim"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=66), ValueError, "rotary_dim"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=0), ValueError, "rotary_dim"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(), rotary_dim=32.0), TypeError, "rotary_dim"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos().float()), TypeError, "pos_ids"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos(5)), ValueError, "pos_ids"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), [0, 1, 2, 3]), TypeError, "pos_ids"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(), _pos().to("meta")), ValueError, "pos_ids.*device"),
+        (lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos()), ValueError, "rotary_dim=None.*head_dim 63 is odd"),
+        (
+            lambda: kernforge.apply_rope_pos_ids(*_qk(d=63), _pos(), rotary_dim=63),
+            ValueError,
+            "rotary_dim must be even",
+        ),
+        (
+            lambda: kernforge.apply_llama31_rope_pos_ids(*_qk(), _pos(), low_freq_factor=2, high_freq_factor=2),
+            ValueError,
+            "high_freq_factor",
+        ),
+        (
+            lambda: kernforge.apply_rope(*_qk(), torch.tensor([0, 4]), torch.tensor([0], dtype=torch.int32)),
+            TypeError,
+            "same dtype",
+        ),
+        (lambda: kernforge.apply_rope(*_qk(), torch.tensor([0, 2, 4]), torch.tensor([0])), ValueError, "indptr"),
+        (
+            lambda: kernforge.apply_rope_pos_ids_inplace(torch.randn(4, 1, 64).expand(4, 2, 64), _qk()[1], _pos()),
+            ValueError,
+            r"\bq\b.*overlap",
+        ),
+        (
+            lambda: kernforge.apply_rope_pos_ids_inplace(torch.randn(4, 2, 128)[..., ::2], _qk()[1], _pos()),
+            ValueError,
+            r"\bq\b.*contiguous",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 128), torch.randn(4, 64), 64, ref_cache(8, 64).half()
+            ),
+            ValueError,
+            "^cos_sin_cache should be float32$",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 128), torch.randn(4, 64), 64, ref_cache(8, 64)[None]
+            ),
+            ValueError,
+            "cos_sin_cache.*2-D",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 128), torch.randn(4, 64), 64, ref_cache(8, 128)
+            ),
+            ValueError,
+            "head_size",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 100), torch.randn(4, 64), 64, ref_cache(8, 64)
+            ),
+            ValueError,
+            r"\bquery\b",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 128), torch.randn(3, 64), 64, ref_cache(8, 64)
+            ),
+            ValueError,
+            "number of tokens",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(
+                _pos(), torch.randn(4, 128), torch.randn(4, 64), 0, ref_cache(8, 64)
+            ),
+            ValueError,
+            "head_size",
+        ),
+        (
+            lambda: kernforge.apply_rope_with_cos_sin_cache(_pos(), torch.randn(4, 128), None, 64, ref_cache(8, 64)),
+            TypeError,
+            r"\bkey\b",
+        ),
+    ],
+)
 def test_bad_arguments(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -484,8 +611,11 @@ def test_positions_outside_the_cache(bad, in_place, tier):
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
-@pytest.mark.parametrize("indptr, index", [([1, 2, 4], 0), ([0, 3, 2, 4], 2), ([0, 2, 3], 2), ([0, 2, 5], 2)],
-                         ids=["start", "decreasing", "short", "long"])
+@pytest.mark.parametrize(
+    "indptr, index",
+    [([1, 2, 4], 0), ([0, 3, 2, 4], 2), ([0, 2, 3], 2), ([0, 2, 5], 2)],
+    ids=["start", "decreasing", "short", "long"],
+)
 def test_bad_indptr(indptr, index, tier):
     q, k = _qk()
     before = q.clone(), k.clone()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
+
 from op_helpers import DTYPE_IDS, DTYPES, PAD, make_rows, randn, seeded
 
 # sampler -> (name of its input, its filter parameters in call order)
@@ -61,6 +62,7 @@ MIN_P_VALUE = 1e-4  # chi-square p-value a correct sampler must exceed
 
 
 # --------------------------------------------------------------------------- float64 reference
+
 
 def as_column(param, rows):
     """A scalar or [rows] tensor parameter as a float64 [rows, 1] column (a float32 tensor keeps
@@ -97,8 +99,11 @@ def ref_top_p_keep(x, top_p):
     # p = 1 keeps every nonzero entry (as the spec says): in exact arithmetic the strictly-larger
     # mass of the smallest entry is below S, but a float64 sum may round a 1e-30 tail away.
     # p = 0 keeps the maximum and entries equal to it (the limit p -> 0+).
-    return ((larger_mass(x) < p * x.sum(-1, keepdim=True)) | ((p >= 1) & (x > 0))
-            | ((p <= 0) & (x == x.amax(-1, keepdim=True))))
+    return (
+        (larger_mass(x) < p * x.sum(-1, keepdim=True))
+        | ((p >= 1) & (x > 0))
+        | ((p <= 0) & (x == x.amax(-1, keepdim=True)))
+    )
 
 
 def ref_min_p_keep(x, min_p):
@@ -137,6 +142,7 @@ def renormalize(x, keep):
 
 
 # --------------------------------------------------------------------------- safe parameters
+
 
 def safe_top_p(row, p, min_gap=2e-4):
     """The top-p nearest ``p`` whose cut p*S lies mid-way between two consecutive cut levels of
@@ -191,6 +197,7 @@ def pick_params(name, order, probs, g, per_row):
 
 # --------------------------------------------------------------------------- test data
 
+
 def dyadic_probs(B, V, g, zero_frac=0.0):
     """Small integers times one power of two: every partial sum is exact in float32 in any order
     (under 2**19 units in all), values tie a lot, and bf16 / fp16 hold them exactly (<= 255)."""
@@ -225,11 +232,9 @@ def sampler_input(name, kind, B, V, g, per_row=True):
     n = B if per_row else 1
     if from_logits:
         # "dyadic": integer logits, so many probabilities tie exactly
-        x = (torch.randint(-6, 7, (n, V), generator=g).float() if kind == "dyadic"
-             else randn((n, V), g, 2.5))
+        x = torch.randint(-6, 7, (n, V), generator=g).float() if kind == "dyadic" else randn((n, V), g, 2.5)
     else:
-        x = (dyadic_probs(n, V, g, zero_frac=0.3) if kind == "dyadic"
-             else softmax_probs(n, V, g, zero_frac=0.2))
+        x = dyadic_probs(n, V, g, zero_frac=0.3) if kind == "dyadic" else softmax_probs(n, V, g, zero_frac=0.2)
     if not per_row:
         x = permuted_rows(x[0], B, g)
     probs = kernforge.softmax(x) if from_logits else x
@@ -250,11 +255,14 @@ def assert_in_kept(samples, keep, ctx, rows=None):
     ok = keep[rows, samples.long()]
     if not ok.all():
         i = int((~ok).nonzero()[0])
-        raise AssertionError(f"{ctx}: {int((~ok).sum())} of {len(samples)} samples outside the kept "
-                             f"set, e.g. output row {i} (input row {int(rows[i])}) got token {int(samples[i])}")
+        raise AssertionError(
+            f"{ctx}: {int((~ok).sum())} of {len(samples)} samples outside the kept "
+            f"set, e.g. output row {i} (input row {int(rows[i])}) got token {int(samples[i])}"
+        )
 
 
 # --------------------------------------------------------------------------- statistics
+
 
 def chi_square(counts, q):
     """Pearson's chi-square goodness of fit of ``counts`` [V] to probabilities ``q`` [V].
@@ -280,8 +288,9 @@ def chi_square(counts, q):
     df = len(e) - 1
     if df == 0:
         return chi2, 0, 1.0
-    p = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                torch.tensor(chi2 / 2, dtype=torch.float64)).item()
+    p = torch.special.gammaincc(
+        torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)
+    ).item()
     return chi2, df, p
 
 
@@ -291,7 +300,8 @@ def assert_frequencies(samples, q, ctx):
     counts = torch.bincount(samples.long(), minlength=len(q))
     assert len(counts) == len(q), f"{ctx}: token id {int(samples.max())} >= vocab {len(q)}"
     assert counts[q == 0].sum() == 0, (
-        f"{ctx}: tokens outside the kept set drawn: {(counts * (q == 0)).nonzero().flatten().tolist()[:10]}")
+        f"{ctx}: tokens outside the kept set drawn: {(counts * (q == 0)).nonzero().flatten().tolist()[:10]}"
+    )
     cos = F.cosine_similarity(counts.double() / counts.sum(), q.double(), dim=0).item()
     assert cos > 0.99, f"{ctx}: cosine similarity {cos:.4f} of frequencies to the reference"
     chi2, df, p = chi_square(counts, q)
@@ -300,6 +310,7 @@ def assert_frequencies(samples, q, ctx):
 
 
 # --------------------------------------------------------------------------- renorm / mask ops
+
 
 def _renorm_inputs(op, dtype, B, V, kind, per_row, g):
     """(probs in dtype, top_k or top_p) for a renorm op; the reference uses the rounded probs."""
@@ -324,21 +335,24 @@ def test_renorm_probs(op, dtype, V, tier, assert_close_ref):
         for per_row in (True, False):
             for layout in ("contig", "padded"):  # padded: row stride V + 5
                 for B in (1, 7):
-                    ctx = (f"{op} dtype={dtype} tier={tier} V={V} B={B} {kind} "
-                           f"{'per-row' if per_row else 'scalar'} params, {layout}")
+                    ctx = (
+                        f"{op} dtype={dtype} tier={tier} V={V} B={B} {kind} "
+                        f"{'per-row' if per_row else 'scalar'} params, {layout}"
+                    )
                     x, param = _renorm_inputs(op, dtype, B, V, kind, per_row, g)
                     view, backing, _ = make_rows(x, layout, g)
                     backing_before = backing.clone()
                     out = getattr(kernforge, op)(view, param)
                     x64 = x.double()
-                    keep = (ref_top_k_keep(x64, param) if op == "top_k_renorm_probs"
-                            else ref_top_p_keep(x64, param))
+                    keep = ref_top_k_keep(x64, param) if op == "top_k_renorm_probs" else ref_top_p_keep(x64, param)
                     assert out.shape == (B, V) and out.dtype == dtype, ctx
                     expected_nonzero = keep & (x64 != 0)
                     if not torch.equal(out != 0, expected_nonzero):
                         diff = ((out != 0) != expected_nonzero).nonzero()[0].tolist()
-                        raise AssertionError(f"{ctx}: kept set differs, first at (row, token) {diff}: "
-                                             f"x={x64[diff[0], diff[1]].item()} out={out[diff[0], diff[1]].item()}")
+                        raise AssertionError(
+                            f"{ctx}: kept set differs, first at (row, token) {diff}: "
+                            f"x={x64[diff[0], diff[1]].item()} out={out[diff[0], diff[1]].item()}"
+                        )
                     assert_close_ref(out, renormalize(x64, keep).float(), dtype, ctx)
                     assert torch.equal(backing, backing_before), f"{ctx}: input storage was modified"
 
@@ -352,8 +366,9 @@ def test_top_k_mask_logits(dtype, V, tier):
             for layout in ("contig", "padded"):
                 for B in (1, 7):
                     ctx = f"top_k_mask_logits dtype={dtype} tier={tier} V={V} B={B} {kind} {layout}"
-                    x = (randn((B, V), g, 3.0) if kind == "randn"
-                         else torch.randint(-4, 5, (B, V), generator=g).float()).to(dtype)
+                    x = (
+                        randn((B, V), g, 3.0) if kind == "randn" else torch.randint(-4, 5, (B, V), generator=g).float()
+                    ).to(dtype)
                     params = pick_params("top_k_sampling_from_probs", None, x.float(), g, per_row)
                     view, backing, _ = make_rows(x, layout, g)
                     backing_before = backing.clone()
@@ -362,7 +377,8 @@ def test_top_k_mask_logits(dtype, V, tier):
                     assert out.shape == (B, V) and out.dtype == dtype, ctx
                     expected = torch.where(keep, x, torch.tensor(-math.inf, dtype=dtype))
                     assert torch.equal(out, expected), (
-                        f"{ctx}: kept {int((out != -math.inf).sum())} tokens, expected {int(keep.sum())}")
+                        f"{ctx}: kept {int((out != -math.inf).sum())} tokens, expected {int(keep.sum())}"
+                    )
                     assert torch.equal(backing, backing_before), f"{ctx}: input storage was modified"
 
 
@@ -411,9 +427,11 @@ def test_ties_at_threshold(tier):
     probs = row.reshape(1, -1)
     kept = (row >= 0.1).nonzero().flatten().tolist()  # the 0.3 and the four 0.1s
     expected = torch.where(row >= 0.1, row / 0.7, 0.0).reshape(1, -1)
-    for name, out in [("top_k_renorm_probs k=3", kernforge.top_k_renorm_probs(probs, 3)),
-                      ("top_k_renorm_probs k=2", kernforge.top_k_renorm_probs(probs, 2)),
-                      ("top_p_renorm_probs p=0.45", kernforge.top_p_renorm_probs(probs, 0.45))]:
+    for name, out in [
+        ("top_k_renorm_probs k=3", kernforge.top_k_renorm_probs(probs, 3)),
+        ("top_k_renorm_probs k=2", kernforge.top_k_renorm_probs(probs, 2)),
+        ("top_p_renorm_probs p=0.45", kernforge.top_p_renorm_probs(probs, 0.45)),
+    ]:
         assert (out[0] != 0).nonzero().flatten().tolist() == kept, f"{name} tier={tier}"
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5, msg=f"{name} tier={tier}")
     # a cut above the run keeps only the 0.3 (its strictly-larger mass 0 < 0.2; the 0.1s have 0.3)
@@ -425,9 +443,11 @@ def test_ties_at_threshold(tier):
     n = 20_000
     indices = torch.zeros(n, dtype=torch.int32)
     logits = probs.log()
-    cases = [("top_k_sampling_from_probs", probs, {"top_k": 3}, None),
-             ("top_p_sampling_from_probs", probs, {"top_p": 0.45}, None),
-             ("min_p_sampling_from_probs", probs, {"min_p": 0.3}, None)]
+    cases = [
+        ("top_k_sampling_from_probs", probs, {"top_k": 3}, None),
+        ("top_p_sampling_from_probs", probs, {"top_p": 0.45}, None),
+        ("min_p_sampling_from_probs", probs, {"min_p": 0.3}, None),
+    ]
     for order in ORDERS:  # k=2: the k-th value is 0.1; p=0.9 then keeps the whole top-k set
         cases.append(("top_k_top_p_sampling_from_probs", probs, {"top_k": 2, "top_p": 0.9}, order))
         cases.append(("top_k_top_p_sampling_from_logits", logits, {"top_k": 2, "top_p": 0.9}, order))
@@ -438,6 +458,7 @@ def test_ties_at_threshold(tier):
 
 
 # --------------------------------------------------------------------------- softmax
+
 
 @pytest.mark.parametrize("temperature", ["none", "float", "tensor"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -463,8 +484,12 @@ def test_softmax(dtype, temperature, tier, assert_close_ref):
         assert torch.equal(x, x_before), f"{ctx}: input was modified"
     # positional temperature, padded rows
     view, _, _ = make_rows(randn((4, 1000), g, 3.0).to(dtype), "padded", g)
-    assert_close_ref(kernforge.softmax(view, 2.0), torch.softmax(view.float() / 2.0, -1), torch.float32,
-                     f"softmax padded dtype={dtype} tier={tier}")
+    assert_close_ref(
+        kernforge.softmax(view, 2.0),
+        torch.softmax(view.float() / 2.0, -1),
+        torch.float32,
+        f"softmax padded dtype={dtype} tier={tier}",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -483,10 +508,12 @@ def test_softmax_equal_logits_equal_probs(dtype, tier):
                     assert (same == same[0]).all(), (
                         f"softmax dtype={dtype} tier={tier} V={V} T={T}: logit {v.item()} at tokens "
                         f"{(x[r] == v).nonzero().flatten().tolist()} gave probabilities "
-                        f"{sorted(set(same.tolist()))}")
+                        f"{sorted(set(same.tolist()))}"
+                    )
 
 
 # --------------------------------------------------------------------------- samples in the kept set
+
 
 @pytest.mark.parametrize("per_row", [True, False], ids=["per_row_params", "scalar_params"])
 @pytest.mark.parametrize("name,order", CASES)
@@ -510,11 +537,14 @@ def test_samples_in_kept_set(name, order, per_row, tier):
                 assert_in_kept(samples, keep, ctx)
 
 
-@pytest.mark.parametrize("name,order", [
-    pytest.param("top_p_sampling_from_probs", None, id="top_p_sampling_from_probs"),
-    pytest.param("top_k_top_p_sampling_from_logits", "top_k_first", id="top_k_top_p_from_logits-top_k_first"),
-    pytest.param("min_p_sampling_from_probs", None, id="min_p_sampling_from_probs"),
-])
+@pytest.mark.parametrize(
+    "name,order",
+    [
+        pytest.param("top_p_sampling_from_probs", None, id="top_p_sampling_from_probs"),
+        pytest.param("top_k_top_p_sampling_from_logits", "top_k_first", id="top_k_top_p_from_logits-top_k_first"),
+        pytest.param("min_p_sampling_from_probs", None, id="min_p_sampling_from_probs"),
+    ],
+)
 def test_samples_in_kept_set_big_vocab(name, order, tier):
     """Llama-3 vocabulary, LLM-like rows (softmax of randn * 5), batch 1 and 8."""
     g = seeded("kept-big", name, order)
@@ -565,7 +595,8 @@ def test_keep_only_max(name, order, tier):
     if SAMPLERS[name][1] == ("top_k", "top_p"):  # each filter alone reaches the argmax
         for params in ({"top_k": 1, "top_p": 1.0}, {"top_k": V, "top_p": 1e-7}):
             assert torch.equal(draw(name, x, params, order, generator=gen), expected), (
-                f"{name} {order} {params} tier={tier}")
+                f"{name} {order} {params} tier={tier}"
+            )
 
 
 TOP_P_CASES = [c for c in FILTER_CASES if "top_p" in SAMPLERS[c.values[0]][1]]
@@ -626,8 +657,10 @@ def test_no_filter_values(name, order, tier):
     expected = draw(name, x, base, order, seed=5, offset=0)
     variants = []
     if "top_p" in filt:
-        variants += [{**base, "top_p": v} for v in (1.5, float("inf"), torch.full((B,), 1.5),
-                                                    torch.full((B,), 2, dtype=torch.int64))]
+        variants += [
+            {**base, "top_p": v}
+            for v in (1.5, float("inf"), torch.full((B,), 1.5), torch.full((B,), 2, dtype=torch.int64))
+        ]
     if "min_p" in filt:
         variants += [{**base, "min_p": v} for v in (-0.5, -float("inf"), torch.full((B,), -1.0))]
     for params in variants:
@@ -651,27 +684,34 @@ def test_param_tensors_cast_by_value(tier):
     for k in (ones.double() + 0.9, ones.bool(), ones.short(), ones.int(), ones.to(torch.uint8)):
         assert torch.equal(kernforge.top_k_sampling_from_probs(probs, k, **kw), argmax), f"top_k {k.dtype} {ctx}"
     k = torch.full((2 * B,), 37.9, dtype=torch.float64)[::2]  # truncates to 37; stride 2
-    assert torch.equal(kernforge.top_k_sampling_from_probs(probs, k, **kw),
-                       kernforge.top_k_sampling_from_probs(probs, 37, **kw)), ctx
+    assert torch.equal(
+        kernforge.top_k_sampling_from_probs(probs, k, **kw), kernforge.top_k_sampling_from_probs(probs, 37, **kw)
+    ), ctx
     assert torch.equal(kernforge.top_k_renorm_probs(probs, k), kernforge.top_k_renorm_probs(probs, 37)), ctx
     assert torch.equal(kernforge.top_k_mask_logits(logits, k), kernforge.top_k_mask_logits(logits, 37)), ctx
     # top_p = 1 as an int tensor: no top-p, as the scalar 1.0
-    assert torch.equal(kernforge.top_p_sampling_from_probs(probs, ones, **kw),
-                       kernforge.top_p_sampling_from_probs(probs, 1.0, **kw)), ctx
+    assert torch.equal(
+        kernforge.top_p_sampling_from_probs(probs, ones, **kw), kernforge.top_p_sampling_from_probs(probs, 1.0, **kw)
+    ), ctx
     assert torch.equal(kernforge.top_p_renorm_probs(probs, ones), kernforge.top_p_renorm_probs(probs, 1.0)), ctx
     # float64 top_p / min_p: their float32 values
     p = torch.linspace(0.1, 0.9, B, dtype=torch.float64)
-    assert torch.equal(kernforge.top_p_sampling_from_probs(probs, p, **kw),
-                       kernforge.top_p_sampling_from_probs(probs, p.float(), **kw)), ctx
+    assert torch.equal(
+        kernforge.top_p_sampling_from_probs(probs, p, **kw), kernforge.top_p_sampling_from_probs(probs, p.float(), **kw)
+    ), ctx
     assert torch.equal(kernforge.top_p_renorm_probs(probs, p), kernforge.top_p_renorm_probs(probs, p.float())), ctx
-    assert torch.equal(kernforge.min_p_sampling_from_probs(probs, p / 2, **kw),
-                       kernforge.min_p_sampling_from_probs(probs, (p / 2).float(), **kw)), ctx
+    assert torch.equal(
+        kernforge.min_p_sampling_from_probs(probs, p / 2, **kw),
+        kernforge.min_p_sampling_from_probs(probs, (p / 2).float(), **kw),
+    ), ctx
     k64 = torch.arange(1, B + 1) * 7
     for order in ORDERS:
         for op, x in (("top_k_top_p_sampling_from_probs", probs), ("top_k_top_p_sampling_from_logits", logits)):
             call = getattr(kernforge, op)
-            assert torch.equal(call(x, k64.double(), p, filter_apply_order=order, **kw),
-                               call(x, k64.int(), p.float(), filter_apply_order=order, **kw)), f"{op} {order} {ctx}"
+            assert torch.equal(
+                call(x, k64.double(), p, filter_apply_order=order, **kw),
+                call(x, k64.int(), p.float(), filter_apply_order=order, **kw),
+            ), f"{op} {order} {ctx}"
 
 
 def test_softmax_temperature_tensor_dtypes(tier):
@@ -726,7 +766,8 @@ def _frequency_case(name, order, g):
         params["top_p"] = safe_top_p(restricted if order == "top_k_first" else row, 0.6)
         other = "joint" if order == "top_k_first" else "top_k_first"
         assert not torch.equal(ref_keep(name, probs, params, order), ref_keep(name, probs, params, other)), (
-            "test data: the two filter orders keep the same set")
+            "test data: the two filter orders keep the same set"
+        )
     q = renormalize(probs.double(), ref_keep(name, probs, params, order))[0]
     return x, params, q
 
@@ -752,7 +793,7 @@ def test_keep_all_params_frequencies(name, order, tier):
     x = probs if SAMPLERS[name][0] == "probs" else probs.log()
     q = renormalize(probs.double(), probs > 0)[0]
     indices = torch.zeros(FREQ_SAMPLES, dtype=torch.int64)
-    for params in ((KEEP_ALL, {"top_k": V, "top_p": 1.0, "min_p": 0.0}) if SAMPLERS[name][1] else (KEEP_ALL,)):
+    for params in (KEEP_ALL, {"top_k": V, "top_p": 1.0, "min_p": 0.0}) if SAMPLERS[name][1] else (KEEP_ALL,):
         samples = draw(name, x, params, order, indices=indices, generator=seeded("freq-all-gen", name, order))
         assert samples.dtype == torch.int64
         assert_frequencies(samples, q, f"{name} {order} {params} tier={tier}")
@@ -772,13 +813,13 @@ def test_chi_square_can_fail(tier):
     chi2, df, p = chi_square(counts, wrong)
     assert p < 1e-6, f"perturbed reference not rejected: chi2 {chi2:.1f}, {df} dof, p {p:.2e}"
     assert_frequencies(torch.multinomial(q, FREQ_SAMPLES, replacement=True, generator=g), q, "multinomial")
-    counts = torch.bincount(torch.multinomial(wrong, FREQ_SAMPLES, replacement=True, generator=g),
-                            minlength=FREQ_V)
+    counts = torch.bincount(torch.multinomial(wrong, FREQ_SAMPLES, replacement=True, generator=g), minlength=FREQ_V)
     chi2, df, p = chi_square(counts, q)
     assert p < 1e-6, f"multinomial(wrong) not rejected: chi2 {chi2:.1f}, {df} dof, p {p:.2e}"
 
 
 # --------------------------------------------------------------------------- from_logits == softmax + from_probs
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name,order", [c for c in CASES if SAMPLERS[c.values[0]][0] == "logits"])
@@ -788,8 +829,10 @@ def test_from_logits_equals_softmax_then_from_probs(name, order, dtype, tier):
     for B, V in [(64, 4099), (2, BIG_VOCAB)]:
         logits = randn((B, V), g, 3.0).to(dtype)
         probs = kernforge.softmax(logits)
-        params = {"top_k": torch.randint(1, 200, (B,), generator=g, dtype=torch.int32),
-                  "top_p": 0.2 + 0.8 * torch.rand(B, generator=g)}
+        params = {
+            "top_k": torch.randint(1, 200, (B,), generator=g, dtype=torch.int32),
+            "top_p": 0.2 + 0.8 * torch.rand(B, generator=g),
+        }
         ctx = f"{name} {order} dtype={dtype} tier={tier} B={B} V={V}"
         rngs = {  # each makes the random-state arguments of one call, the same for both calls
             "generator": lambda: {"generator": torch.Generator().manual_seed(12345)},
@@ -803,6 +846,7 @@ def test_from_logits_equals_softmax_then_from_probs(name, order, dtype, tier):
 
 
 # --------------------------------------------------------------------------- determinism
+
 
 def _flat(B, V, g):
     """Rows of values in [0.5, 1.5): flat enough that independent draws almost never agree."""
@@ -870,10 +914,12 @@ def test_seed_and_offset(name, order, tier):
     one = run(seed=torch.tensor([1234]), offset=torch.tensor([8]))
     assert torch.equal(one, base), f"{ctx}: length-1 seed/offset tensors differ from ints"
     assert torch.equal(run(seed=torch.full((B,), 1234), offset=torch.full((B,), 8)), base), (
-        f"{ctx}: length-B seed/offset tensors of one value differ from ints")
+        f"{ctx}: length-B seed/offset tensors of one value differ from ints"
+    )
     per_row = run(seed=torch.tensor([1234]), offset=torch.arange(B) * 3)
     assert torch.equal(per_row, run(seed=torch.tensor([1234]), offset=torch.arange(B) * 3)), (
-        f"{ctx}: per-row offsets not reproducible")
+        f"{ctx}: per-row offsets not reproducible"
+    )
     assert not torch.equal(per_row, base), f"{ctx}: per-row offsets drew the int offset's samples"
     # with both seed and offset the generator is neither used nor advanced
     gen = torch.Generator().manual_seed(77)
@@ -883,6 +929,7 @@ def test_seed_and_offset(name, order, tier):
 
 
 # --------------------------------------------------------------------------- indices
+
 
 def _disjoint_rows(R, V, g):
     """R rows with disjoint supports (row r: tokens t with t % R == r), each with a unique maximum."""
@@ -930,13 +977,15 @@ def test_indices(name, order, idx_dtype, tier):
         assert_in_kept(samples, probs > 0, ctx, rows)
         if SAMPLERS[name][1]:
             assert torch.equal(samples[only_max].long(), argmax[only_max]), (
-                f"{ctx}: rows keeping only the maximum drew another token")
+                f"{ctx}: rows keeping only the maximum drew another token"
+            )
             drew_non_max |= bool((samples[~only_max].long() != argmax[~only_max]).any())
     # each maximum holds ~30 % of its row: rows keeping everything must draw other tokens too
     assert drew_non_max or not SAMPLERS[name][1], f"{ctx}: rows keeping everything drew only maxima"
 
 
 # --------------------------------------------------------------------------- return_valid / NaN
+
 
 @pytest.mark.parametrize("name,order", CASES)
 def test_return_valid(name, order, tier):
@@ -979,8 +1028,9 @@ def _names(arg):
 
 
 # FlashInfer's check_tensor_param (csrc/sampling_utils.h), word for word
-FI_0D = ("Expected a 1D tensor of shape (batch_size,) or scalar for the sampling parameter, but got a "
-         "0-dimensional tensor.")
+FI_0D = (
+    "Expected a 1D tensor of shape (batch_size,) or scalar for the sampling parameter, but got a 0-dimensional tensor."
+)
 
 
 def fi_nd(ndim):
@@ -988,8 +1038,10 @@ def fi_nd(ndim):
 
 
 def fi_length(expected, got):
-    return (f"Sampling parameter tensor batch size mismatch: expected length {expected} to match the "
-            f"reference tensor batch size, but got length {got}.")
+    return (
+        f"Sampling parameter tensor batch size mismatch: expected length {expected} to match the "
+        f"reference tensor batch size, but got length {got}."
+    )
 
 
 def _exactly(message):
@@ -1011,6 +1063,7 @@ def _sampler_call(name, **kw):
 def _sampler_errors():
     cases = []
     for name, (kind, filt) in SAMPLERS.items():
+
         def add(what, exc, arg, **kw):
             cases.append(pytest.param(name, kw, exc, arg, id=f"{name}-{what}"))
 
@@ -1035,8 +1088,13 @@ def _sampler_errors():
             add("top_k-float-tensor-0.5", ValueError, "top_k", top_k=torch.tensor([5, 0.5, 5, 5]))
             add("top_k-length", ValueError, _exactly(fi_length(N_E, 3)), top_k=torch.tensor([5, 5, 5]))
             # 3 output rows from 4 input rows: parameters are per output row
-            add("top_k-length-indices", ValueError, _exactly(fi_length(3, 4)), top_k=torch.tensor([5, 5, 5, 5]),
-                indices=torch.tensor([0, 1, 2]))
+            add(
+                "top_k-length-indices",
+                ValueError,
+                _exactly(fi_length(3, 4)),
+                top_k=torch.tensor([5, 5, 5, 5]),
+                indices=torch.tensor([0, 1, 2]),
+            )
             add("top_k-meta", ValueError, "top_k", top_k=torch.tensor([5, 5, 5, 5], device="meta"))
         if "top_p" in filt:  # 0 (greedy) and > 1 (no top-p) are valid, as in FlashInfer
             for bad in (-0.1, float("nan")):
@@ -1071,69 +1129,138 @@ def _other_errors():
         pytest.param(lambda: kernforge.softmax(logits.to("meta")), ValueError, "logits", id="softmax-meta"),
         pytest.param(lambda: kernforge.softmax(logits, 0.0), ValueError, "temperature", id="softmax-T0"),
         pytest.param(lambda: kernforge.softmax(logits, -1.0), ValueError, "temperature", id="softmax-T-neg"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.tensor([1.0, 0.0, 1.0, 1.0])), ValueError,
-                     "temperature", id="softmax-T-tensor-0"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E + 1)), ValueError, "temperature",
-                     id="softmax-T-length"),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.tensor([1.0, 0.0, 1.0, 1.0])),
+            ValueError,
+            "temperature",
+            id="softmax-T-tensor-0",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.ones(N_E + 1)), ValueError, "temperature", id="softmax-T-length"
+        ),
         # FlashInfer's _validate_softmax_temperature, word for word
-        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E + 1)), ValueError,
-                     _exactly(f"temperature tensor length must equal logits.size(0) ({N_E}), got {N_E + 1}"),
-                     id="softmax-T-length-message"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.tensor(1.0)), ValueError,
-                     _exactly("temperature tensor must be 1D with one value per logits row, got shape ()"),
-                     id="softmax-T-0d"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, 1)), ValueError,
-                     _exactly(f"temperature tensor must be 1D with one value per logits row, got shape ({N_E}, 1)"),
-                     id="softmax-T-2d"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, dtype=torch.int64)), ValueError,
-                     _exactly("temperature tensor must have dtype float16, bfloat16, float32, or float64, got "
-                              "torch.int64"), id="softmax-T-int-tensor"),
-        pytest.param(lambda: kernforge.softmax(logits, torch.ones(N_E, device="meta")), ValueError,
-                     _exactly("temperature tensor must be on the same device as logits (cpu), got meta"),
-                     id="softmax-T-meta"),
-        pytest.param(lambda: kernforge.softmax(logits, "1.0"), TypeError,
-                     _exactly("temperature must be None, a real scalar, or a 1D floating-point tensor with one "
-                              "value per logits row"), id="softmax-T-str"),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.ones(N_E + 1)),
+            ValueError,
+            _exactly(f"temperature tensor length must equal logits.size(0) ({N_E}), got {N_E + 1}"),
+            id="softmax-T-length-message",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.tensor(1.0)),
+            ValueError,
+            _exactly("temperature tensor must be 1D with one value per logits row, got shape ()"),
+            id="softmax-T-0d",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.ones(N_E, 1)),
+            ValueError,
+            _exactly(f"temperature tensor must be 1D with one value per logits row, got shape ({N_E}, 1)"),
+            id="softmax-T-2d",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.ones(N_E, dtype=torch.int64)),
+            ValueError,
+            _exactly("temperature tensor must have dtype float16, bfloat16, float32, or float64, got torch.int64"),
+            id="softmax-T-int-tensor",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, torch.ones(N_E, device="meta")),
+            ValueError,
+            _exactly("temperature tensor must be on the same device as logits (cpu), got meta"),
+            id="softmax-T-meta",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits, "1.0"),
+            TypeError,
+            _exactly(
+                "temperature must be None, a real scalar, or a 1D floating-point tensor with one value per logits row"
+            ),
+            id="softmax-T-str",
+        ),
         pytest.param(lambda: kernforge.softmax(logits, True), TypeError, "temperature", id="softmax-T-bool"),
         pytest.param(lambda: kernforge.softmax(logits, float("inf")), ValueError, "temperature", id="softmax-T-inf"),
         pytest.param(lambda: kernforge.top_p_renorm_probs(ints, 0.9), TypeError, "probs", id="top_p_renorm-int"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs[0], 0.9), ValueError, "probs",
-                     id="top_p_renorm-1d"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs.to("meta"), 0.9), ValueError, "probs",
-                     id="top_p_renorm-meta"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, -0.5), ValueError, "top_p",
-                     id="top_p_renorm-p-negative"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, float("nan")), ValueError, "top_p",
-                     id="top_p_renorm-p-nan"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.tensor([0.5, -0.5, 0.5, 0.5])),
-                     ValueError, "top_p", id="top_p_renorm-tensor-negative"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, torch.full((2,), 0.5)), ValueError,
-                     _exactly(fi_length(N_E, 2)), id="top_p_renorm-length"),
+        pytest.param(lambda: kernforge.top_p_renorm_probs(probs[0], 0.9), ValueError, "probs", id="top_p_renorm-1d"),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs.to("meta"), 0.9), ValueError, "probs", id="top_p_renorm-meta"
+        ),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs, -0.5), ValueError, "top_p", id="top_p_renorm-p-negative"
+        ),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs, float("nan")), ValueError, "top_p", id="top_p_renorm-p-nan"
+        ),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs, torch.tensor([0.5, -0.5, 0.5, 0.5])),
+            ValueError,
+            "top_p",
+            id="top_p_renorm-tensor-negative",
+        ),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs, torch.full((2,), 0.5)),
+            ValueError,
+            _exactly(fi_length(N_E, 2)),
+            id="top_p_renorm-length",
+        ),
         pytest.param(lambda: kernforge.top_k_renorm_probs(ints, 3), TypeError, "probs", id="top_k_renorm-int"),
-        pytest.param(lambda: kernforge.top_k_renorm_probs(probs.reshape(1, N_E, V_E), 3), ValueError, "probs",
-                     id="top_k_renorm-3d"),
+        pytest.param(
+            lambda: kernforge.top_k_renorm_probs(probs.reshape(1, N_E, V_E), 3),
+            ValueError,
+            "probs",
+            id="top_k_renorm-3d",
+        ),
         pytest.param(lambda: kernforge.top_k_renorm_probs(probs, 0), ValueError, "top_k", id="top_k_renorm-k0"),
-        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 0, 5, 5])), ValueError,
-                     "top_k", id="top_k_renorm-tensor-0"),
-        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 5])), ValueError,
-                     _exactly(fi_length(N_E, 2)), id="top_k_renorm-length"),
+        pytest.param(
+            lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 0, 5, 5])),
+            ValueError,
+            "top_k",
+            id="top_k_renorm-tensor-0",
+        ),
+        pytest.param(
+            lambda: kernforge.top_k_renorm_probs(probs, torch.tensor([5, 5])),
+            ValueError,
+            _exactly(fi_length(N_E, 2)),
+            id="top_k_renorm-length",
+        ),
         pytest.param(lambda: kernforge.top_k_mask_logits(ints, 3), TypeError, "logits", id="top_k_mask-int"),
-        pytest.param(lambda: kernforge.top_k_mask_logits(logits.double(), 3), TypeError, "logits",
-                     id="top_k_mask-float64"),
+        pytest.param(
+            lambda: kernforge.top_k_mask_logits(logits.double(), 3), TypeError, "logits", id="top_k_mask-float64"
+        ),
         pytest.param(lambda: kernforge.top_k_mask_logits(logits[0], 3), ValueError, "logits", id="top_k_mask-1d"),
         pytest.param(lambda: kernforge.top_k_mask_logits(logits, 0), ValueError, "top_k", id="top_k_mask-k0"),
-        pytest.param(lambda: kernforge.top_k_mask_logits(logits, torch.tensor([3, 3, -1, 3])), ValueError,
-                     "top_k", id="top_k_mask-tensor-neg"),
-        pytest.param(lambda: kernforge.softmax(logits.bfloat16(), out=logits.bfloat16()), TypeError, "out",
-                     id="softmax-out-bf16"),
-        pytest.param(lambda: kernforge.top_p_renorm_probs(probs, 0.9, out=probs[:2]), ValueError, "out",
-                     id="top_p_renorm-out-shape"),
-        pytest.param(lambda: kernforge.top_k_renorm_probs(probs, 3, out=torch.empty(V_E, N_E).t()), ValueError,
-                     "out", id="top_k_renorm-out-strided"),
-        pytest.param(lambda: kernforge.top_k_mask_logits(logits, 3, out=logits.tolist()), TypeError, "out",
-                     id="top_k_mask-out-list"),
-        pytest.param(lambda: kernforge.top_k_mask_logits(logits, 3, out=torch.empty(V_E).expand(N_E, V_E)),
-                     ValueError, "out", id="top_k_mask-out-overlapping-rows"),
+        pytest.param(
+            lambda: kernforge.top_k_mask_logits(logits, torch.tensor([3, 3, -1, 3])),
+            ValueError,
+            "top_k",
+            id="top_k_mask-tensor-neg",
+        ),
+        pytest.param(
+            lambda: kernforge.softmax(logits.bfloat16(), out=logits.bfloat16()), TypeError, "out", id="softmax-out-bf16"
+        ),
+        pytest.param(
+            lambda: kernforge.top_p_renorm_probs(probs, 0.9, out=probs[:2]),
+            ValueError,
+            "out",
+            id="top_p_renorm-out-shape",
+        ),
+        pytest.param(
+            lambda: kernforge.top_k_renorm_probs(probs, 3, out=torch.empty(V_E, N_E).t()),
+            ValueError,
+            "out",
+            id="top_k_renorm-out-strided",
+        ),
+        pytest.param(
+            lambda: kernforge.top_k_mask_logits(logits, 3, out=logits.tolist()),
+            TypeError,
+            "out",
+            id="top_k_mask-out-list",
+        ),
+        pytest.param(
+            lambda: kernforge.top_k_mask_logits(logits, 3, out=torch.empty(V_E).expand(N_E, V_E)),
+            ValueError,
+            "out",
+            id="top_k_mask-out-overlapping-rows",
+        ),
     ]
 
 
@@ -1143,9 +1270,10 @@ def test_renorm_mask_softmax_errors(call, exc, arg):
         call()
 
 
-PARAM_OPS = ([pytest.param(name, p, id=f"{name}-{p}") for name, (_, filt) in SAMPLERS.items() for p in filt]
-             + [pytest.param(op, p, id=f"{op}-{p}") for op, p in (
-                 ("top_p_renorm_probs", "top_p"), ("top_k_renorm_probs", "top_k"), ("top_k_mask_logits", "top_k"))])
+PARAM_OPS = [pytest.param(name, p, id=f"{name}-{p}") for name, (_, filt) in SAMPLERS.items() for p in filt] + [
+    pytest.param(op, p, id=f"{op}-{p}")
+    for op, p in (("top_p_renorm_probs", "top_p"), ("top_k_renorm_probs", "top_k"), ("top_k_mask_logits", "top_k"))
+]
 GOOD_PARAMS = {"top_k": 5, "top_p": 0.9, "min_p": 0.1}
 
 
@@ -1162,9 +1290,15 @@ def test_param_tensor_shape_errors_are_flashinfers(op, param):
     raises FlashInfer's ValueError with its exact message, whatever its dtype; where Python has
     exception notes (>= 3.11), a note names the parameter."""
     v = GOOD_PARAMS[param]
-    cases = [(torch.tensor(v), FI_0D), (torch.full((N_E, V_E), v), fi_nd(2)), (torch.full((1, N_E), v), fi_nd(2)),
-             (torch.full((N_E, 1, 1), v), fi_nd(3)), (torch.full((N_E - 1,), v), fi_length(N_E, N_E - 1)),
-             (torch.full((N_E + 1,), v), fi_length(N_E, N_E + 1)), (torch.full((0,), v), fi_length(N_E, 0))]
+    cases = [
+        (torch.tensor(v), FI_0D),
+        (torch.full((N_E, V_E), v), fi_nd(2)),
+        (torch.full((1, N_E), v), fi_nd(2)),
+        (torch.full((N_E, 1, 1), v), fi_nd(3)),
+        (torch.full((N_E - 1,), v), fi_length(N_E, N_E - 1)),
+        (torch.full((N_E + 1,), v), fi_length(N_E, N_E + 1)),
+        (torch.full((0,), v), fi_length(N_E, 0)),
+    ]
     for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
         for t, message in cases:
             with pytest.raises(ValueError) as info:

@@ -41,8 +41,10 @@ import warnings
 try:
     import transformers  # noqa: F401  (the dependency, checked first for a clear message)
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kernforge.integrations.transformers needs Hugging Face transformers >= 5: "
-                      "pip install 'kernforge[transformers]'") from exc
+    raise ImportError(
+        "kernforge.integrations.transformers needs Hugging Face transformers >= 5: "
+        "pip install 'kernforge[transformers]'"
+    ) from exc
 
 import copy
 
@@ -78,8 +80,14 @@ class _Runtime:
         self.spec, self.pool, self.quant = spec, pool, quant
 
 
-def optimize(model: nn.Module, kv_cache_pages: int = 2048, quant: str | None = None, *, page_size: int = 16,
-             quant_lm_head: bool = False) -> nn.Module:
+def optimize(
+    model: nn.Module,
+    kv_cache_pages: int = 2048,
+    quant: str | None = None,
+    *,
+    page_size: int = 16,
+    quant_lm_head: bool = False,
+) -> nn.Module:
     """Make ``model`` (a Llama-family ``*ForCausalLM``) run on kernforge, in place; returns it.
 
     ``kv_cache_pages`` pages of ``page_size`` tokens are the model's KV memory, shared by every
@@ -110,8 +118,9 @@ def optimize(model: nn.Module, kv_cache_pages: int = 2048, quant: str | None = N
             model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=quant if quant_lm_head else None)
     runtime = model._kernforge = _Runtime(spec, pool, quant)
     _own_config(model)._attn_implementation = _modules.ATTN_IMPLEMENTATION
-    decoder.register_forward_pre_hook(_paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)),
-                                      with_kwargs=True)
+    decoder.register_forward_pre_hook(
+        _paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)), with_kwargs=True
+    )
     _warn_stock_modules(model, stock)
     return model
 
@@ -126,7 +135,8 @@ def _checked_model(model):
         raise UnsupportedModelError(
             f"kernforge.integrations.transformers.optimize supports Llama-family causal LMs (model_type "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-            f"Qwen3ForCausalLM); got {type(model).__name__} (model_type {model_type!r})")
+            f"Qwen3ForCausalLM); got {type(model).__name__} (model_type {model_type!r})"
+        )
     decoder = model.model
     for name in ("layers", "rotary_emb", "norm", "embed_tokens"):
         if not hasattr(decoder, name):
@@ -142,18 +152,24 @@ def _attention_spec(config, decoder, dtype) -> AttentionSpec:
     rotary = decoder.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"RoPE type {rope_type!r} recomputes its frequencies with the sequence length; "
-                                    f"kernforge's cos/sin cache supports {', '.join(STATIC_ROPE_TYPES)}")
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} recomputes its frequencies with the sequence length; "
+            f"kernforge's cos/sin cache supports {', '.join(STATIC_ROPE_TYPES)}"
+        )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     first = decoder.layers[0].self_attn
     head_dim = first.head_dim
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise UnsupportedModelError(f"head_dim {head_dim} has no kernforge attention kernel: decode and prefill take "
-                                    f"head dims from 1 to {MAX_HEAD_DIM}")
+        raise UnsupportedModelError(
+            f"head_dim {head_dim} has no kernforge attention kernel: decode and prefill take "
+            f"head dims from 1 to {MAX_HEAD_DIM}"
+        )
     if 2 * rotary.inv_freq.numel() != head_dim:
-        raise UnsupportedModelError(f"partial rotary embedding (rotary dim {2 * rotary.inv_freq.numel()} of head_dim "
-                                    f"{head_dim}) is not supported")
+        raise UnsupportedModelError(
+            f"partial rotary embedding (rotary dim {2 * rotary.inv_freq.numel()} of head_dim "
+            f"{head_dim}) is not supported"
+        )
     windows = tuple(_window_left(layer.self_attn, config) for layer in decoder.layers)
     return AttentionSpec(len(decoder.layers), heads, kv_heads, head_dim, dtype, float(first.scaling), windows)
 
@@ -171,8 +187,9 @@ def _check_kernels(config, spec: AttentionSpec, quant: str | None) -> None:
 
     if core.jit_enabled():
         return
-    manifest = manifest_from_model_config({**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."),
-                                           "head_dim": spec.head_dim}, quant=quant)
+    manifest = manifest_from_model_config(
+        {**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."), "head_dim": spec.head_dim}, quant=quant
+    )
     missing = []
     for kernel in specs_from_manifest(manifest):
         try:
@@ -183,7 +200,8 @@ def _check_kernels(config, spec: AttentionSpec, quant: str | None) -> None:
         raise KernelNotCachedError(
             f"KERNFORGE_JIT=0 and {len(missing)} kernels this model needs are not cached: {'; '.join(missing)}. "
             "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>"
-            + (" --quant int8" if quant else ""))
+            + (" --quant int8" if quant else "")
+        )
 
 
 # --------------------------------------------------------------------------- replacement
@@ -197,12 +215,15 @@ def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list
     layer.self_attn = _modules.Attention(attn, dtype, quant, spec.num_qo_heads, spec.num_kv_heads)
     activation = getattr(config, "hidden_act", "silu")
     mlp = layer.mlp
-    if activation in _kernels.GATED_ACTIVATIONS and all(type(getattr(mlp, n, None)) is nn.Linear
-                                                        for n in ("gate_proj", "up_proj", "down_proj")):
+    if activation in _kernels.GATED_ACTIVATIONS and all(
+        type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")
+    ):
         layer.mlp = _modules.GatedMLP(mlp, activation, dtype, quant)
     else:
-        stock.append(f"mlp ({type(mlp).__name__}, hidden_act {activation!r}: no kernforge gated kernel; its linears "
-                     "run on kernforge.nn.Linear)")
+        stock.append(
+            f"mlp ({type(mlp).__name__}, hidden_act {activation!r}: no kernforge gated kernel; its linears "
+            "run on kernforge.nn.Linear)"
+        )
         for name, child in mlp.named_children():
             if type(child) is nn.Linear:
                 setattr(mlp, name, Linear.from_linear(child, dtype=dtype, quant=quant))
@@ -212,14 +233,20 @@ def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list
 
 def _warn_stock_modules(model, stock: list) -> None:
     """One warning naming what runs on transformers' path (beyond the embedding lookup)."""
-    names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear or (type(module).__name__.endswith("RMSNorm")
-                                              and not isinstance(module, _modules.RMSNorm))]
+    names = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        or (type(module).__name__.endswith("RMSNorm") and not isinstance(module, _modules.RMSNorm))
+    ]
     kinds = sorted(set(stock))
     if names or kinds:
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        warnings.warn("kernforge.integrations.transformers.optimize left modules on the stock transformers path: "
-                      + "; ".join(filter(None, [shown, *kinds])), stacklevel=3)
+        warnings.warn(
+            "kernforge.integrations.transformers.optimize left modules on the stock transformers path: "
+            + "; ".join(filter(None, [shown, *kinds])),
+            stacklevel=3,
+        )
 
 
 def _own_config(model: nn.Module):
@@ -244,9 +271,11 @@ def _paged_cache_hook(runtime: _Runtime, argument: str):
         if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
             cache = PagedCache(runtime.spec, runtime.pool)
         elif not isinstance(cache, PagedCache):
-            raise TypeError(f"a kernforge-optimized model keeps its KV cache in a PagedCache; got {argument}="
-                            f"{type(cache).__name__} holding {cache.get_seq_length()} tokens. Continue with the "
-                            f"PagedCache the previous call returned, or start from {argument}=None")
+            raise TypeError(
+                f"a kernforge-optimized model keeps its KV cache in a PagedCache; got {argument}="
+                f"{type(cache).__name__} holding {cache.get_seq_length()} tokens. Continue with the "
+                f"PagedCache the previous call returned, or start from {argument}=None"
+            )
         kwargs[argument] = cache
         return args, kwargs
 

@@ -55,8 +55,9 @@ class PagePool:
         self.num_pages, self.page_size = num_pages, page_size
         # torch.empty: the OS backs a page of memory when it is first written, so an unused part of a
         # large pool costs address space only.
-        self.kv = torch.empty(spec.num_layers, num_pages, 2, page_size, spec.num_kv_heads, spec.head_dim,
-                              dtype=spec.dtype)
+        self.kv = torch.empty(
+            spec.num_layers, num_pages, 2, page_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype
+        )
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
 
     @property
@@ -68,14 +69,15 @@ class PagePool:
             raise KVCacheFullError(
                 f"the KV cache is out of pages: this step needs {count} more pages of {self.page_size} tokens, "
                 f"{len(self._free)} of kv_cache_pages={self.num_pages} are free; pass a larger kv_cache_pages to "
-                "kernforge.integrations.transformers.optimize()")
+                "kernforge.integrations.transformers.optimize()"
+            )
         return [self._free.pop() for _ in range(count)]
 
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
 
-def new_cache(model) -> "PagedCache":
+def new_cache(model) -> PagedCache:
     """A fresh :class:`PagedCache` on ``model``'s page pool (``model`` optimized by ``optimize()``)."""
     runtime = getattr(model, "_kernforge", None)
     if runtime is None:
@@ -109,7 +111,7 @@ class PagedLayer(CacheLayerMixin):
 
     supports_early_init = False
 
-    def __init__(self, cache: "PagedCache", layer_idx: int):
+    def __init__(self, cache: PagedCache, layer_idx: int):
         super().__init__()
         self._cache = weakref.proxy(cache)  # the cache owns its layers: no reference cycle
         self.layer_idx = layer_idx
@@ -181,8 +183,16 @@ class PagedCache(Cache):
         RoPE) into layer ``layer_idx``'s pages; returns them unchanged."""
         step = self._current_step()
         keys, values = (_token_rows(t, step) for t in (key_states, value_states))
-        kf.append_paged_kv_cache(keys, values, step.batch_indices, step.positions, self.pool.kv[layer_idx],
-                                 step.kv_indices, step.kv_indptr, step.last_page_len)
+        kf.append_paged_kv_cache(
+            keys,
+            values,
+            step.batch_indices,
+            step.positions,
+            self.pool.kv[layer_idx],
+            step.kv_indices,
+            step.kv_indptr,
+            step.last_page_len,
+        )
         return key_states, value_states
 
     def reset(self) -> None:
@@ -197,8 +207,10 @@ class PagedCache(Cache):
         raise NotImplementedError("kernforge's PagedCache does not support crop() (assisted decoding)")
 
     def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("kernforge's PagedCache does not support batch_repeat_interleave(); expand the "
-                                  "inputs before the first forward instead")
+        raise NotImplementedError(
+            "kernforge's PagedCache does not support batch_repeat_interleave(); expand the "
+            "inputs before the first forward instead"
+        )
 
     def batch_select_indices(self, indices):
         raise NotImplementedError("kernforge's PagedCache does not support batch_select_indices()")
@@ -230,8 +242,10 @@ class PagedCache(Cache):
             self._sequence_pages.extend([] for _ in range(batch))
             self.sequence_lengths.extend([0] * batch)
         elif batch != len(self.sequence_lengths):
-            raise ValueError(f"this PagedCache holds a batch of {len(self.sequence_lengths)} sequences but the input "
-                             f"has {batch}; start a new cache (past_key_values=None) for another batch")
+            raise ValueError(
+                f"this PagedCache holds a batch of {len(self.sequence_lengths)} sequences but the input "
+                f"has {batch}; start a new cache (past_key_values=None) for another batch"
+            )
         self._step = None
         counts, gather = _new_tokens(batch, q_len, attention_mask)
         kv_indptr, kv_indices, last_page_len, seq_lens = self._grow(counts)
@@ -240,10 +254,13 @@ class PagedCache(Cache):
         torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=qo_indptr[1:])
         nnz = int(qo_indptr[-1])
         batch_indices, positions = kf.get_batch_indices_positions(qo_indptr, seq_lens, nnz)
-        wrappers = {window: self._plan(decode, window, qo_indptr, kv_indptr, kv_indices, last_page_len)
-                    for window in dict.fromkeys(self.spec.window_lefts)}
-        self._step = _Step(batch, q_len, gather, wrappers, batch_indices, positions, kv_indices, kv_indptr,
-                           last_page_len)
+        wrappers = {
+            window: self._plan(decode, window, qo_indptr, kv_indptr, kv_indices, last_page_len)
+            for window in dict.fromkeys(self.spec.window_lefts)
+        }
+        self._step = _Step(
+            batch, q_len, gather, wrappers, batch_indices, positions, kv_indices, kv_indptr, last_page_len
+        )
         if advance:
             self._seen += q_len
 
@@ -261,8 +278,10 @@ class PagedCache(Cache):
     def _current_step(self) -> _Step:
         step = self._step
         if step is None:
-            raise RuntimeError("PagedCache: no step planned; the model's first attention layer plans each forward "
-                               "(begin_step) before layers append or attend")
+            raise RuntimeError(
+                "PagedCache: no step planned; the model's first attention layer plans each forward "
+                "(begin_step) before layers append or attend"
+            )
         return step
 
     def _grow(self, counts: list[int]):
@@ -279,8 +298,10 @@ class PagedCache(Cache):
         kv_indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(page_counts, dtype=torch.int32), 0, out=kv_indptr[1:])
         kv_indices = torch.tensor([page for pages in self._sequence_pages for page in pages] or [0], dtype=torch.int32)
-        last_page_len = torch.tensor([length - (pages - 1) * page_size if pages else 0
-                                      for length, pages in zip(lengths, page_counts)], dtype=torch.int32)
+        last_page_len = torch.tensor(
+            [length - (pages - 1) * page_size if pages else 0 for length, pages in zip(lengths, page_counts)],
+            dtype=torch.int32,
+        )
         return kv_indptr, kv_indices, last_page_len, torch.tensor(lengths, dtype=torch.int32)
 
     def _plan(self, decode: bool, window_left: int, qo_indptr, kv_indptr, kv_indices, last_page_len):
@@ -290,14 +311,31 @@ class PagedCache(Cache):
             make = kf.BatchDecodeWithPagedKVCacheWrapper if decode else kf.BatchPrefillWithPagedKVCacheWrapper
             wrapper = self._wrappers[decode, window_left] = make(torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8))
             wrapper._grows_workspace = True  # kernforge's own wrappers: let plan() size the workspace
-        common = dict(window_left=window_left, sm_scale=spec.sm_scale, q_data_type=spec.dtype,
-                      kv_data_type=spec.dtype)
+        common = dict(window_left=window_left, sm_scale=spec.sm_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
         if decode:
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-                         self.pool.page_size, **common)
+            wrapper.plan(
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                spec.num_qo_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                self.pool.page_size,
+                **common,
+            )
         else:
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, spec.num_qo_heads, spec.num_kv_heads,
-                         spec.head_dim, self.pool.page_size, causal=True, **common)
+            wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                spec.num_qo_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                self.pool.page_size,
+                causal=True,
+                **common,
+            )
         return wrapper
 
 
@@ -305,8 +343,10 @@ def _new_tokens(batch: int, q_len: int, attention_mask: torch.Tensor | None):
     """(tokens per sequence, rows to gather or None) from the 2-D padding mask's last q_len columns."""
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < q_len:
-            raise ValueError(f"kernforge attention takes a 2-D padding mask [batch, >= q_len] = [{batch}, >= {q_len}], "
-                             f"got shape {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"kernforge attention takes a 2-D padding mask [batch, >= q_len] = [{batch}, >= {q_len}], "
+                f"got shape {tuple(attention_mask.shape)}"
+            )
         new = attention_mask[:, -q_len:].to(torch.bool)
         if not bool(new.all()):
             return new.sum(1).tolist(), new.reshape(-1).nonzero().squeeze(1)

@@ -60,9 +60,11 @@ def check_version(version: str, requirement: Requirement | None) -> str | None:
         inside = False
     if inside:
         return None
-    return (f"kernforge.integrations.transformers was tested with transformers{requirement.specifier}; "
-            f"transformers {version} is installed. It may work; if a forward fails, install a tested "
-            f"release: pip install 'kernforge[transformers]'")
+    return (
+        f"kernforge.integrations.transformers was tested with transformers{requirement.specifier}; "
+        f"transformers {version} is installed. It may work; if a forward fails, install a tested "
+        f"release: pip install 'kernforge[transformers]'"
+    )
 
 
 def warn_if_untested(version: str) -> None:

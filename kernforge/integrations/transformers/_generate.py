@@ -15,11 +15,22 @@ from kernforge.integrations.transformers._cache import new_cache
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             max_new_tokens: int | None = None, max_length: int | None = None, do_sample: bool | None = None,
-             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id=None, pad_token_id: int | None = None, generator: torch.Generator | None = None,
-             streamer=None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    max_length: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id=None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    streamer=None,
+) -> torch.Tensor:
     """Greedy or sampled generation for a model :func:`optimize` prepared.
 
     ``attention_mask`` marks left padding in a batch of prompts of uneven lengths (0: padding).
@@ -53,8 +64,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     tokens, finished = [], torch.zeros(batch, dtype=torch.bool)
     step_ids = input_ids
     for step in range(max_new_tokens):
-        outputs = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=True, logits_to_keep=1, **{cache_argument: cache})
+        outputs = model(
+            input_ids=step_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument: cache},
+        )
         next_tokens = sample(outputs.logits[:, -1])
         if eos is not None:
             next_tokens = next_tokens.masked_fill(finished, pad)
@@ -74,15 +91,21 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _checked_prompt(input_ids, attention_mask) -> tuple[int, int]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
-                                                                                                   torch.int32):
-        raise ValueError(f"input_ids must be a 2-D integer tensor [batch, prompt_len], got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype not in (torch.int64, torch.int32)
+    ):
+        raise ValueError(
+            f"input_ids must be a 2-D integer tensor [batch, prompt_len], got "
+            f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+        )
     if input_ids.shape[1] < 1:
         raise ValueError("input_ids must hold at least one token per prompt")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
-                         f"{tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
     return input_ids.shape
 
 

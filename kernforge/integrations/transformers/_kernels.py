@@ -11,9 +11,17 @@ from __future__ import annotations
 
 from kernforge.model_spec import GATED_OP_BY_ACTIVATION
 from kernforge.ops.attention.page import get_batch_indices_positions
-from kernforge.torch_library import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                                     append_paged_kv_cache, apply_rope_with_cos_sin_cache_inplace, gelu_and_mul,
-                                     gelu_tanh_and_mul, rmsnorm, silu_and_mul, top_k_top_p_sampling_from_logits)
+from kernforge.torch_library import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    append_paged_kv_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+    gelu_and_mul,
+    gelu_tanh_and_mul,
+    rmsnorm,
+    silu_and_mul,
+    top_k_top_p_sampling_from_logits,
+)
 
 # Hugging Face ``hidden_act`` -> the gated kernel of ``act(gate) * up`` (the model spec names it).
 _GATED_OPS = {op.__name__: op for op in (silu_and_mul, gelu_and_mul, gelu_tanh_and_mul)}
@@ -26,7 +34,13 @@ def attention_run(wrapper, query, paged_kv_cache):
 
 
 __all__ = [
-    "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper", "GATED_ACTIVATIONS",
-    "append_paged_kv_cache", "apply_rope_with_cos_sin_cache_inplace", "attention_run", "get_batch_indices_positions",
-    "rmsnorm", "top_k_top_p_sampling_from_logits",
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "GATED_ACTIVATIONS",
+    "append_paged_kv_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "attention_run",
+    "get_batch_indices_positions",
+    "rmsnorm",
+    "top_k_top_p_sampling_from_logits",
 ]

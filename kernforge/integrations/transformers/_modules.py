@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
 
     @classmethod
-    def from_module(cls, norm: nn.Module, dtype: torch.dtype) -> "RMSNorm":
+    def from_module(cls, norm: nn.Module, dtype: torch.dtype) -> RMSNorm:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None or getattr(norm, "weight", None) is None:
             raise TypeError(f"{type(norm).__name__} is not an RMSNorm with a weight and an epsilon")
@@ -127,13 +127,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm.from_module(attn.q_norm, dtype) if has_qk_norm else None
         self.k_norm = RMSNorm.from_module(attn.k_norm, dtype) if has_qk_norm else None
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: RopeInputs | None = None,
-                attention_mask: torch.Tensor | None = None, cache: PagedCache | None = None,
-                past_key_values: PagedCache | None = None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: RopeInputs | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: PagedCache | None = None,
+        past_key_values: PagedCache | None = None,
+        **kwargs,
+    ):
         if not isinstance(position_embeddings, RopeInputs):
-            raise TypeError("kernforge Attention needs the RopeInputs of kernforge's RotaryEmbedding as "
-                            f"position_embeddings, got {type(position_embeddings).__name__}: the model's rotary_emb "
-                            "was not replaced (use kernforge.integrations.transformers.optimize)")
+            raise TypeError(
+                "kernforge Attention needs the RopeInputs of kernforge's RotaryEmbedding as "
+                f"position_embeddings, got {type(position_embeddings).__name__}: the model's rotary_emb "
+                "was not replaced (use kernforge.integrations.transformers.optimize)"
+            )
         cache = _checked_cache(cache if cache is not None else past_key_values)  # the name per release
         batch, q_len = hidden_states.shape[:2]
         tokens, heads, kv_heads, head_dim = batch * q_len, self.num_qo_heads, self.num_kv_heads, self.head_dim
@@ -142,22 +150,30 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(tokens, heads, head_dim)).view(tokens, heads * head_dim)
             k = self.k_norm(k.view(tokens, kv_heads, head_dim)).view(tokens, kv_heads * head_dim)
-        kf.apply_rope_with_cos_sin_cache_inplace(position_embeddings.positions, q, k, head_dim,
-                                                 position_embeddings.cos_sin_cache, is_neox=True)
+        kf.apply_rope_with_cos_sin_cache_inplace(
+            position_embeddings.positions, q, k, head_dim, position_embeddings.cos_sin_cache, is_neox=True
+        )
         if self.layer_idx == 0:
             cache.start_forward(batch, q_len, attention_mask)
         # transformers' shapes, [batch, heads, q_len, head_dim]: views of the token-major rows
         query, key, value = (t.view(batch, q_len, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]  # the registered function (users may override it)
-        out, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling,
-                                 past_key_values=cache)
+        out, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling, past_key_values=cache)
         return self.o_proj(out.reshape(batch, q_len, heads * head_dim)), weights
 
 
-def kernforge_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                        past_key_values: PagedCache | None = None, **kwargs):
+def kernforge_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    past_key_values: PagedCache | None = None,
+    **kwargs,
+):
     """transformers' attention-function contract on the paged cache: ``query [batch, heads, q_len,
     head_dim]`` (after RoPE) over everything layer ``module.layer_idx`` has in ``past_key_values``,
     whose ``update()`` already wrote this step's ``key``/``value``. Returns ``(out [batch, q_len,
@@ -190,9 +206,11 @@ def register() -> None:
 
 def _checked_cache(cache) -> PagedCache:
     if not isinstance(cache, PagedCache):
-        raise TypeError(f"kernforge attention keeps keys and values in kernforge's paged cache; got past_key_values="
-                        f"{type(cache).__name__}. Leave past_key_values None (a PagedCache is made per forward or "
-                        "generate call) or pass kernforge.integrations.transformers.new_cache(model)")
+        raise TypeError(
+            f"kernforge attention keeps keys and values in kernforge's paged cache; got past_key_values="
+            f"{type(cache).__name__}. Leave past_key_values None (a PagedCache is made per forward or "
+            "generate call) or pass kernforge.integrations.transformers.new_cache(model)"
+        )
     return cache
 
 

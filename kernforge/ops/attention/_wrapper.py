@@ -28,12 +28,26 @@ _I64 = "int64_t"
 # One layer's tensors, filled per run() by fill_layer(); the same fields for every attention kernel.
 # Strides in elements; head_dim is contiguous everywhere.
 LAYER_FIELDS = (
-    ("q", _I64), ("q_stride_token", _I64), ("q_stride_head", _I64),
-    ("k", _I64), ("k_stride_page", _I64), ("k_stride_token", _I64), ("k_stride_head", _I64),
-    ("v", _I64), ("v_stride_page", _I64), ("v_stride_token", _I64), ("v_stride_head", _I64),
-    ("out", _I64), ("out_stride_token", _I64), ("out_stride_head", _I64),
-    ("lse", _I64), ("lse_stride_token", _I64), ("lse_stride_head", _I64),
-    ("qk_scale", "double"), ("v_scale", "double"), ("num_threads", _I64),
+    ("q", _I64),
+    ("q_stride_token", _I64),
+    ("q_stride_head", _I64),
+    ("k", _I64),
+    ("k_stride_page", _I64),
+    ("k_stride_token", _I64),
+    ("k_stride_head", _I64),
+    ("v", _I64),
+    ("v_stride_page", _I64),
+    ("v_stride_token", _I64),
+    ("v_stride_head", _I64),
+    ("out", _I64),
+    ("out_stride_token", _I64),
+    ("out_stride_head", _I64),
+    ("lse", _I64),
+    ("lse_stride_token", _I64),
+    ("lse_stride_head", _I64),
+    ("qk_scale", "double"),
+    ("v_scale", "double"),
+    ("num_threads", _I64),
 )
 KV_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 _KV_TORCH_NAMES = {**DTYPE_NAMES, **FP8_DTYPE_NAMES}
@@ -63,8 +77,14 @@ class WorkspaceWrapper:
     one caller at a time: its workspace holds the running call's scratch), the KV layout, and the
     GPU-only options refused."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 backend: str = "auto", jit_args=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        backend: str = "auto",
+        jit_args=None,
+    ):
         _check_workspace(float_workspace_buffer)
         check_kv_layout(kv_layout)
         if use_cuda_graph:
@@ -117,8 +137,10 @@ class WorkspaceWrapper:
         if workspace.numel() * workspace.element_size() < needed and self._grows_workspace:
             workspace = self._float_workspace_buffer = torch.empty(needed, dtype=torch.uint8)
         if workspace.numel() * workspace.element_size() < needed:
-            raise ValueError(f"float_workspace_buffer is too small for this plan: it has "
-                             f"{workspace.numel() * workspace.element_size()} bytes, the plan needs {needed}")
+            raise ValueError(
+                f"float_workspace_buffer is too small for this plan: it has "
+                f"{workspace.numel() * workspace.element_size()} bytes, the plan needs {needed}"
+            )
         return workspace
 
 
@@ -175,8 +197,10 @@ def dtype_param(dtype: torch.dtype, name: str, allowed) -> str:
     """A kernel's dtype parameter for ``dtype`` (``name``: the plan argument it came from)."""
     param = _KV_TORCH_NAMES.get(dtype)
     if param not in allowed:
-        raise TypeError(f"{name} {dtype} is not supported; use one of "
-                        f"{', '.join(str(d) for d, n in _KV_TORCH_NAMES.items() if n in allowed)}")
+        raise TypeError(
+            f"{name} {dtype} is not supported; use one of "
+            f"{', '.join(str(d) for d, n in _KV_TORCH_NAMES.items() if n in allowed)}"
+        )
     return param
 
 
@@ -202,7 +226,8 @@ def check_pos_encoding_mode(mode) -> None:
         raise NotImplementedError(
             f"pos_encoding_mode={mode!r} (RoPE/ALiBi applied inside the attention kernel) is not implemented by "
             "kernforge; apply RoPE to q and k before appending them (kernforge.apply_rope_pos_ids_inplace) and use "
-            "'NONE'")
+            "'NONE'"
+        )
 
 
 def reject_gpu_options(op: str, defaults: dict | None = None, **values) -> None:
@@ -215,8 +240,7 @@ def reject_gpu_options(op: str, defaults: dict | None = None, **values) -> None:
         else:
             inert = value is None or value is False or (type(value) is int and value == 0)
         if not inert:
-            raise NotImplementedError(f"{name}={value!r} is not supported by kernforge's {op} (a GPU-backend "
-                                      "option)")
+            raise NotImplementedError(f"{name}={value!r} is not supported by kernforge's {op} (a GPU-backend option)")
 
 
 def scalar(value, name: str) -> float:
@@ -258,13 +282,16 @@ def check_q(q, plan: AttentionPlan, shape: torch.Size, layout: str, rows_name: s
     except AttributeError:
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}") from None
     if q.dtype != plan.q_dtype:
-        raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {plan.q_dtype} specified in "
-                         "plan function.")
+        raise ValueError(
+            f"The dtype of q {q.dtype} does not match the q_data_type {plan.q_dtype} specified in plan function."
+        )
     if q.device.type != "cpu":
         raise ValueError(f"q must be on the CPU, got device {q.device}")
     if rows_name is not None and q.dim() == 3 and q.shape[0] != shape[0]:  # FlashInfer's message
-        raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match {rows_name} ({shape[0]}). q must have shape "
-                         f"[total_tokens, num_heads, head_dim] where total_tokens = {rows_name}.")
+        raise ValueError(
+            f"q.shape[0] ({q.shape[0]}) does not match {rows_name} ({shape[0]}). q must have shape "
+            f"[total_tokens, num_heads, head_dim] where total_tokens = {rows_name}."
+        )
     if q.shape != shape:
         raise ValueError(f"q must have shape {layout} = {tuple(shape)} as planned, got {tuple(q.shape)}")
     raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
@@ -274,11 +301,14 @@ def check_paged_cache(cache: PagedKVCache, plan: AttentionPlan, head_dim: int, i
     """The paged cache run() got against what plan() was given: KV dtype, heads, head_dim, page size,
     and the largest page the plan's ``indices_name`` names (the kernels read it unchecked)."""
     if cache.dtype != plan.kv_dtype:
-        raise ValueError(f"The dtype of k {cache.dtype} does not match the kv_data_type {plan.kv_dtype} specified "
-                         "in plan function.")
-    for name, got, planned in (("num_kv_heads", cache.num_kv_heads, plan.num_kv_heads),
-                               ("head_dim", cache.head_dim, head_dim),
-                               ("page_size", cache.page_size, plan.page_size)):
+        raise ValueError(
+            f"The dtype of k {cache.dtype} does not match the kv_data_type {plan.kv_dtype} specified in plan function."
+        )
+    for name, got, planned in (
+        ("num_kv_heads", cache.num_kv_heads, plan.num_kv_heads),
+        ("head_dim", cache.head_dim, head_dim),
+        ("page_size", cache.page_size, plan.page_size),
+    ):
         if got != planned:
             raise ValueError(f"paged_kv_cache has {name} {got} but plan() was given {planned}")
     if plan.max_page >= cache.num_pages:
@@ -313,8 +343,18 @@ def logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:
     return scale / soft_cap if soft_cap > 0 else scale
 
 
-def fill_layer(io, q: torch.Tensor, k_ptr: int, k_strides, v_ptr: int, v_strides, out: torch.Tensor,
-               lse: torch.Tensor | None, qk_scale: float, v_scale) -> None:
+def fill_layer(
+    io,
+    q: torch.Tensor,
+    k_ptr: int,
+    k_strides,
+    v_ptr: int,
+    v_strides,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    qk_scale: float,
+    v_scale,
+) -> None:
     """One layer's LAYER_FIELDS struct, field by field (half the cost of a new struct from a dict):
     q, out and lse as [tokens, heads, ...] views; K and V as addresses with (page, token, head) strides."""
     io.q, (io.q_stride_token, io.q_stride_head, _) = q.data_ptr(), q.stride()

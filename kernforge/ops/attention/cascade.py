@@ -30,25 +30,33 @@ from kernforge.ops._registry import kernel_op
 # Strides are in elements, in each tensor's dimension order (v: token, head[, dim]; s: token, head);
 # lse = 0 skips the merged s; mask = 0 merges every token.
 CASCADE = Module(
-    "cascade", "cascade.cpp.jinja",
+    "cascade",
+    "cascade.cpp.jinja",
     params={"dtype": DType()},
     entries=[
-        Entry("merge_pairs", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
-                             "int64_t lse_s1, int64_t v_a, int64_t va_s0, int64_t va_s1, int64_t s_a, int64_t sa_s0, "
-                             "int64_t sa_s1, int64_t v_b, int64_t vb_s0, int64_t vb_s1, int64_t s_b, int64_t sb_s0, "
-                             "int64_t sb_s1, int64_t mask, int64_t mask_s0, int64_t seq_len, int64_t num_heads, "
-                             "int64_t head_dim, int64_t num_threads"),
-        Entry("merge_states", "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
-                              "int64_t lse_s1, int64_t v, int64_t v_s0, int64_t v_s1, int64_t v_s2, int64_t s, "
-                              "int64_t s_s0, int64_t s_s1, int64_t s_s2, int64_t seq_len, int64_t num_states, "
-                              "int64_t num_heads, int64_t head_dim, int64_t num_threads"),
+        Entry(
+            "merge_pairs",
+            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
+            "int64_t lse_s1, int64_t v_a, int64_t va_s0, int64_t va_s1, int64_t s_a, int64_t sa_s0, "
+            "int64_t sa_s1, int64_t v_b, int64_t vb_s0, int64_t vb_s1, int64_t s_b, int64_t sb_s0, "
+            "int64_t sb_s1, int64_t mask, int64_t mask_s0, int64_t seq_len, int64_t num_heads, "
+            "int64_t head_dim, int64_t num_threads",
+        ),
+        Entry(
+            "merge_states",
+            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
+            "int64_t lse_s1, int64_t v, int64_t v_s0, int64_t v_s1, int64_t v_s2, int64_t s, "
+            "int64_t s_s0, int64_t s_s1, int64_t s_s2, int64_t seq_len, int64_t num_states, "
+            "int64_t num_heads, int64_t head_dim, int64_t num_threads",
+        ),
     ],
 )
 
 
 @kernel_op(CASCADE)
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges the states of two KV segments A and B: ``v_*`` ``[seq_len, num_heads, head_dim]``,
     ``s_*`` float32 ``[seq_len, num_heads]``. Returns ``(v, s)`` of the segment ``[A: B]``."""
     kernel = variant_for_input(merge_state.kernels, v_a, "v_a").kernel()
@@ -62,8 +70,9 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
 
 
 @kernel_op(CASCADE)
-def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
-                         mask: torch.Tensor | None = None) -> None:
+def merge_state_in_place(
+    v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor, mask: torch.Tensor | None = None
+) -> None:
     """In place: ``(v, s) = merge((v, s), (v_other, s_other))`` for every token, or only for the
     tokens where the bool ``mask`` ``[seq_len]`` is True (the others are left untouched)."""
     kernel = variant_for_input(merge_state_in_place.kernels, v, "v").kernel()
@@ -90,8 +99,9 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     _check_dim(v, "v", 4)
     _check_dim(s, "s", 3)
     if s.shape != v.shape[:3]:
-        raise ValueError(f"s must have shape {tuple(v.shape[:3])} (v's [seq_len, num_states, num_heads]), "
-                         f"got {tuple(s.shape)}")
+        raise ValueError(
+            f"s must have shape {tuple(v.shape[:3])} (v's [seq_len, num_states, num_heads]), got {tuple(s.shape)}"
+        )
     seq_len, num_states, num_heads, head_dim = v.shape
     v, v_strides = readable_rows(v, v.shape, v.stride())
     v_merged = torch.empty((seq_len, num_heads, head_dim), dtype=v.dtype)
@@ -99,9 +109,19 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     if seq_len * num_heads == 0:
         return v_merged, s_merged
     kernel.merge_states(
-        v_merged.data_ptr(), *v_merged.stride()[:2], s_merged.data_ptr(), *s_merged.stride(),
-        v.data_ptr(), *v_strides[:3], s.data_ptr(), *s.stride(),
-        seq_len, num_states, num_heads, head_dim, num_threads(),
+        v_merged.data_ptr(),
+        *v_merged.stride()[:2],
+        s_merged.data_ptr(),
+        *s_merged.stride(),
+        v.data_ptr(),
+        *v_strides[:3],
+        s.data_ptr(),
+        *s.stride(),
+        seq_len,
+        num_states,
+        num_heads,
+        head_dim,
+        num_threads(),
     )
     return v_merged, s_merged
 
@@ -153,8 +173,9 @@ def _pair_shapes(v_a, s_a, v_b, s_b, names) -> None:
     _check_same_shape(v_a, n_va, v_b, n_vb)
     _check_same_shape(s_a, n_sa, s_b, n_sb)
     if s_a.shape != v_a.shape[:2]:
-        raise ValueError(f"{n_sa} must have shape {tuple(v_a.shape[:2])} ({n_va}'s [seq_len, num_heads]), "
-                         f"got {tuple(s_a.shape)}")
+        raise ValueError(
+            f"{n_sa} must have shape {tuple(v_a.shape[:2])} ({n_va}'s [seq_len, num_heads]), got {tuple(s_a.shape)}"
+        )
 
 
 def _check_mask(mask: object, seq_len: int) -> None:
@@ -175,9 +196,25 @@ def _merge_pairs(kernel, out, lse, v_a, s_a, v_b, s_b, mask) -> None:
     v_a, va_strides = readable_rows(v_a, v_a.shape, v_a.stride())
     v_b, vb_strides = readable_rows(v_b, v_b.shape, v_b.stride())
     kernel.merge_pairs(
-        out.data_ptr(), out_strides[0], out_strides[1], lse.data_ptr(), *lse.stride(),
-        v_a.data_ptr(), va_strides[0], va_strides[1], s_a.data_ptr(), *s_a.stride(),
-        v_b.data_ptr(), vb_strides[0], vb_strides[1], s_b.data_ptr(), *s_b.stride(),
-        0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-        seq_len, num_heads, head_dim, num_threads(),
+        out.data_ptr(),
+        out_strides[0],
+        out_strides[1],
+        lse.data_ptr(),
+        *lse.stride(),
+        v_a.data_ptr(),
+        va_strides[0],
+        va_strides[1],
+        s_a.data_ptr(),
+        *s_a.stride(),
+        v_b.data_ptr(),
+        vb_strides[0],
+        vb_strides[1],
+        s_b.data_ptr(),
+        *s_b.stride(),
+        0 if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.stride(0),
+        seq_len,
+        num_heads,
+        head_dim,
+        num_threads(),
     )

@@ -27,34 +27,69 @@ import torch
 from kernforge.jit.module import DType, Entry, Int, Module, Struct
 from kernforge.ops._common import check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
-from kernforge.ops.attention._wrapper import (KV_DTYPE_NAMES, LAYER_FIELDS, AttentionPlan, PlanStateError,
-                                              WorkspaceWrapper, attention_outputs, check_heads, check_paged_cache,
-                                              check_pos_encoding_mode, check_positive, check_q, dtype_param,
-                                              fill_layer, keep_workspace, logit_scale, plan_dtypes,
-                                              checked_soft_cap, checked_window, raise_plan_error,
-                                              reject_gpu_options, single_request_wrapper)
+from kernforge.ops.attention._wrapper import (
+    KV_DTYPE_NAMES,
+    LAYER_FIELDS,
+    AttentionPlan,
+    PlanStateError,
+    WorkspaceWrapper,
+    attention_outputs,
+    check_heads,
+    check_paged_cache,
+    check_pos_encoding_mode,
+    check_positive,
+    check_q,
+    checked_soft_cap,
+    checked_window,
+    dtype_param,
+    fill_layer,
+    keep_workspace,
+    logit_scale,
+    plan_dtypes,
+    raise_plan_error,
+    reject_gpu_options,
+    single_request_wrapper,
+)
 from kernforge.ops.attention.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
 # Fixed for the plan's lifetime: filled once in plan().
-DECODE_PLAN = Struct("kf_decode_planned", (
-    ("plan", _I64), ("indptr", _I64), ("indices", _I64), ("workspace", _I64), ("partials", _I64),
-    ("units", _I64), ("group", _I64), ("page_size", _I64), ("soft_cap", "double"),
-))
+DECODE_PLAN = Struct(
+    "kf_decode_planned",
+    (
+        ("plan", _I64),
+        ("indptr", _I64),
+        ("indices", _I64),
+        ("workspace", _I64),
+        ("partials", _I64),
+        ("units", _I64),
+        ("group", _I64),
+        ("page_size", _I64),
+        ("soft_cap", "double"),
+    ),
+)
 DECODE_IO = Struct("kf_decode_layer", LAYER_FIELDS)
 MAX_GROUP = 8  # GQA groups up to this are compile-time constants; larger ones (MQA) use group 0
 
 DECODE = Module(
-    "decode", "decode.cpp.jinja",
+    "decode",
+    "decode.cpp.jinja",
     params={
-        "q_dtype": DType(), "kv_dtype": DType(KV_DTYPE_NAMES), "out_dtype": DType(),
-        "head_dim": Int(minimum=1, maximum=512), "group": Int(minimum=0, maximum=MAX_GROUP),
+        "q_dtype": DType(),
+        "kv_dtype": DType(KV_DTYPE_NAMES),
+        "out_dtype": DType(),
+        "head_dim": Int(minimum=1, maximum=512),
+        "group": Int(minimum=0, maximum=MAX_GROUP),
     },
     structs=[DECODE_PLAN, DECODE_IO],
     entries=[
-        Entry("plan", "int64_t indptr, int64_t last_page_len, int64_t indices, int64_t batch, "
-                      "int64_t num_indices, int64_t page_size, int64_t num_kv_heads, int64_t window_left, "
-                      "int64_t num_lists, int64_t min_split, int64_t plan, int64_t capacity", returns=_I64),
+        Entry(
+            "plan",
+            "int64_t indptr, int64_t last_page_len, int64_t indices, int64_t batch, "
+            "int64_t num_indices, int64_t page_size, int64_t num_kv_heads, int64_t window_left, "
+            "int64_t num_lists, int64_t min_split, int64_t plan, int64_t capacity",
+            returns=_I64,
+        ),
         Entry("plan_capacity", "int64_t units, int64_t num_lists", returns=_I64),
         Entry("scratch_floats", "int64_t heads, int64_t group", returns=_I64),
         Entry("run", "const kf_decode_planned* plan, const kf_decode_layer* io"),
@@ -74,15 +109,17 @@ _PLAN_ERRORS = {
 }
 
 
-def decode_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int,
-                          group: int) -> dict:
+def decode_variant_params(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, group: int
+) -> dict:
     """The DECODE variant serving these dtypes, head_dim and GQA group (plan() and pre-warm)."""
     check_head_dim("head_dim", head_dim)
     return {
         "q_dtype": dtype_param(q_dtype, "q_data_type", DECODE.params["q_dtype"].choices),
         "kv_dtype": dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
         "out_dtype": dtype_param(out_dtype, "o_data_type", DECODE.params["out_dtype"].choices),
-        "head_dim": head_dim, "group": group if group <= MAX_GROUP else 0,
+        "head_dim": head_dim,
+        "group": group if group <= MAX_GROUP else 0,
     }
 
 
@@ -101,9 +138,18 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
     serves one caller at a time: its workspace holds the running call's scratch.
     """
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+        backend: str = "auto",
+        jit_args=None,
+    ):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args)
         self._use_tensor_cores = bool(use_tensor_cores)
 
@@ -111,18 +157,45 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
-    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
-             num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
-             window_left: int = -1, logits_soft_cap: float | None = None, q_data_type="float16",
-             kv_data_type=None, o_data_type=None, data_type=None, sm_scale: float | None = None,
-             rope_scale: float | None = None, rope_theta: float | None = None, non_blocking: bool = True,
-             block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv: bool = False,
-             q_len_per_req: int = 1, window_right: int = 0) -> None:
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        data_type=None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        non_blocking: bool = True,
+        block_tables=None,
+        seq_lens=None,
+        fixed_split_size=None,
+        disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
+        window_right: int = 0,
+    ) -> None:
         """Check and copy the page table, pick the kernel, and partition the batch across threads."""
         self._plan = None
         check_pos_encoding_mode(pos_encoding_mode)
-        reject_gpu_options("decode", {"q_len_per_req": 1}, block_tables=block_tables, seq_lens=seq_lens,
-                           fixed_split_size=fixed_split_size, q_len_per_req=q_len_per_req, window_right=window_right)
+        reject_gpu_options(
+            "decode",
+            {"q_len_per_req": 1},
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            fixed_split_size=fixed_split_size,
+            q_len_per_req=q_len_per_req,
+            window_right=window_right,
+        )
         if data_type is not None:  # FlashInfer's deprecated spelling fills what is None
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -132,8 +205,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         soft_cap = checked_soft_cap(logits_soft_cap)
         window_left = checked_window(window_left)
 
-        indptr, indices, last_page_len = (_index_copy(indptr, "indptr"), _index_copy(indices, "indices"),
-                                          _index_copy(last_page_len, "last_page_len"))
+        indptr, indices, last_page_len = (
+            _index_copy(indptr, "indptr"),
+            _index_copy(indices, "indices"),
+            _index_copy(last_page_len, "last_page_len"),
+        )
         batch = last_page_len.numel()
         if indptr.numel() != batch + 1:
             raise ValueError(f"indptr must have len(last_page_len) + 1 = {batch + 1} entries, got {indptr.numel()}")
@@ -142,27 +218,57 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         lists = num_threads()
         units = batch * num_kv_heads  # the plan buffer's layout; a unit may hold several KV heads
         plan_buffer = torch.empty(kernel.plan_capacity(units, lists), dtype=torch.int32)
-        error = kernel.plan(indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(), batch, indices.numel(),
-                            page_size, num_kv_heads, window_left,
-                            lists, _NO_SPLIT if disable_split_kv else _MIN_SPLIT, plan_buffer.data_ptr(),
-                            plan_buffer.numel())
+        error = kernel.plan(
+            indptr.data_ptr(),
+            last_page_len.data_ptr(),
+            indices.data_ptr(),
+            batch,
+            indices.numel(),
+            page_size,
+            num_kv_heads,
+            window_left,
+            lists,
+            _NO_SPLIT if disable_split_kv else _MIN_SPLIT,
+            plan_buffer.data_ptr(),
+            plan_buffer.numel(),
+        )
         if error:
             raise_plan_error(error, _PLAN_ERRORS)
         _, _, _, num_slots, max_page, unit_heads = plan_buffer[:6].tolist()
         partial_floats = num_slots * unit_heads * group * (head_dim + 1)
         workspace = self._workspace(4 * (partial_floats + lists * kernel.scratch_floats(unit_heads, group)))
         base = workspace.data_ptr()
-        plan_args = kernel.new("kf_decode_planned", {
-            "plan": plan_buffer.data_ptr(), "indptr": indptr.data_ptr(), "indices": indices.data_ptr(),
-            "workspace": base + 4 * partial_floats, "partials": base, "units": units,
-            "group": group, "page_size": page_size, "soft_cap": soft_cap,
-        })
+        plan_args = kernel.new(
+            "kf_decode_planned",
+            {
+                "plan": plan_buffer.data_ptr(),
+                "indptr": indptr.data_ptr(),
+                "indices": indices.data_ptr(),
+                "workspace": base + 4 * partial_floats,
+                "partials": base,
+                "units": units,
+                "group": group,
+                "page_size": page_size,
+                "soft_cap": soft_cap,
+            },
+        )
         self._plan = AttentionPlan(
-            kernel=kernel, args=plan_args, io=kernel.new("kf_decode_layer"),
+            kernel=kernel,
+            args=plan_args,
+            io=kernel.new("kf_decode_layer"),
             keep=(plan_buffer, indptr, indices, last_page_len, workspace),
-            batch=batch, q_shape=torch.Size((batch, num_qo_heads, head_dim)), num_kv_heads=num_kv_heads,
-            head_dim=head_dim, head_dim_vo=head_dim, page_size=page_size, max_page=max_page, q_dtype=q_dtype,
-            kv_dtype=kv_dtype, out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
+            batch=batch,
+            q_shape=torch.Size((batch, num_qo_heads, head_dim)),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            head_dim_vo=head_dim,
+            page_size=page_size,
+            max_page=max_page,
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            out_dtype=out_dtype,
+            window_left=window_left,
+            soft_cap=soft_cap,
             sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
         )
 
@@ -176,14 +282,28 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
             raise PlanStateError("work_lists() called before plan()")
         buffer = self._plan.keep[0].tolist()
         num_lists = buffer[0]
-        offsets = buffer[_PLAN_HEADER:_PLAN_HEADER + num_lists + 1]
-        items = buffer[_PLAN_HEADER + num_lists + 1:]
-        return [[tuple(items[6 * i:6 * i + 6]) for i in range(offsets[n], offsets[n + 1])] for n in range(num_lists)]
+        offsets = buffer[_PLAN_HEADER : _PLAN_HEADER + num_lists + 1]
+        items = buffer[_PLAN_HEADER + num_lists + 1 :]
+        return [[tuple(items[6 * i : 6 * i + 6]) for i in range(offsets[n], offsets[n + 1])] for n in range(num_lists)]
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl=None, window_left: int | None = None, sinks=None, q_len_per_req=None,
-            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: int | None = None,
+        sinks=None,
+        q_len_per_req=None,
+        skip_softmax_threshold_scale_factor=None,
+        kv_cache_sf=None,
+    ):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` over the planned pages of
         ``paged_kv_cache``: ``out``, or ``(out, lse)`` with ``return_lse``."""
         plan = self._plan
@@ -194,8 +314,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         if sinks is not None:
             raise NotImplementedError("sinks (attention sinks) are not implemented by kernforge's decode")
         if skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
-            raise NotImplementedError("skip_softmax_threshold_scale_factor and kv_cache_sf (block-scaled KV) are "
-                                      "not implemented by kernforge's decode")
+            raise NotImplementedError(
+                "skip_softmax_threshold_scale_factor and kv_cache_sf (block-scaled KV) are "
+                "not implemented by kernforge's decode"
+            )
         if window_left is not None and checked_window(window_left) != plan.window_left:
             raise ValueError(f"window_left={window_left} differs from the planned {plan.window_left}; plan() again")
         if q_len_per_req not in (None, 1):
@@ -205,34 +327,59 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         check_paged_cache(cache, plan, plan.head_dim, "indices")
         out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
-        fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, qk_scale,
-                   v_scale)
+        fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
-    def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None, k_scale=None,
-                v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
-                sm_scale: float | None = None, rope_scale=None, rope_theta=None, return_lse: bool = False):
+    def forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        pos_encoding_mode: str = "NONE",
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale=None,
+        rope_theta=None,
+        return_lse: bool = False,
+    ):
         """FlashInfer's deprecated spelling: these arguments replace the planned ones, then run()."""
         check_pos_encoding_mode(pos_encoding_mode)
         plan = self._plan
         if plan is None:
             raise PlanStateError("forward() called before plan(): plan the batch first")
         if checked_window(window_left) != plan.window_left or float(logits_soft_cap or 0.0) != plan.soft_cap:
-            raise ValueError("forward(): window_left and logits_soft_cap are part of the plan on the CPU; "
-                             "pass them to plan()")
+            raise ValueError(
+                "forward(): window_left and logits_soft_cap are part of the plan on the CPU; pass them to plan()"
+            )
         plan.sm_scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
 
 
-def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
-                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False, q_scale=None,
-                                k_scale=None, v_scale=None, window_left: int = -1, logits_soft_cap=None,
-                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse: bool = False):
+def single_decode_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    window_left: int = -1,
+    logits_soft_cap=None,
+    sm_scale=None,
+    rope_scale=None,
+    rope_theta=None,
+    return_lse: bool = False,
+):
     """Decode attention of one request: ``q [num_qo_heads, head_dim]`` over ``k``/``v``
     ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND).
     Returns ``out [num_qo_heads, head_dim]`` in q's dtype, or ``(out, lse [num_qo_heads])``."""
@@ -258,16 +405,31 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     page_size = max(kv_len, 1)
     cache = (k.unsqueeze(0), v.unsqueeze(0))
     if kv_len == 0:  # an empty page would be an empty cache: give the request no page instead
-        cache = tuple(torch.zeros((1, 1, num_kv_heads, head_dim) if kv_layout == "NHD" else
-                                  (1, num_kv_heads, 1, head_dim), dtype=k.dtype) for _ in range(2))
+        cache = tuple(
+            torch.zeros(
+                (1, 1, num_kv_heads, head_dim) if kv_layout == "NHD" else (1, num_kv_heads, 1, head_dim), dtype=k.dtype
+            )
+            for _ in range(2)
+        )
     wrapper = single_request_wrapper(BatchDecodeWithPagedKVCacheWrapper, kv_layout)
-    wrapper.plan(torch.tensor([0, 1 if kv_len else 0], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                 torch.tensor([kv_len if kv_len else 1], dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
-                 page_size, window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q.dtype,
-                 kv_data_type=k.dtype, sm_scale=sm_scale)
+    wrapper.plan(
+        torch.tensor([0, 1 if kv_len else 0], dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.tensor([kv_len if kv_len else 1], dtype=torch.int32),
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        q_data_type=q.dtype,
+        kv_data_type=k.dtype,
+        sm_scale=sm_scale,
+    )
     keep_workspace(wrapper)
-    result = wrapper.run(q.unsqueeze(0), cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                         return_lse=return_lse)
+    result = wrapper.run(
+        q.unsqueeze(0), cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse
+    )
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 

@@ -104,8 +104,10 @@ class PagedKVCache:
 
     def _strided_head_dim(self, which: str):
         plane = self.k if which == "K" else self.v
-        raise ValueError(f"the {which} cache's head_dim is not contiguous (shape {tuple(plane.shape)}, strides "
-                         f"{plane.stride()}); kernels need stride 1 along head_dim")
+        raise ValueError(
+            f"the {which} cache's head_dim is not contiguous (shape {tuple(plane.shape)}, strides "
+            f"{plane.stride()}); kernels need stride 1 along head_dim"
+        )
 
 
 _new_object = object.__new__
@@ -117,8 +119,7 @@ def paged_kv_halves(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     ``(k_cache, v_cache)`` for a pair; :func:`paged_kv_from_halves` is the inverse."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
-            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
-                             "entries")
+            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} entries")
         return paged_kv_cache[0], paged_kv_cache[1]
     return paged_kv_cache, None
 
@@ -141,8 +142,8 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_
         return _unpack_pair(paged_kv_cache, kv_layout, name)
     raise KVCacheTypeError(
         f"Unrecognized paged_kv_cache type {type(paged_kv_cache)}, expect a single tensor or a tuple of tensor."
-        + (f" ({name} has {len(paged_kv_cache)} entries, not 2)" if isinstance(paged_kv_cache, (tuple, list))
-           else ""))
+        + (f" ({name} has {len(paged_kv_cache)} entries, not 2)" if isinstance(paged_kv_cache, (tuple, list)) else "")
+    )
 
 
 def _unpack_tensor(t: torch.Tensor, kv_layout: str, name: str) -> PagedKVCache:
@@ -156,12 +157,15 @@ def _unpack_tensor(t: torch.Tensor, kv_layout: str, name: str) -> PagedKVCache:
         page_stride, kv_stride, head_stride, dim_stride = strides
         a, b, a_stride, b_stride = _squeezed(kv_layout, heads, head_stride, head_dim, dim_stride)
     else:
-        raise ValueError(f"{name} must be [num_pages, 2, {_plane_dims(kv_layout)}] (or [num_pages, 2, H, D] for "
-                         f"page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}")
+        raise ValueError(
+            f"{name} must be [num_pages, 2, {_plane_dims(kv_layout)}] (or [num_pages, 2, H, D] for "
+            f"page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}"
+        )
     k_ptr = t.data_ptr()
     rows = _rows(kv_layout, page_stride, a_stride, b_stride, dim_stride, head_dim)
-    return _new(t, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, k_ptr + kv_stride * _ITEMSIZE[dtype],
-                rows, rows, None)
+    return _new(
+        t, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, k_ptr + kv_stride * _ITEMSIZE[dtype], rows, rows, None
+    )
 
 
 def _unpack_pair(pair, kv_layout: str, name: str) -> PagedKVCache:
@@ -171,8 +175,9 @@ def _unpack_pair(pair, kv_layout: str, name: str) -> PagedKVCache:
         raise TypeError(f"{name}: the V cache has dtype {v.dtype} but the K cache has {dtype}; they must match")
     shape = k.shape
     if v.shape != shape:
-        raise ValueError(f"{name}: the V cache has shape {tuple(v.shape)} but the K cache has {tuple(shape)}; "
-                         "they must match")
+        raise ValueError(
+            f"{name}: the V cache has shape {tuple(v.shape)} but the K cache has {tuple(shape)}; they must match"
+        )
     k_strides, v_strides = k.stride(), v.stride()
     if len(shape) == 4:
         pages, a, b, head_dim = shape
@@ -187,10 +192,11 @@ def _unpack_pair(pair, kv_layout: str, name: str) -> PagedKVCache:
         v_rows = _rows(kv_layout, v_strides[0], va, vb, v_strides[2], head_dim)
         planes = None  # views made on first use
     else:
-        raise ValueError(f"{name}[0] (the K cache) must be [num_pages, {_plane_dims(kv_layout)}] (or "
-                         f"[num_pages, H, D] for page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}")
-    return _new(pair, kv_layout, name, pages, a, b, head_dim, dtype, k.data_ptr(), v.data_ptr(), k_rows, v_rows,
-                planes)
+        raise ValueError(
+            f"{name}[0] (the K cache) must be [num_pages, {_plane_dims(kv_layout)}] (or "
+            f"[num_pages, H, D] for page size 1) for kv_layout {kv_layout}, got shape {tuple(shape)}"
+        )
+    return _new(pair, kv_layout, name, pages, a, b, head_dim, dtype, k.data_ptr(), v.data_ptr(), k_rows, v_rows, planes)
 
 
 def _storage_dtype(t, name: str, which: int | None = None) -> torch.dtype:
@@ -204,8 +210,9 @@ def _storage_dtype(t, name: str, which: int | None = None) -> torch.dtype:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _ITEMSIZE:
-        raise TypeError(f"{name} has dtype {t.dtype}; a KV cache is float32, bfloat16, float16, "
-                        "float8_e4m3fn or float8_e5m2")
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; a KV cache is float32, bfloat16, float16, float8_e4m3fn or float8_e5m2"
+        )
     raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
 
 
@@ -232,13 +239,27 @@ def _new(source, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, v_ptr, k_
     """The PagedKVCache of [pages, a, b, head_dim] planes ((page_size, H) for NHD, (H, page_size) for HND)."""
     page_size, heads = (a, b) if kv_layout == "NHD" else (b, a)
     if page_size < 1 or heads < 1 or head_dim < 1:
-        raise ValueError(f"{name} has an empty page, head or head_dim dimension (page_size {page_size}, "
-                         f"num_kv_heads {heads}, head_dim {head_dim}) in kv_layout {kv_layout}")
+        raise ValueError(
+            f"{name} has an empty page, head or head_dim dimension (page_size {page_size}, "
+            f"num_kv_heads {heads}, head_dim {head_dim}) in kv_layout {kv_layout}"
+        )
     cache = _new_object(PagedKVCache)
     state = cache.__dict__  # filled directly: the generated __init__ pays object.__setattr__ per field (3x slower)
-    state.update({"layout": kv_layout, "num_pages": pages, "page_size": page_size, "num_kv_heads": heads,
-                  "head_dim": head_dim, "dtype": dtype, "k_ptr": k_ptr, "v_ptr": v_ptr, "source": source,
-                  "k_plane_strides": k_rows, "v_plane_strides": v_rows})
+    state.update(
+        {
+            "layout": kv_layout,
+            "num_pages": pages,
+            "page_size": page_size,
+            "num_kv_heads": heads,
+            "head_dim": head_dim,
+            "dtype": dtype,
+            "k_ptr": k_ptr,
+            "v_ptr": v_ptr,
+            "source": source,
+            "k_plane_strides": k_rows,
+            "v_plane_strides": v_rows,
+        }
+    )
     if planes is not None:
         state["k"], state["v"] = planes
     return cache
@@ -249,15 +270,46 @@ def _new(source, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, v_ptr, k_
 _I64 = "int64_t "
 # Appending copies rows, so one variant per element type; fp8 caches are appended in fp8, as FlashInfer.
 PAGE = Module(
-    "page", "page.cpp.jinja",
+    "page",
+    "page.cpp.jinja",
     params={"dtype": DType(choices=("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
-    entries=[Entry("append", ", ".join(_I64 + arg for arg in (
-        "key", "key_stride_n", "key_stride_h", "value", "value_stride_n", "value_stride_h",
-        "batch_indices", "positions", "num_tokens",
-        "k_cache", "k_page_stride", "k_token_stride", "k_head_stride",
-        "v_cache", "v_page_stride", "v_token_stride", "v_head_stride",
-        "kv_indices", "num_kv_indices", "kv_indptr", "batch_size",
-        "num_pages", "page_size", "num_heads", "head_dim", "num_threads")), returns="int64_t")],
+    entries=[
+        Entry(
+            "append",
+            ", ".join(
+                _I64 + arg
+                for arg in (
+                    "key",
+                    "key_stride_n",
+                    "key_stride_h",
+                    "value",
+                    "value_stride_n",
+                    "value_stride_h",
+                    "batch_indices",
+                    "positions",
+                    "num_tokens",
+                    "k_cache",
+                    "k_page_stride",
+                    "k_token_stride",
+                    "k_head_stride",
+                    "v_cache",
+                    "v_page_stride",
+                    "v_token_stride",
+                    "v_head_stride",
+                    "kv_indices",
+                    "num_kv_indices",
+                    "kv_indptr",
+                    "batch_size",
+                    "num_pages",
+                    "page_size",
+                    "num_heads",
+                    "head_dim",
+                    "num_threads",
+                )
+            ),
+            returns="int64_t",
+        )
+    ],
 )
 
 
@@ -300,11 +352,32 @@ def append_paged_kv_cache(
     if num_tokens == 0:
         return
     status = variant.kernel().append(
-        append_key.data_ptr(), key_n, key_h, append_value.data_ptr(), value_n, value_h,
-        batch_indices.data_ptr(), positions.data_ptr(), num_tokens,
-        cache.k_ptr, k_page, k_token, k_head, cache.v_ptr, v_page, v_token, v_head,
-        kv_indices.data_ptr(), kv_indices.numel(), kv_indptr.data_ptr(), batch_size,
-        cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, num_threads(),
+        append_key.data_ptr(),
+        key_n,
+        key_h,
+        append_value.data_ptr(),
+        value_n,
+        value_h,
+        batch_indices.data_ptr(),
+        positions.data_ptr(),
+        num_tokens,
+        cache.k_ptr,
+        k_page,
+        k_token,
+        k_head,
+        cache.v_ptr,
+        v_page,
+        v_token,
+        v_head,
+        kv_indices.data_ptr(),
+        kv_indices.numel(),
+        kv_indptr.data_ptr(),
+        batch_size,
+        cache.num_pages,
+        cache.page_size,
+        cache.num_kv_heads,
+        cache.head_dim,
+        num_threads(),
     )
     if status:
         _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, cache)
@@ -338,8 +411,10 @@ def _token_rows(t, name: str, cache: PagedKVCache):
     if not t.is_cpu:
         raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
     if t.dim() != 3 or t.shape[1] != cache.num_kv_heads or t.shape[2] != cache.head_dim:
-        raise ValueError(f"{name} must be [nnz, num_kv_heads, head_dim] = [nnz, {cache.num_kv_heads}, "
-                         f"{cache.head_dim}] to match paged_kv_cache, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be [nnz, num_kv_heads, head_dim] = [nnz, {cache.num_kv_heads}, "
+            f"{cache.head_dim}] to match paged_kv_cache, got shape {tuple(t.shape)}"
+        )
     t = t.contiguous()  # only read: a strided head_dim is copied
     return t, t.stride(0), t.stride(1), t.shape[0]
 
@@ -357,22 +432,30 @@ def _batch_size(kv_last_page_len) -> int:
 def _raise_append_error(status: int, batch_indices, positions, kv_indices, kv_indptr, cache) -> None:
     kind, index = status >> 32, status & 0xFFFFFFFF
     if kind == 1:
-        raise ValueError(f"batch_indices[{index}] = {int(batch_indices[index])} is out of range "
-                         f"[0, {kv_indptr.numel() - 1}) (the batch size of kv_indptr and kv_last_page_len)")
+        raise ValueError(
+            f"batch_indices[{index}] = {int(batch_indices[index])} is out of range "
+            f"[0, {kv_indptr.numel() - 1}) (the batch size of kv_indptr and kv_last_page_len)"
+        )
     if kind == 2:
         request, position = int(batch_indices[index]), int(positions[index])
         if position < 0:
             raise ValueError(f"positions[{index}] = {position} is negative")
         pages = int(kv_indptr[request + 1]) - int(kv_indptr[request])
-        raise ValueError(f"positions[{index}] = {position} is beyond the pages of request {request}: it needs page "
-                         f"{position // cache.page_size} of the request (page size {cache.page_size}) but kv_indptr "
-                         f"gives the request {pages} pages")
+        raise ValueError(
+            f"positions[{index}] = {position} is beyond the pages of request {request}: it needs page "
+            f"{position // cache.page_size} of the request (page size {cache.page_size}) but kv_indptr "
+            f"gives the request {pages} pages"
+        )
     if kind == 3:
-        raise ValueError(f"kv_indptr[{index}:{index + 2}] = {kv_indptr[index:index + 2].tolist()} is not a range "
-                         f"of kv_indices (which has {kv_indices.numel()} entries)")
+        raise ValueError(
+            f"kv_indptr[{index}:{index + 2}] = {kv_indptr[index : index + 2].tolist()} is not a range "
+            f"of kv_indices (which has {kv_indices.numel()} entries)"
+        )
     if kind == 4:
-        raise ValueError(f"kv_indices[{index}] = {int(kv_indices[index])} is out of range "
-                         f"[0, {cache.num_pages}) (the pages of paged_kv_cache)")
+        raise ValueError(
+            f"kv_indices[{index}] = {int(kv_indices[index])} is out of range "
+            f"[0, {cache.num_pages}) (the pages of paged_kv_cache)"
+        )
     raise AssertionError(f"append kernel returned unknown status {status:#x}")
 
 
@@ -395,8 +478,10 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     ``seq_lens[b] - append_indptr[b + 1] + j``. Both int32, as in FlashInfer."""
     batch_size = len(append_indptr) - 1
     if len(seq_lens) != batch_size:
-        raise ValueError(f"seq_lens must have one entry per request ({batch_size}, from append_indptr), "
-                         f"got shape {tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"seq_lens must have one entry per request ({batch_size}, from append_indptr), "
+            f"got shape {tuple(seq_lens.shape)}"
+        )
     append_indptr = append_indptr.to(torch.int64)
     appended = append_indptr[1:] - append_indptr[:-1]
     total = int(append_indptr[-1] - append_indptr[0]) if batch_size else 0

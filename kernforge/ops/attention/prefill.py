@@ -30,22 +30,60 @@ from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module,
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
-from kernforge.ops.attention._wrapper import (KV_DTYPE_NAMES, LAYER_FIELDS, AttentionPlan, PlanStateError,
-                                              WorkspaceWrapper, attention_outputs, check_heads, check_paged_cache,
-                                              check_pos_encoding_mode, check_positive, check_q, checked_soft_cap,
-                                              checked_window, dtype_param, fill_layer, keep_workspace, logit_scale,
-                                              plan_dtypes, raise_plan_error, reject_gpu_options,
-                                              single_request_wrapper)
+from kernforge.ops.attention._wrapper import (
+    KV_DTYPE_NAMES,
+    LAYER_FIELDS,
+    AttentionPlan,
+    PlanStateError,
+    WorkspaceWrapper,
+    attention_outputs,
+    check_heads,
+    check_paged_cache,
+    check_pos_encoding_mode,
+    check_positive,
+    check_q,
+    checked_soft_cap,
+    checked_window,
+    dtype_param,
+    fill_layer,
+    keep_workspace,
+    logit_scale,
+    plan_dtypes,
+    raise_plan_error,
+    reject_gpu_options,
+    single_request_wrapper,
+)
 from kernforge.ops.attention.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
-PREFILL_PLAN = Struct("kf_prefill_planned", (
-    ("items", _I64), ("num_items", _I64), ("merges", _I64), ("num_merges", _I64), ("partials", _I64),
-    ("qo_indptr", _I64), ("kv_indptr", _I64), ("indices", _I64),
-    ("kv_lens", _I64), ("mask", _I64), ("mask_offsets", _I64), ("workspace", _I64), ("scratch_bytes", _I64),
-    ("max_threads", _I64), ("rows", _I64), ("group", _I64), ("queries_per_tile", _I64), ("page_size", _I64),
-    ("ragged", _I64), ("causal", _I64), ("window_left", _I64), ("soft_cap", "double"), ("stats", _I64),
-))
+PREFILL_PLAN = Struct(
+    "kf_prefill_planned",
+    (
+        ("items", _I64),
+        ("num_items", _I64),
+        ("merges", _I64),
+        ("num_merges", _I64),
+        ("partials", _I64),
+        ("qo_indptr", _I64),
+        ("kv_indptr", _I64),
+        ("indices", _I64),
+        ("kv_lens", _I64),
+        ("mask", _I64),
+        ("mask_offsets", _I64),
+        ("workspace", _I64),
+        ("scratch_bytes", _I64),
+        ("max_threads", _I64),
+        ("rows", _I64),
+        ("group", _I64),
+        ("queries_per_tile", _I64),
+        ("page_size", _I64),
+        ("ragged", _I64),
+        ("causal", _I64),
+        ("window_left", _I64),
+        ("soft_cap", "double"),
+        ("stats", _I64),
+    ),
+)
 PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS)
 # (query rows per work item, keys per block): the tuner's candidates, the default first (on this
 # Zen 5, causal 4096 tokens, 32/8 heads, head_dim 128: 128x64 65% of the bf16 peak, 64x64 60%,
@@ -53,21 +91,28 @@ PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS)
 TILES = ((128, 64), (64, 64), (32, 64), (64, 128), (32, 32))
 
 PREFILL = Module(
-    "prefill", "prefill.cpp.jinja",
+    "prefill",
+    "prefill.cpp.jinja",
     params={
-        "q_dtype": DType(), "kv_dtype": DType(KV_DTYPE_NAMES), "out_dtype": DType(),
-        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM), "head_dim_vo": Int(minimum=1, maximum=MAX_HEAD_DIM),
+        "q_dtype": DType(),
+        "kv_dtype": DType(KV_DTYPE_NAMES),
+        "out_dtype": DType(),
+        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM),
+        "head_dim_vo": Int(minimum=1, maximum=MAX_HEAD_DIM),
         "tile": IntTuple(2, choices=TILES),
     },
     tiers=ALL_TIERS,  # the amx build multiplies bf16 in AMX tiles (gemm/amx_kernel.h)
     structs=[PREFILL_PLAN, PREFILL_IO],
     entries=[
-        Entry("plan", "int64_t qo_indptr, int64_t kv_indptr, int64_t last_page_len, int64_t indices, "
-                      "int64_t batch, int64_t num_indices, int64_t page_size, int64_t num_kv_heads, "
-                      "int64_t queries_per_tile, int64_t window_left, int64_t ragged, int64_t causal, "
-                      "int64_t custom_mask, int64_t num_threads, int64_t min_split_blocks, int64_t kv_lens, "
-                      "int64_t items, int64_t item_capacity, int64_t merges, int64_t merge_capacity, int64_t counts",
-              returns=_I64),
+        Entry(
+            "plan",
+            "int64_t qo_indptr, int64_t kv_indptr, int64_t last_page_len, int64_t indices, "
+            "int64_t batch, int64_t num_indices, int64_t page_size, int64_t num_kv_heads, "
+            "int64_t queries_per_tile, int64_t window_left, int64_t ragged, int64_t causal, "
+            "int64_t custom_mask, int64_t num_threads, int64_t min_split_blocks, int64_t kv_lens, "
+            "int64_t items, int64_t item_capacity, int64_t merges, int64_t merge_capacity, int64_t counts",
+            returns=_I64,
+        ),
         Entry("scratch_bytes", "int64_t rows", returns=_I64),
         Entry("run", "const kf_prefill_planned* plan, const kf_prefill_layer* io"),
     ],
@@ -79,7 +124,8 @@ def _tile_candidate(tile: tuple[int, int], rank: int) -> Candidate:
 
 
 TILE_CANDIDATES = Candidates(
-    "prefill", PREFILL,
+    "prefill",
+    PREFILL,
     candidates=[_tile_candidate(tile, rank) for rank, tile in enumerate(TILES[:-1])],
     reference=_tile_candidate(TILES[-1], len(TILES)),
     bucket=lambda s: f"{s['dtype']}_kv{s['kv_dtype']}_qk{s['head_dim_qk']}_vo{s['head_dim_vo']}_g{s['group']}",
@@ -103,15 +149,23 @@ def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
     check_head_dim("head_dim_vo", head_dim_vo)
 
 
-def prefill_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, head_dim_qk: int,
-                           head_dim_vo: int, group: int, tile: tuple[int, int] | None = None) -> dict:
+def prefill_variant_params(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    group: int,
+    tile: tuple[int, int] | None = None,
+) -> dict:
     """The PREFILL variant for these dtypes and head dims: the tuned tile, else the default."""
     _check_head_dims(head_dim_qk, head_dim_vo)
     params = {
         "q_dtype": dtype_param(q_dtype, "q_data_type", PREFILL.params["q_dtype"].choices),
         "kv_dtype": dtype_param(kv_dtype, "kv_data_type", KV_DTYPE_NAMES),
         "out_dtype": dtype_param(out_dtype, "o_data_type", PREFILL.params["out_dtype"].choices),
-        "head_dim_qk": head_dim_qk, "head_dim_vo": head_dim_vo,
+        "head_dim_qk": head_dim_qk,
+        "head_dim_vo": head_dim_vo,
     }
     if tile is None:
         shape = tile_shape(params, group)
@@ -121,8 +175,13 @@ def prefill_variant_params(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtyp
 
 def tile_shape(params: dict, group: int) -> dict:
     """The problem as the tile candidates see it."""
-    return {"dtype": params["q_dtype"], "kv_dtype": params["kv_dtype"], "head_dim_qk": params["head_dim_qk"],
-            "head_dim_vo": params["head_dim_vo"], "group": group}
+    return {
+        "dtype": params["q_dtype"],
+        "kv_dtype": params["kv_dtype"],
+        "head_dim_qk": params["head_dim_qk"],
+        "head_dim_vo": params["head_dim_vo"],
+        "group": group,
+    }
 
 
 class _PrefillWrapper(WorkspaceWrapper):
@@ -137,10 +196,31 @@ class _PrefillWrapper(WorkspaceWrapper):
             raise PlanStateError("computed_blocks() called before plan()")
         return int(self._plan.stats[0])
 
-    def _make_plan(self, qo_indptr, kv_indptr, last_page_len, indices, num_qo_heads, num_kv_heads, head_dim_qk,
-                   head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left,
-                   logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type, tile=None,
-                   module: Module = PREFILL, disable_split_kv: bool = False) -> None:
+    def _make_plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        last_page_len,
+        indices,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo,
+        page_size,
+        custom_mask,
+        packed_custom_mask,
+        causal,
+        pos_encoding_mode,
+        window_left,
+        logits_soft_cap,
+        sm_scale,
+        q_data_type,
+        kv_data_type,
+        o_data_type,
+        tile=None,
+        module: Module = PREFILL,
+        disable_split_kv: bool = False,
+    ) -> None:
         self._plan = None
         check_pos_encoding_mode(pos_encoding_mode)
         group = check_heads(num_qo_heads, num_kv_heads)
@@ -157,8 +237,9 @@ class _PrefillWrapper(WorkspaceWrapper):
         if batch < 0:
             raise ValueError("qo_indptr must have batch_size + 1 >= 1 entries, got an empty tensor")
         if kv_indptr.numel() != batch + 1:
-            raise ValueError(f"The length of qo_indptr and {kv_name} should be the same: got {batch + 1} and "
-                             f"{kv_indptr.numel()}")
+            raise ValueError(
+                f"The length of qo_indptr and {kv_name} should be the same: got {batch + 1} and {kv_indptr.numel()}"
+            )
         if self._ragged:
             last_page_len = indices = kv_indptr  # unused by the ragged kernel; any valid address
             num_indices = 0
@@ -180,11 +261,29 @@ class _PrefillWrapper(WorkspaceWrapper):
         kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
         counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
         has_mask = custom_mask is not None or packed_custom_mask is not None
-        error = kernel.plan(qo_indptr.data_ptr(), kv_indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(),
-                            batch, num_indices, page_size if not self._ragged else 1, num_kv_heads, queries_per_tile,
-                            window_left, int(self._ragged), int(bool(causal)), int(has_mask),
-                            1 if disable_split_kv else threads, _MIN_SPLIT_BLOCKS, kv_lens.data_ptr(),
-                            items.data_ptr(), tiles + threads, merges.data_ptr(), max(tiles, 1), counts.data_ptr())
+        error = kernel.plan(
+            qo_indptr.data_ptr(),
+            kv_indptr.data_ptr(),
+            last_page_len.data_ptr(),
+            indices.data_ptr(),
+            batch,
+            num_indices,
+            page_size if not self._ragged else 1,
+            num_kv_heads,
+            queries_per_tile,
+            window_left,
+            int(self._ragged),
+            int(bool(causal)),
+            int(has_mask),
+            1 if disable_split_kv else threads,
+            _MIN_SPLIT_BLOCKS,
+            kv_lens.data_ptr(),
+            items.data_ptr(),
+            tiles + threads,
+            merges.data_ptr(),
+            max(tiles, 1),
+            counts.data_ptr(),
+        )
         if error:
             raise_plan_error(error, _PLAN_ERRORS, {"kv_indptr": kv_name})
         num_items, num_merges, slots = counts.tolist()
@@ -199,25 +298,54 @@ class _PrefillWrapper(WorkspaceWrapper):
         workspace = self._workspace(threads * scratch + partial_bytes + 64)
         stats = torch.zeros(1, dtype=torch.int64)
         base = (workspace.data_ptr() + 63) // 64 * 64
-        plan_args = kernel.new("kf_prefill_planned", {
-            "items": items.data_ptr(), "num_items": num_items, "merges": merges.data_ptr(), "num_merges": num_merges,
-            "partials": base + threads * scratch, "qo_indptr": qo_indptr.data_ptr(),
-            "kv_indptr": kv_indptr.data_ptr(), "indices": indices.data_ptr(), "kv_lens": kv_lens.data_ptr(),
-            "mask": 0 if mask is None else mask.data_ptr(),
-            "mask_offsets": 0 if mask_offsets is None else mask_offsets.data_ptr(),
-            "workspace": base, "scratch_bytes": scratch, "max_threads": threads, "rows": rows, "group": group,
-            "queries_per_tile": queries_per_tile, "page_size": page_size if not self._ragged else 1,
-            "ragged": int(self._ragged), "causal": int(bool(causal)), "window_left": window_left,
-            "soft_cap": soft_cap, "stats": stats.data_ptr(),
-        })
+        plan_args = kernel.new(
+            "kf_prefill_planned",
+            {
+                "items": items.data_ptr(),
+                "num_items": num_items,
+                "merges": merges.data_ptr(),
+                "num_merges": num_merges,
+                "partials": base + threads * scratch,
+                "qo_indptr": qo_indptr.data_ptr(),
+                "kv_indptr": kv_indptr.data_ptr(),
+                "indices": indices.data_ptr(),
+                "kv_lens": kv_lens.data_ptr(),
+                "mask": 0 if mask is None else mask.data_ptr(),
+                "mask_offsets": 0 if mask_offsets is None else mask_offsets.data_ptr(),
+                "workspace": base,
+                "scratch_bytes": scratch,
+                "max_threads": threads,
+                "rows": rows,
+                "group": group,
+                "queries_per_tile": queries_per_tile,
+                "page_size": page_size if not self._ragged else 1,
+                "ragged": int(self._ragged),
+                "causal": int(bool(causal)),
+                "window_left": window_left,
+                "soft_cap": soft_cap,
+                "stats": stats.data_ptr(),
+            },
+        )
         self._plan = AttentionPlan(
-            kernel=kernel, args=plan_args, io=kernel.new("kf_prefill_layer"),
+            kernel=kernel,
+            args=plan_args,
+            io=kernel.new("kf_prefill_layer"),
             keep=(items, merges, qo_indptr, kv_indptr, indices, last_page_len, kv_lens, mask, mask_offsets, workspace),
-            stats=stats, batch=batch, total_q=total_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, q_dtype=q_dtype,
-            kv_dtype=kv_dtype, out_dtype=out_dtype, window_left=window_left, soft_cap=soft_cap,
+            stats=stats,
+            batch=batch,
+            total_q=total_q,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            page_size=page_size,
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            out_dtype=out_dtype,
+            window_left=window_left,
+            soft_cap=soft_cap,
             max_kv_index=int(kv_indptr[-1]) if self._ragged else None,
-            max_page=int(indices[:int(kv_indptr[-1])].max()) if not self._ragged and int(kv_indptr[-1]) > 0 else -1,
+            max_page=int(indices[: int(kv_indptr[-1])].max()) if not self._ragged and int(kv_indptr[-1]) > 0 else -1,
             sm_scale=1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale),
         )
 
@@ -226,10 +354,13 @@ class _PrefillWrapper(WorkspaceWrapper):
         q_shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_qk))
         check_q(q, plan, q_shape, "[qo_indptr[-1], num_qo_heads, head_dim_qk]", rows_name="qo_indptr[-1]")
         if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
-            raise ValueError(f"The dtype of out {out.dtype} does not match the o_data_type {plan.out_dtype} "
-                             "specified in plan function.")
-        out, lse = attention_outputs(out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)),
-                                     plan.out_dtype, return_lse)
+            raise ValueError(
+                f"The dtype of out {out.dtype} does not match the o_data_type {plan.out_dtype} "
+                "specified in plan function."
+            )
+        out, lse = attention_outputs(
+            out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)), plan.out_dtype, return_lse
+        )
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
@@ -247,68 +378,153 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens):
         if not isinstance(packed_custom_mask, torch.Tensor):
             raise TypeError(f"packed_custom_mask must be a torch.Tensor, got {type(packed_custom_mask).__name__}")
         if packed_custom_mask.dtype != torch.uint8 or packed_custom_mask.dim() != 1:
-            raise ValueError(f"packed_custom_mask must be a 1-D uint8 tensor, got {packed_custom_mask.dtype} "
-                             f"of shape {tuple(packed_custom_mask.shape)}")
+            raise ValueError(
+                f"packed_custom_mask must be a 1-D uint8 tensor, got {packed_custom_mask.dtype} "
+                f"of shape {tuple(packed_custom_mask.shape)}"
+            )
         if packed_custom_mask.numel() < int(byte_offsets[-1]):
-            raise ValueError(f"packed_custom_mask holds {packed_custom_mask.numel()} bytes; the batch needs "
-                             f"{int(byte_offsets[-1])} (each request's qo_len * kv_len bits, from a byte boundary)")
+            raise ValueError(
+                f"packed_custom_mask holds {packed_custom_mask.numel()} bytes; the batch needs "
+                f"{int(byte_offsets[-1])} (each request's qo_len * kv_len bits, from a byte boundary)"
+            )
         return packed_custom_mask.cpu().contiguous().clone(), byte_offsets * 8
     if not isinstance(custom_mask, torch.Tensor):
         raise TypeError(f"custom_mask must be a torch.Tensor, got {type(custom_mask).__name__}")
     flat = custom_mask.reshape(-1)
     if flat.numel() != int(lengths.sum()):
-        raise ValueError(f"custom_mask must hold sum(qo_len * kv_len) = {int(lengths.sum())} entries (each "
-                         f"request's [qo_len, kv_len] mask, flattened), got {flat.numel()}")
+        raise ValueError(
+            f"custom_mask must hold sum(qo_len * kv_len) = {int(lengths.sum())} entries (each "
+            f"request's [qo_len, kv_len] mask, flattened), got {flat.numel()}"
+        )
     packed = torch.zeros(max(int(byte_offsets[-1]), 1), dtype=torch.uint8)
-    bit_weights = (1 << torch.arange(8, dtype=torch.int32))
+    bit_weights = 1 << torch.arange(8, dtype=torch.int32)
     start = 0
     for b, length in enumerate(lengths.tolist()):
-        bits = flat[start:start + length].to(torch.int32)
+        bits = flat[start : start + length].to(torch.int32)
         start += length
         padded = torch.zeros(-(-length // 8) * 8, dtype=torch.int32)
         padded[:length] = bits != 0
-        packed[int(byte_offsets[b]):int(byte_offsets[b + 1])] = (padded.view(-1, 8) * bit_weights).sum(1).to(torch.uint8)
+        packed[int(byte_offsets[b]) : int(byte_offsets[b + 1])] = (
+            (padded.view(-1, 8) * bit_weights).sum(1).to(torch.uint8)
+        )
     return packed, byte_offsets * 8
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's batch prefill over a paged KV cache: ``plan()`` once per batch, ``run()`` per layer."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
-                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
-                 jit_args=None, jit_kwargs=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args)
 
-    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
-             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-             page_size: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
-             packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode: str = "NONE",
-             use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, window_left: int = -1,
-             logits_soft_cap: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True,
-             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
-             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
-             disable_split_kv: bool = False) -> None:
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        seq_lens=None,
+        seq_lens_q=None,
+        block_tables=None,
+        max_token_per_sequence=None,
+        max_sequence_kv=None,
+        fixed_split_size=None,
+        disable_split_kv: bool = False,
+    ) -> None:
         """Check and copy the batch's indices, pick the kernel and list the work items."""
-        reject_gpu_options("prefill", prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
-                block_tables=block_tables, fixed_split_size=fixed_split_size)
+        reject_gpu_options(
+            "prefill",
+            prefix_len_ptr=prefix_len_ptr,
+            token_pos_in_items_ptr=token_pos_in_items_ptr,
+            max_item_len_ptr=max_item_len_ptr,
+            seq_lens=seq_lens,
+            seq_lens_q=seq_lens_q,
+            block_tables=block_tables,
+            fixed_split_size=fixed_split_size,
+        )
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            raise ValueError(f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}): a paged cache holds K and "
-                             "V rows of one head_dim; use BatchPrefillWithRaggedKVCacheWrapper for MLA-shaped heads")
-        self._make_plan(qo_indptr, paged_kv_indptr, paged_kv_last_page_len, paged_kv_indices, num_qo_heads,
-                        num_kv_heads, head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal,
-                        pos_encoding_mode, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type,
-                        o_data_type, disable_split_kv=disable_split_kv)
+            raise ValueError(
+                f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}): a paged cache holds K and "
+                "V rows of one head_dim; use BatchPrefillWithRaggedKVCacheWrapper for MLA-shaped heads"
+            )
+        self._make_plan(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_last_page_len,
+            paged_kv_indices,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            page_size,
+            custom_mask,
+            packed_custom_mask,
+            causal,
+            pos_encoding_mode,
+            window_left,
+            logits_soft_cap,
+            sm_scale,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            disable_split_kv=disable_split_kv,
+        )
 
     begin_forward = plan
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl=None, window_left: int | None = None, sinks=None, kv_cache_sf=None,
-            skip_softmax_threshold_scale_factor=None):
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        window_left: int | None = None,
+        sinks=None,
+        kv_cache_sf=None,
+        skip_softmax_threshold_scale_factor=None,
+    ):
         """Attention of ``q [qo_indptr[-1], num_qo_heads, head_dim]`` over the planned pages:
         ``out``, or ``(out, lse)`` with ``return_lse``."""
         plan = self._plan
@@ -316,20 +532,48 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             raise PlanStateError("run() called before plan(): plan the batch first")
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally, got {len(args)} more positional arguments")
-        reject_gpu_options("prefill", sinks=sinks, kv_cache_sf=kv_cache_sf,
-                skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
+        reject_gpu_options(
+            "prefill",
+            sinks=sinks,
+            kv_cache_sf=kv_cache_sf,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+        )
         if window_left is not None and checked_window(window_left) != plan.window_left:
             raise ValueError(f"window_left={window_left} differs from the planned {plan.window_left}; plan() again")
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_paged_cache(cache, plan, plan.head_dim_qk, "paged_kv_indices")
-        return self._launch(q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, return_lse,
-                            q_scale, k_scale, v_scale)
+        return self._launch(
+            q,
+            cache.k_ptr,
+            cache.k_strides,
+            cache.v_ptr,
+            cache.v_strides,
+            out,
+            lse,
+            return_lse,
+            q_scale,
+            k_scale,
+            v_scale,
+        )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
-    def forward(self, q, paged_kv_cache, causal: bool = False, pos_encoding_mode: str = "NONE",
-                use_fp16_qk_reduction: bool = False, k_scale=None, v_scale=None, window_left: int = -1,
-                logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, return_lse: bool = False):
+    def forward(
+        self,
+        q,
+        paged_kv_cache,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale=None,
+        v_scale=None,
+        window_left: int = -1,
+        logits_soft_cap=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        return_lse: bool = False,
+    ):
         """FlashInfer's deprecated spelling: run() with the planned mask and scales."""
         _check_forward(self._plan, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
         return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
@@ -342,34 +586,109 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 
     _ragged = True
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
-                 backend: str = "auto", jit_args=None, jit_kwargs=None):
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf=None,
+        kv_indptr_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend: str = "auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args)
 
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-             head_dim_qk: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
-             packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode: str = "NONE",
-             use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap: float | None = None,
-             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True,
-             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
-             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv: bool = False, seq_lens=None,
-             seq_lens_q=None, max_token_per_sequence=None, max_sequence_kv=None, v_indptr=None,
-             o_indptr=None) -> None:
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        prefix_len_ptr=None,
+        token_pos_in_items_ptr=None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr=None,
+        fixed_split_size=None,
+        disable_split_kv: bool = False,
+        seq_lens=None,
+        seq_lens_q=None,
+        max_token_per_sequence=None,
+        max_sequence_kv=None,
+        v_indptr=None,
+        o_indptr=None,
+    ) -> None:
         """Check and copy the batch's indices, pick the kernel and list the work items."""
-        reject_gpu_options("prefill", prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                max_item_len_ptr=max_item_len_ptr, fixed_split_size=fixed_split_size, seq_lens=seq_lens,
-                seq_lens_q=seq_lens_q, v_indptr=v_indptr, o_indptr=o_indptr)
-        self._make_plan(qo_indptr, kv_indptr, None, None, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 1,
-                        custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left, logits_soft_cap,
-                        sm_scale, q_data_type, kv_data_type, o_data_type, disable_split_kv=disable_split_kv)
+        reject_gpu_options(
+            "prefill",
+            prefix_len_ptr=prefix_len_ptr,
+            token_pos_in_items_ptr=token_pos_in_items_ptr,
+            max_item_len_ptr=max_item_len_ptr,
+            fixed_split_size=fixed_split_size,
+            seq_lens=seq_lens,
+            seq_lens_q=seq_lens_q,
+            v_indptr=v_indptr,
+            o_indptr=o_indptr,
+        )
+        self._make_plan(
+            qo_indptr,
+            kv_indptr,
+            None,
+            None,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            1,
+            custom_mask,
+            packed_custom_mask,
+            causal,
+            pos_encoding_mode,
+            window_left,
+            logits_soft_cap,
+            sm_scale,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+            disable_split_kv=disable_split_kv,
+        )
 
     begin_forward = plan
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
-            v_scale=None, o_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            return_lse: bool = False, enable_pdl=None, kv_cache_sf=None):
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        o_scale=None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl=None,
+        kv_cache_sf=None,
+    ):
         """Attention of ``q [qo_indptr[-1], num_qo_heads, head_dim_qk]`` over ``k``/``v``
         ``[kv_indptr[-1], num_kv_heads, head_dim]`` (NHD; HND: heads first)."""
         plan = self._plan
@@ -380,8 +699,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         reject_gpu_options("prefill", o_scale=o_scale, kv_cache_sf=kv_cache_sf)
         k_strides = _ragged_strides(k, "k", plan, plan.head_dim_qk, self._kv_layout)
         v_strides = _ragged_strides(v, "v", plan, plan.head_dim_vo, self._kv_layout)
-        return self._launch(q, k.data_ptr(), k_strides, v.data_ptr(), v_strides, out, lse, return_lse, q_scale,
-                            k_scale, v_scale)
+        return self._launch(
+            q, k.data_ptr(), k_strides, v.data_ptr(), v_strides, out, lse, return_lse, q_scale, k_scale, v_scale
+        )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -391,9 +711,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     def run_arguments(self, tensors: list) -> tuple:
         return tuple(tensors)
 
-    def forward(self, q, k, v, causal: bool = False, pos_encoding_mode: str = "NONE",
-                use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
-                rope_scale=None, rope_theta=None, return_lse: bool = False):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        return_lse: bool = False,
+    ):
         """FlashInfer's deprecated spelling: run() with the planned mask and scales."""
         _check_forward(self._plan, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
         return self.run(q, k, v, return_lse=return_lse)
@@ -405,10 +737,14 @@ def _check_forward(plan, causal, pos_encoding_mode, window_left, logits_soft_cap
     check_pos_encoding_mode(pos_encoding_mode)
     if plan is None:
         raise PlanStateError("forward() called before plan(): plan the batch first")
-    if bool(causal) != bool(plan.args.causal) or checked_window(window_left) != plan.window_left \
-            or float(logits_soft_cap or 0.0) != plan.soft_cap:
-        raise ValueError("forward(): causal, window_left and logits_soft_cap are part of the plan on the CPU; "
-                         "pass them to plan()")
+    if (
+        bool(causal) != bool(plan.args.causal)
+        or checked_window(window_left) != plan.window_left
+        or float(logits_soft_cap or 0.0) != plan.soft_cap
+    ):
+        raise ValueError(
+            "forward(): causal, window_left and logits_soft_cap are part of the plan on the CPU; pass them to plan()"
+        )
     plan.sm_scale = 1.0 / math.sqrt(plan.head_dim_qk) if sm_scale is None else float(sm_scale)
 
 
@@ -416,32 +752,58 @@ def _ragged_strides(t, name: str, plan: AttentionPlan, head_dim: int, kv_layout:
     """(unused page stride, token stride, head stride) of ragged ``k``/``v``, after checking them."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    expected = ((plan.max_kv_index, plan.num_kv_heads, head_dim) if kv_layout == "NHD"
-                else (plan.num_kv_heads, plan.max_kv_index, head_dim))
+    expected = (
+        (plan.max_kv_index, plan.num_kv_heads, head_dim)
+        if kv_layout == "NHD"
+        else (plan.num_kv_heads, plan.max_kv_index, head_dim)
+    )
     if t.dtype != plan.kv_dtype:
-        raise ValueError(f"The dtype of {name} {t.dtype} does not match the kv_data_type {plan.kv_dtype} specified "
-                         "in plan function.")
+        raise ValueError(
+            f"The dtype of {name} {t.dtype} does not match the kv_data_type {plan.kv_dtype} specified in plan function."
+        )
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got device {t.device}")
-    if t.dim() != 3 or t.shape[2] != head_dim or t.shape[kv_layout == "HND"] < plan.max_kv_index \
-            or t.shape[kv_layout == "NHD"] != plan.num_kv_heads:
-        raise ValueError(f"{name} must have shape {list(expected)} (kv_layout {kv_layout}, kv_indptr[-1] tokens), got "
-                         f"{tuple(t.shape)}")
+    if (
+        t.dim() != 3
+        or t.shape[2] != head_dim
+        or t.shape[kv_layout == "HND"] < plan.max_kv_index
+        or t.shape[kv_layout == "NHD"] != plan.num_kv_heads
+    ):
+        raise ValueError(
+            f"{name} must have shape {list(expected)} (kv_layout {kv_layout}, kv_indptr[-1] tokens), got "
+            f"{tuple(t.shape)}"
+        )
     if t.stride(2) != 1 and head_dim > 1:
         raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
     token, head = (t.stride(0), t.stride(1)) if kv_layout == "NHD" else (t.stride(1), t.stride(0))
     return (0, token, head)
 
 
-def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
-                                 scale_v=None, o_dtype=None, custom_mask: torch.Tensor | None = None,
-                                 packed_custom_mask: torch.Tensor | None = None, causal: bool = False,
-                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
-                                 use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
-                                 window_left: int = -1, logits_soft_cap: float | None = None,
-                                 rope_scale: float | None = None, rope_theta: float | None = None,
-                                 backend: str = "auto", return_lse: bool = False, kv_cache_sf=None, k_scale=None,
-                                 v_scale=None):
+def single_prefill_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale_q=None,
+    scale_k=None,
+    scale_v=None,
+    o_dtype=None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    kv_cache_sf=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Prefill attention of one request: ``q [qo_len, num_qo_heads, head_dim_qk]`` over ``k``/``v``
     ``[kv_len, num_kv_heads, head_dim]`` (NHD; HND: ``[num_kv_heads, kv_len, head_dim]``).
     Returns ``out [qo_len, num_qo_heads, head_dim_vo]``, or ``(out, lse [qo_len, num_qo_heads])``."""
@@ -463,17 +825,30 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise ValueError(f"q has head_dim {head_dim_qk} but k has {k.shape[2]}")
     if packed_custom_mask is None and custom_mask is not None:
         if custom_mask.shape != (qo_len, kv_len) and custom_mask.numel() != qo_len * kv_len:
-            raise ValueError(f"custom_mask must be [qo_len, kv_len] = [{qo_len}, {kv_len}], got "
-                             f"{tuple(custom_mask.shape)}")
+            raise ValueError(
+                f"custom_mask must be [qo_len, kv_len] = [{qo_len}, {kv_len}], got {tuple(custom_mask.shape)}"
+            )
     wrapper = single_request_wrapper(BatchPrefillWithRaggedKVCacheWrapper, kv_layout)
-    wrapper.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
-                 num_qo_heads, num_kv_heads, head_dim_qk, v.shape[2], custom_mask=custom_mask,
-                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q.dtype,
-                 kv_data_type=k.dtype, o_data_type=o_dtype if o_dtype is not None else q.dtype)
+    wrapper.plan(
+        torch.tensor([0, qo_len], dtype=torch.int32),
+        torch.tensor([0, kv_len], dtype=torch.int32),
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        v.shape[2],
+        custom_mask=custom_mask,
+        packed_custom_mask=packed_custom_mask,
+        causal=causal,
+        pos_encoding_mode=pos_encoding_mode,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sm_scale=sm_scale,
+        q_data_type=q.dtype,
+        kv_data_type=k.dtype,
+        o_data_type=o_dtype if o_dtype is not None else q.dtype,
+    )
     keep_workspace(wrapper)
     return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
-
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

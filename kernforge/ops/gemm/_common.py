@@ -7,8 +7,9 @@ Each check raises TypeError (type, dtype) or ValueError (device, shape, layout) 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,22 +51,36 @@ def checked_weight(weight: object, dtype: torch.dtype, op: str) -> tuple[int, in
     return int(weight.shape[0]), int(weight.shape[1])
 
 
-def check_packed(packed: object, cls: type, converter: str, layout_version: int,
-                 layout: Callable[[Any], list[tuple[str, torch.dtype, tuple]]]) -> tuple[int, int]:
+def check_packed(
+    packed: object,
+    cls: type,
+    converter: str,
+    layout_version: int,
+    layout: Callable[[Any], list[tuple[str, torch.dtype, tuple]]],
+) -> tuple[int, int]:
     """(N, K) of ``packed``, a ``cls`` of this ``layout_version`` whose tensors, ``(field, dtype,
     shape)`` per ``layout(packed)``, are contiguous CPU tensors of the layout's dtype and shape (a
     hand-made or stale one is refused before a kernel reads it)."""
     if not isinstance(packed, cls):
         raise TypeError(f"packed must be a {cls.__name__} from {converter}, got {type(packed).__name__}")
     if packed.layout_version != layout_version:
-        raise ValueError(f"packed has layout version {packed.layout_version}; this kernforge reads version "
-                         f"{layout_version}: pack the weight again with {converter}")
+        raise ValueError(
+            f"packed has layout version {packed.layout_version}; this kernforge reads version "
+            f"{layout_version}: pack the weight again with {converter}"
+        )
     for field, dtype, shape in layout(packed):
         t = getattr(packed, field)
-        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or not t.is_cpu or t.shape != shape \
-                or not t.is_contiguous():
-            raise ValueError(f"packed.{field} must be a contiguous CPU {dtype} tensor of shape {shape} "
-                             f"for a [{packed.n}, {packed.k}] weight")
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype is not dtype
+            or not t.is_cpu
+            or t.shape != shape
+            or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"packed.{field} must be a contiguous CPU {dtype} tensor of shape {shape} "
+                f"for a [{packed.n}, {packed.k}] weight"
+            )
     return packed.n, packed.k
 
 

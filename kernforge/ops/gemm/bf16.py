@@ -22,7 +22,7 @@ except bf16 on avx512 with K over one block, which takes the 512-deep K block).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -31,8 +31,8 @@ from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
-from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
+from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # columns of the product per packed panel: a multiple of every tier's NR
@@ -44,12 +44,24 @@ TILES = ((8, 32), (4, 32), (6, 32), (16, 16), (4, 16), (6, 16), (2, 32), (1, 16)
 DEFAULT_BLOCKING = {"row_block": 64, "depth_block": 256, "split": "n"}
 
 GEMM = Module(
-    "gemm", "gemm.cpp.jinja",
-    params={"dtype": DType(), "tile": IntTuple(2, choices=TILES), "row_block": Int(choices=(64, 128)),
-            "depth_block": Int(choices=(256, 512)), "split": Enum(("n", "m"))},
-    entries=[Entry("linear", "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
-                             "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
-                             "int64_t num_threads", returns="int64_t")],
+    "gemm",
+    "gemm.cpp.jinja",
+    params={
+        "dtype": DType(),
+        "tile": IntTuple(2, choices=TILES),
+        "row_block": Int(choices=(64, 128)),
+        "depth_block": Int(choices=(256, 512)),
+        "split": Enum(("n", "m")),
+    },
+    entries=[
+        Entry(
+            "linear",
+            "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t packed, "
+            "int64_t panel_width, int64_t bias, int64_t m, int64_t n, int64_t k, "
+            "int64_t num_threads",
+            returns="int64_t",
+        )
+    ],
     tiers=ALL_TIERS,  # the amx build multiplies bf16 x in AMX tiles (gemm/amx_kernel.h)
 )
 
@@ -65,8 +77,9 @@ def config_name(config: Mapping) -> str:
     return " ".join(["x".join(map(str, config["tile"])), *blocking])
 
 
-def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "fp16", "fp32"),
-          default_for=()) -> Candidate:
+def _tile(
+    mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "fp16", "fp32"), default_for=()
+) -> Candidate:
     """A tile for ``dtypes`` of x on ``tiers``. Besides the dtypes it is the default for, it applies
     only from M = MR on: below that it runs the same (M, NR) micro-kernel as the default does."""
 
@@ -76,11 +89,13 @@ def _tile(mr: int, nr: int, tiers: tuple[str, ...], rank: int, dtypes=("bf16", "
     return Candidate(gemm_config((mr, nr)), tiers, rank, when=applies)
 
 
-def _blocking(tile: tuple[int, int], tiers: tuple[str, ...], rank: int, matters: Callable[[dict], bool],
-              **blocking) -> Candidate:
+def _blocking(
+    tile: tuple[int, int], tiers: tuple[str, ...], rank: int, matters: Callable[[dict], bool], **blocking
+) -> Candidate:
     """The bf16 default ``tile`` with one blocking changed, for the shapes where it ``matters``."""
-    return Candidate(gemm_config(tile, **blocking), tiers, rank,
-                     when=lambda shape: shape["dtype"] == "bf16" and matters(shape))
+    return Candidate(
+        gemm_config(tile, **blocking), tiers, rank, when=lambda shape: shape["dtype"] == "bf16" and matters(shape)
+    )
 
 
 def _rows_span_blocks(shape) -> bool:  # more than one default row block: rows per task and the split matter
@@ -110,7 +125,8 @@ _WIDE, _NARROW = ("avx512", "amx"), ("avx2", "generic")
 # scratch-tile traffic), 128 rows per task (a task's B block comes into L1 once per row block: half
 # as often), and threads splitting M first (each reads the whole weight; its rows of x stay in L2).
 TILE_CANDIDATES = Candidates(
-    "weight_packed_linear", GEMM,
+    "weight_packed_linear",
+    GEMM,
     candidates=[
         _tile(8, 32, _WIDE, 0, dtypes=("bf16",), default_for=("bf16",)),
         _tile(4, 32, _WIDE, 1, default_for=("fp16", "fp32")),
@@ -179,24 +195,35 @@ export("convert_weight_packed", convert_weight_packed)
 
 # Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned choices compile on first use.
 @kernel_op(GEMM, **gemm_config((8, 32), depth_block=512))  # pre-warm: avx512's bf16 default for K > 256
-def weight_packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+def weight_packed_linear(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias)`` -> ``[..., N]`` in ``x``'s dtype (fp32 accumulation);
     ``packed`` from :func:`convert_weight_packed`, ``bias [N]`` in ``x``'s dtype. The tile is the
     one tuned for this shape bucket on this machine, else the tier's default."""
     return _linear(x, packed, bias, out, None)
 
 
-def linear_with_config(x: torch.Tensor, packed: PackedWeight, config: Mapping, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_with_config(
+    x: torch.Tensor,
+    packed: PackedWeight,
+    config: Mapping,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`weight_packed_linear` with the GEMM's parameters forced (what the tuner times):
     ``config`` holds the ``tile`` and any of ``row_block``, ``depth_block``, ``split`` (the others
     default to ``DEFAULT_BLOCKING``); a candidate's ``params`` is one."""
     return _linear(x, packed, bias, out, {**DEFAULT_BLOCKING, **config})
 
 
-def linear_with_tile(x: torch.Tensor, packed: PackedWeight, tile: tuple[int, int], bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_with_tile(
+    x: torch.Tensor,
+    packed: PackedWeight,
+    tile: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`weight_packed_linear` with the register tile forced and the default blocking."""
     return linear_with_config(x, packed, {"tile": tile}, bias, out)
 
@@ -220,11 +247,22 @@ def _linear(x, packed, bias, out, config):
         out2 = _rows_of_out(out, m, n)
     if m == 0 or n == 0:
         return out
-    variant = _chosen_variant(x.dtype, m, n, k) if config is None else GEMM.variant(dtype=DTYPE_NAMES[x.dtype],
-                                                                                    **config)
+    variant = (
+        _chosen_variant(x.dtype, m, n, k) if config is None else GEMM.variant(dtype=DTYPE_NAMES[x.dtype], **config)
+    )
     status = variant.kernel().linear(
-        out2.data_ptr(), out2.stride(0), x2.data_ptr(), ldx, packed.packed.data_ptr(),
-        packed.panel_width, 0 if bias is None else bias.data_ptr(), m, n, k, num_threads())
+        out2.data_ptr(),
+        out2.stride(0),
+        x2.data_ptr(),
+        ldx,
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        0 if bias is None else bias.data_ptr(),
+        m,
+        n,
+        k,
+        num_threads(),
+    )
     raise_for_status(status, "weight_packed_linear")
     return out
 
@@ -235,9 +273,15 @@ def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, i
 
 
 def _checked_packed(packed: object) -> tuple[int, int]:
-    return check_packed(packed, PackedWeight, "convert_weight_packed", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.bfloat16, packed_shape(p.n, p.k, _panel_width(p))),
-    ])
+    return check_packed(
+        packed,
+        PackedWeight,
+        "convert_weight_packed",
+        LAYOUT_VERSION,
+        lambda p: [
+            ("packed", torch.bfloat16, packed_shape(p.n, p.k, _panel_width(p))),
+        ],
+    )
 
 
 def _panel_width(packed: PackedWeight) -> int:
@@ -245,8 +289,9 @@ def _panel_width(packed: PackedWeight) -> int:
     and tuned choice alike, rather than under some and not others."""
     width = packed.panel_width
     if isinstance(width, bool) or not isinstance(width, int) or width < PANEL_WIDTH or width % PANEL_WIDTH:
-        raise ValueError(f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed's "
-                         f"layout), got {width!r}")
+        raise ValueError(
+            f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed's layout), got {width!r}"
+        )
     return width
 
 
@@ -255,5 +300,7 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
     try:
         return out.view(m, n)
     except RuntimeError:
-        raise ValueError(f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
-                         "dimensions cannot be merged into one row index without a copy") from None
+        raise ValueError(
+            f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
+            "dimensions cannot be merged into one row index without a copy"
+        ) from None

@@ -32,13 +32,13 @@ FlashInfer's names and otherwise ignored: there is one CPU implementation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kernforge.ops._common import checked_out, variant_for_input
-from kernforge.ops.gemm._common import check_cpu_tensor
 from kernforge.ops._registry import export
+from kernforge.ops.gemm._common import check_cpu_tensor
 from kernforge.ops.gemm.bf16 import PackedWeight, convert_weight_packed, weight_packed_linear
 
 _B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -47,8 +47,12 @@ _FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 BMM_FP8_BACKENDS = ("cudnn", "cublas", "cutlass", "auto")
 
 
-def bmm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor | Sequence[PackedWeight],
-        scale: torch.Tensor | float | None = None) -> torch.Tensor:
+def bmm(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor | Sequence[PackedWeight],
+    scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """``out [B, M, N] = a [B, M, K] @ b[i].T (* scale)`` in ``a``'s dtype (fp32 accumulation); returns ``out``.
     ``b`` is ``[B, N, K]`` bf16 (or float8_e4m3fn with ``scale``) or ``B`` prepacked weights."""
     variant_for_input(weight_packed_linear.kernels, a, "a")  # the dtype and device checks
@@ -121,14 +125,23 @@ def _scaled_products(a: torch.Tensor, packed: Sequence[PackedWeight], scale, out
     out.copy_(sums.mul_(scale))
 
 
-def bmm_fp8(A: torch.Tensor, B: torch.Tensor, A_scale: torch.Tensor, B_scale: torch.Tensor, dtype: torch.dtype,
-            out: torch.Tensor | None = None, backend: str = "cublas") -> torch.Tensor:
+def bmm_fp8(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    A_scale: torch.Tensor,
+    B_scale: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    backend: str = "cublas",
+) -> torch.Tensor:
     """FlashInfer's ``bmm_fp8``: ``out [b, m, n] = (A [b, m, k] @ B [b, k, n]) * A_scale * B_scale`` in
     ``dtype`` (bf16 or fp16); ``A`` and ``B`` float8_e4m3fn or float8_e5m2, the scales float32 with one
     element. Returns ``out`` (allocated when None)."""
     if dtype not in _FP8_OUT_DTYPES:  # FlashInfer's message (its common check, made before anything else)
-        raise ValueError(f"Unsupported output dtype: {dtype}. "
-                         "Only torch.bfloat16 and torch.float16 are supported for FP8 GEMM operations.")
+        raise ValueError(
+            f"Unsupported output dtype: {dtype}. "
+            "Only torch.bfloat16 and torch.float16 are supported for FP8 GEMM operations."
+        )
     if backend not in BMM_FP8_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BMM_FP8_BACKENDS))}, got {backend!r}")
     for t, name in ((A, "A"), (B, "B")):

@@ -33,7 +33,6 @@ weights to whole panels.
 
 from __future__ import annotations
 
-
 import torch
 
 from kernforge.jit import isa
@@ -67,12 +66,17 @@ CONVERT_FROM_ROWS = {
 NEVER = 1 << 62
 
 GEMM_FP8 = Module(
-    "gemm_fp8", "gemm_fp8.cpp.jinja",
+    "gemm_fp8",
+    "gemm_fp8.cpp.jinja",
     params={"dtype": DType()},
     entries=[
-        Entry("scaled_mm", "int64_t x, int64_t ldx, int64_t packed, int64_t panel_width, int64_t scales, "
-                           "int64_t block_n, int64_t block_k, int64_t bias, int64_t out, int64_t ldo, int64_t m, "
-                           "int64_t n, int64_t k, int64_t convert_from_rows, int64_t num_threads", returns="int64_t"),
+        Entry(
+            "scaled_mm",
+            "int64_t x, int64_t ldx, int64_t packed, int64_t panel_width, int64_t scales, "
+            "int64_t block_n, int64_t block_k, int64_t bias, int64_t out, int64_t ldo, int64_t m, "
+            "int64_t n, int64_t k, int64_t convert_from_rows, int64_t num_threads",
+            returns="int64_t",
+        ),
     ],
 )
 _STATUS = {**STATUS, 2: "block_size must hold two positive sizes"}
@@ -83,7 +87,7 @@ class PackedFp8Weight:
     """An e4m3fn weight ``[n, k]`` packed for :func:`fp8_scaled_mm`, with the block scales and block
     size it was packed with (for callers such as ``kernforge.nn``); survives ``torch.save``/``torch.load``."""
 
-    packed: torch.Tensor        # [ceil(n / panel_width), k, panel_width] float8_e4m3fn
+    packed: torch.Tensor  # [ceil(n / panel_width), k, panel_width] float8_e4m3fn
     weight_scale: torch.Tensor  # [ceil(n / bn), ceil(k / bk)] fp32
     block_size: tuple[int, int]
     n: int
@@ -92,15 +96,18 @@ class PackedFp8Weight:
     layout_version: int = LAYOUT_VERSION
 
 
-def convert_weight_packed_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,
-                              block_size=(128, 128)) -> PackedFp8Weight:
+def convert_weight_packed_fp8(
+    weight: torch.Tensor, weight_scale: torch.Tensor, block_size=(128, 128)
+) -> PackedFp8Weight:
     """Pack an e4m3fn ``weight [N, K]`` with its fp32 block scales ``[ceil(N / bn), ceil(K / bk)]``."""
     n, k = checked_weight(weight, torch.float8_e4m3fn, "convert_weight_packed_fp8")
     block = _checked_block_size(block_size)
     weight_scale = _checked_scale(weight_scale, n, k, block)
     if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():  # once per weight, not per call
-        raise ValueError("weight holds NaN (e4m3fn code S.1111.111); fp8_scaled_mm's fast widening "
-                         "does not propagate NaN, so NaN weights are refused")
+        raise ValueError(
+            "weight holds NaN (e4m3fn code S.1111.111); fp8_scaled_mm's fast widening "
+            "does not propagate NaN, so NaN weights are refused"
+        )
     panels = packed_shape(n, k)[0]
     padded = torch.zeros(panels * PANEL_WIDTH, k, dtype=torch.uint8)
     padded[:n] = weight.view(torch.uint8)
@@ -112,8 +119,14 @@ export("convert_weight_packed_fp8", convert_weight_packed_fp8)
 
 
 @kernel_op(GEMM_FP8, dtypes=DTYPES)
-def fp8_scaled_mm(x: torch.Tensor, packed: PackedFp8Weight, weight_scale: torch.Tensor, block_size=(128, 128),
-                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_scaled_mm(
+    x: torch.Tensor,
+    packed: PackedFp8Weight,
+    weight_scale: torch.Tensor,
+    block_size=(128, 128),
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``x [..., K] @ (W * block scales)^T (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (= ``x``'s dtype:
     bf16, fp16 or fp32). ``packed`` from :func:`convert_weight_packed_fp8`; ``weight_scale`` fp32
     ``[ceil(N / bn), ceil(K / bk)]`` for ``block_size = (bn, bk)``."""
@@ -131,9 +144,23 @@ def fp8_scaled_mm(x: torch.Tensor, packed: PackedFp8Weight, weight_scale: torch.
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
     if m == 0:
         return out
-    status = kernel.scaled_mm(x2.data_ptr(), ldx, packed.packed.data_ptr(), packed.panel_width,
-                              weight_scale.data_ptr(), block[0], block[1], 0 if bias is None else bias.data_ptr(),
-                              out.data_ptr(), n, m, n, k, convert_from_rows(x.dtype), num_threads())
+    status = kernel.scaled_mm(
+        x2.data_ptr(),
+        ldx,
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        weight_scale.data_ptr(),
+        block[0],
+        block[1],
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        convert_from_rows(x.dtype),
+        num_threads(),
+    )
     raise_for_status(status, "fp8 GEMM", _STATUS)
     return out
 
@@ -173,21 +200,31 @@ def _checked_scale(weight_scale: object, n: int, k: int, block: tuple[int, int])
         raise TypeError(f"weight_scale has dtype {weight_scale.dtype}; expected torch.float32")
     expected = scale_shape(n, k, block)
     if tuple(weight_scale.shape) != expected:
-        raise ValueError(f"weight_scale must have shape {expected} (ceil(N / {block[0]}), ceil(K / {block[1]})) "
-                         f"for a [{n}, {k}] weight with block_size {block}, got {tuple(weight_scale.shape)}")
+        raise ValueError(
+            f"weight_scale must have shape {expected} (ceil(N / {block[0]}), ceil(K / {block[1]})) "
+            f"for a [{n}, {k}] weight with block_size {block}, got {tuple(weight_scale.shape)}"
+        )
     return weight_scale.contiguous()
 
 
 def _checked_packed(packed: object) -> tuple[int, int]:
-    return check_packed(packed, PackedFp8Weight, "convert_weight_packed_fp8", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.float8_e4m3fn, packed_shape(p.n, p.k, _panel_width(p))),
-    ])
+    return check_packed(
+        packed,
+        PackedFp8Weight,
+        "convert_weight_packed_fp8",
+        LAYOUT_VERSION,
+        lambda p: [
+            ("packed", torch.float8_e4m3fn, packed_shape(p.n, p.k, _panel_width(p))),
+        ],
+    )
 
 
 def _panel_width(packed: PackedFp8Weight) -> int:
     """A multiple of PANEL_WIDTH, which both kernel paths' tile widths divide on every tier."""
     width = packed.panel_width
     if isinstance(width, bool) or not isinstance(width, int) or width < PANEL_WIDTH or width % PANEL_WIDTH:
-        raise ValueError(f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed_fp8's "
-                         f"layout), got {width!r}")
+        raise ValueError(
+            f"packed.panel_width must be a multiple of {PANEL_WIDTH} (convert_weight_packed_fp8's "
+            f"layout), got {width!r}"
+        )
     return width

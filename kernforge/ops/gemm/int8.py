@@ -19,11 +19,11 @@ W[n, k]`` undoes the activations' zero point.
 
 from __future__ import annotations
 
-
 import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Module
 from kernforge.ops._common import num_threads
+from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 from kernforge.ops.gemm._common import (
     check_cpu_tensor,
     check_packed,
@@ -33,27 +33,35 @@ from kernforge.ops.gemm._common import (
     packed_weight,
     raise_for_status,
 )
-from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 64  # columns of the product per packed panel: a multiple of every tier's NR
-GROUP = 4         # K elements per packed 32-bit word
+GROUP = 4  # K elements per packed 32-bit word
 ZERO_POINT = 128
 
-_GEMM_ARGS = ("int64_t packed, int64_t panel_width, int64_t compensation, int64_t w_scale, int64_t bias, "
-              "int64_t out, int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads")
+_GEMM_ARGS = (
+    "int64_t packed, int64_t panel_width, int64_t compensation, int64_t w_scale, int64_t bias, "
+    "int64_t out, int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads"
+)
 GEMM_INT8 = Module(
-    "gemm_int8", "gemm_int8.cpp.jinja",
+    "gemm_int8",
+    "gemm_int8.cpp.jinja",
     params={"dtype": DType()},
     entries=[
-        Entry("quantize", "int64_t q, int64_t ldq, int64_t scale, int64_t x, int64_t ldx, int64_t m, int64_t k, "
-                          "int64_t num_threads"),
+        Entry(
+            "quantize",
+            "int64_t q, int64_t ldq, int64_t scale, int64_t x, int64_t ldx, int64_t m, int64_t k, int64_t num_threads",
+        ),
         Entry("scaled_mm", "int64_t a, int64_t lda, int64_t a_scale, " + _GEMM_ARGS, returns="int64_t"),
-        Entry("scaled_mm_with_quant", "int64_t x, int64_t ldx, int64_t q, int64_t scale, " + _GEMM_ARGS,
-              returns="int64_t"),
-        Entry("accumulate", "int64_t a, int64_t lda, int64_t packed, int64_t panel_width, int64_t compensation, "
-                            "int64_t out, int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads",
-              returns="int64_t"),
+        Entry(
+            "scaled_mm_with_quant", "int64_t x, int64_t ldx, int64_t q, int64_t scale, " + _GEMM_ARGS, returns="int64_t"
+        ),
+        Entry(
+            "accumulate",
+            "int64_t a, int64_t lda, int64_t packed, int64_t panel_width, int64_t compensation, "
+            "int64_t out, int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads",
+            returns="int64_t",
+        ),
     ],
     tiers=ALL_TIERS,  # the amx build multiplies in AMX tiles (gemm/amx_kernel.h)
 )
@@ -64,9 +72,9 @@ class PackedInt8Weight:
     """An int8 weight ``[n, k]`` with per-channel scales, packed for :func:`int8_scaled_mm`;
     survives ``torch.save``/``torch.load``."""
 
-    packed: torch.Tensor        # [n_panels, ceil(k / 4), panel_width, 4] int8
+    packed: torch.Tensor  # [n_panels, ceil(k / 4), panel_width, 4] int8
     compensation: torch.Tensor  # [n] int32: 128 * sum_k W[n, k]
-    scale: torch.Tensor         # [n] fp32
+    scale: torch.Tensor  # [n] fp32
     n: int
     k: int
     panel_width: int = PANEL_WIDTH
@@ -80,8 +88,9 @@ def convert_weight_packed_int8(weight: torch.Tensor, weight_scale: torch.Tensor)
     if not weight_scale.is_floating_point():
         raise TypeError(f"weight_scale has dtype {weight_scale.dtype}; expected a floating dtype (stored as float32)")
     if tuple(weight_scale.shape) not in ((n,), (n, 1)):
-        raise ValueError(f"weight_scale must have shape ({n},) or ({n}, 1) to match weight's N, "
-                         f"got {tuple(weight_scale.shape)}")
+        raise ValueError(
+            f"weight_scale must have shape ({n},) or ({n}, 1) to match weight's N, got {tuple(weight_scale.shape)}"
+        )
     panels, groups, _, _ = packed_shape(n, k)
     padded = weight.new_zeros(panels * PANEL_WIDTH, groups * GROUP)
     padded[:n, :k] = weight
@@ -108,8 +117,13 @@ def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @kernel_op(GEMM_INT8)
-def int8_scaled_mm(a_q: torch.Tensor, packed: PackedInt8Weight, a_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def int8_scaled_mm(
+    a_q: torch.Tensor,
+    packed: PackedInt8Weight,
+    a_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``(a_q - 128) . W^T * a_scale * w_scale (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (bf16, fp16 or
     fp32). ``a_q [..., K]`` uint8 and ``a_scale`` (``M`` fp32 values, ``[...]`` or ``[..., 1]``) as
     :func:`per_token_quant_int8` returns them; ``packed`` from :func:`convert_weight_packed_int8`."""
@@ -117,8 +131,10 @@ def int8_scaled_mm(a_q: torch.Tensor, packed: PackedInt8Weight, a_scale: torch.T
     n, k = _checked_packed(packed)
     check_cpu_tensor(a_q, "a_q")
     if a_q.dtype is not torch.uint8:
-        raise TypeError(f"a_q has dtype {a_q.dtype}; int8_scaled_mm takes torch.uint8 activations "
-                        "(int8 values + 128, as per_token_quant_int8 returns them)")
+        raise TypeError(
+            f"a_q has dtype {a_q.dtype}; int8_scaled_mm takes torch.uint8 activations "
+            "(int8 values + 128, as per_token_quant_int8 returns them)"
+        )
     m, _, a2, lda = matrix_rows(a_q, "a_q", k, "packed's K")
     check_cpu_tensor(a_scale, "a_scale")
     if a_scale.dtype is not torch.float32:
@@ -130,21 +146,24 @@ def int8_scaled_mm(a_q: torch.Tensor, packed: PackedInt8Weight, a_scale: torch.T
     out = torch.empty((*a_q.shape[:-1], n), dtype=out_dtype)
     if m == 0:
         return out
-    status = kernel.scaled_mm(a2.data_ptr(), lda, a_scale.data_ptr(), *_weight_args(packed, bias), out.data_ptr(),
-                              n, m, n, k, num_threads())
+    status = kernel.scaled_mm(
+        a2.data_ptr(), lda, a_scale.data_ptr(), *_weight_args(packed, bias), out.data_ptr(), n, m, n, k, num_threads()
+    )
     raise_for_status(status, "int8 GEMM")
     return out
 
 
 @kernel_op(GEMM_INT8)
-def int8_scaled_mm_with_quant(x: torch.Tensor, packed: PackedInt8Weight, bias: torch.Tensor | None = None,
-                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def int8_scaled_mm_with_quant(
+    x: torch.Tensor, packed: PackedInt8Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`per_token_quant_int8` of ``x [..., K]`` then :func:`int8_scaled_mm`, in one kernel call.
     ``out_dtype`` must be ``x``'s dtype (sgl-kernel's rule); None means ``x``'s dtype."""
     kernel = _float_input_kernel(int8_scaled_mm_with_quant, x, "x")
     if out_dtype is not None and out_dtype is not x.dtype:
-        raise TypeError(f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant "
-                        "writes x's dtype")
+        raise TypeError(
+            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant writes x's dtype"
+        )
     n, k = _checked_packed(packed)
     m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
     bias = checked_fp32_bias(bias, n)
@@ -153,8 +172,19 @@ def int8_scaled_mm_with_quant(x: torch.Tensor, packed: PackedInt8Weight, bias: t
         return out
     q = torch.empty(m, k, dtype=torch.uint8)
     scale = torch.empty(m, dtype=torch.float32)
-    status = kernel.scaled_mm_with_quant(x2.data_ptr(), ldx, q.data_ptr(), scale.data_ptr(),
-                                         *_weight_args(packed, bias), out.data_ptr(), n, m, n, k, num_threads())
+    status = kernel.scaled_mm_with_quant(
+        x2.data_ptr(),
+        ldx,
+        q.data_ptr(),
+        scale.data_ptr(),
+        *_weight_args(packed, bias),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        num_threads(),
+    )
     raise_for_status(status, "int8 GEMM")
     return out
 
@@ -171,8 +201,19 @@ def int8_accumulate(a_q: torch.Tensor, packed: PackedInt8Weight) -> torch.Tensor
     if m == 0:
         return out
     kernel = int8_scaled_mm.kernels.variant(torch.float32).kernel()
-    status = kernel.accumulate(a2.data_ptr(), lda, packed.packed.data_ptr(), packed.panel_width,
-                               packed.compensation.data_ptr(), out.data_ptr(), n, m, n, k, num_threads())
+    status = kernel.accumulate(
+        a2.data_ptr(),
+        lda,
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        packed.compensation.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        num_threads(),
+    )
     raise_for_status(status, "int8 GEMM")
     return out
 
@@ -199,14 +240,25 @@ def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, i
 
 
 def _checked_packed(packed: object) -> tuple[int, int]:
-    return check_packed(packed, PackedInt8Weight, "convert_weight_packed_int8", LAYOUT_VERSION, lambda p: [
-        ("packed", torch.int8, packed_shape(p.n, p.k, p.panel_width)),
-        ("compensation", torch.int32, (p.n,)),
-        ("scale", torch.float32, (p.n,)),
-    ])
+    return check_packed(
+        packed,
+        PackedInt8Weight,
+        "convert_weight_packed_int8",
+        LAYOUT_VERSION,
+        lambda p: [
+            ("packed", torch.int8, packed_shape(p.n, p.k, p.panel_width)),
+            ("compensation", torch.int32, (p.n,)),
+            ("scale", torch.float32, (p.n,)),
+        ],
+    )
 
 
 def _weight_args(packed: PackedInt8Weight, bias: torch.Tensor | None) -> tuple[int, ...]:
     """packed, panel_width, compensation, w_scale, bias as the kernel takes them."""
-    return (packed.packed.data_ptr(), packed.panel_width, packed.compensation.data_ptr(), packed.scale.data_ptr(),
-            0 if bias is None else bias.data_ptr())
+    return (
+        packed.packed.data_ptr(),
+        packed.panel_width,
+        packed.compensation.data_ptr(),
+        packed.scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+    )

@@ -77,16 +77,16 @@ constexpr int64_t kNormMinElementsPerThread = 32 * 1024;
 // Normalizes the n0 x n1 rows of `hidden` elements each. With kFusedAdd, `residual` is updated in
 // place and `out` receives the normalized sum (FlashInfer passes out == input).
 template <class T, bool kFusedAdd, bool kGemma>
-void rmsnorm(StridedRows<T> out, StridedRows<const T> input, StridedRows<T> residual, const T* weight,
-             int64_t n0, int64_t n1, int64_t hidden, double eps, int64_t num_threads) {
+void rmsnorm(StridedRows<T> out, StridedRows<const T> input, StridedRows<T> residual, const T* weight, int64_t n0,
+             int64_t n1, int64_t hidden, double eps, int64_t num_threads) {
   const int64_t num_rows = n0 * n1;
   if (num_rows <= 0 || hidden <= 0) return;
   const int64_t threads = useful_threads(num_threads, num_rows, num_rows * hidden, kNormMinElementsPerThread);
   parallel_for(num_rows, threads, [&](int64_t r) {
     const int64_t i0 = r / n1, i1 = r % n1;
     if constexpr (kFusedAdd) {
-      norm_detail::fused_add_rmsnorm_row<kGemma>(out.row(i0, i1), residual.row(i0, i1), input.row(i0, i1),
-                                                 weight, hidden, eps);
+      norm_detail::fused_add_rmsnorm_row<kGemma>(out.row(i0, i1), residual.row(i0, i1), input.row(i0, i1), weight,
+                                                 hidden, eps);
     } else {
       // In-place fused rows rewrite lines they just read; only out-of-place output may stream.
       T* out_row = out.row(i0, i1);

@@ -81,7 +81,7 @@ inline int64_t validate(const TokenPositions& positions, int64_t nnz, const floa
 
 // How the angles are found: rows of a cos/sin cache, or frequencies times the position.
 struct Angles {
-  const float* cache;        // [max_pos, rot] at cache_stride, or null
+  const float* cache;  // [max_pos, rot] at cache_stride, or null
   int64_t cache_stride;
   const float* frequencies;  // [rot / 2], used without a cache
   int64_t half;              // rot / 2
@@ -230,8 +230,8 @@ struct Heads {
 };
 
 template <bool kInterleave, class T>
-inline void rotate_token(const Heads<T>& heads, int64_t token, const AngleTable<kInterleave>& table,
-                         int64_t rot, int64_t head_dim) {
+inline void rotate_token(const Heads<T>& heads, int64_t token, const AngleTable<kInterleave>& table, int64_t rot,
+                         int64_t head_dim) {
   for (int64_t h = 0; h < heads.count; ++h) {
     const T* in = heads.in.row(token, h);
     T* out = heads.out.row(token, h);
@@ -249,8 +249,8 @@ inline void rotate_token(const Heads<T>& heads, int64_t token, const AngleTable<
 constexpr int64_t kMinElementsPerThread = 32 * 1024;
 
 template <bool kInterleave, class T>
-void rotate(const Heads<T>& q, const Heads<T>& k, const TokenPositions& positions, const Angles& angles,
-            int64_t nnz, int64_t head_dim, int64_t rot, int64_t num_threads) {
+void rotate(const Heads<T>& q, const Heads<T>& k, const TokenPositions& positions, const Angles& angles, int64_t nnz,
+            int64_t head_dim, int64_t rot, int64_t num_threads) {
   const int64_t elements = nnz * (q.count + k.count) * head_dim;
   const int64_t threads = useful_threads(num_threads, nnz, elements, kMinElementsPerThread);
   parallel_blocks(nnz, threads, [&](int64_t, int64_t begin, int64_t end) {
@@ -309,9 +309,8 @@ inline const float* frequencies(const FrequencyParams& p) {
 
 // Validates, then rotates; returns 0 or an error (see ErrorKind) with nothing written.
 template <class T>
-int64_t apply(const Heads<T>& q, const Heads<T>& k, const TokenPositions& positions, Angles angles,
-              int64_t cache_rows, const FrequencyParams& freq, bool interleave, int64_t nnz, int64_t head_dim,
-              int64_t num_threads) {
+int64_t apply(const Heads<T>& q, const Heads<T>& k, const TokenPositions& positions, Angles angles, int64_t cache_rows,
+              const FrequencyParams& freq, bool interleave, int64_t nnz, int64_t head_dim, int64_t num_threads) {
   if (nnz <= 0) return 0;
   if (const int64_t err = validate(positions, nnz, angles.cache, cache_rows)) return err;
   if (angles.cache == nullptr) angles.frequencies = frequencies(freq);

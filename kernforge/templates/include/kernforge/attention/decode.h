@@ -77,8 +77,8 @@ class DecodeKernel {
   static_assert(kHeadDim >= 1, "head_dim must be positive");
   static_assert(kDecodeBlock % kTokenTile == 0 && kDecodeBlock % kW == 0, "whole tiles per block");
   // bf16 q and KV: dot products on bf16 pairs (bf16_dot.h), q kept unscaled in bf16.
-  static constexpr bool kBf16Dot = KF_HAS_DPBF16 && std::is_same<QT, bf16>::value &&
-                                   std::is_same<KVT, bf16>::value && kHeadDim % 32 == 0;
+  static constexpr bool kBf16Dot =
+      KF_HAS_DPBF16 && std::is_same<QT, bf16>::value && std::is_same<KVT, bf16>::value && kHeadDim % 32 == 0;
   // bf16 q and fp8 KV: the rows converted to bf16 in registers for the same dot products (fp8_dot.h).
   static constexpr bool kFp8Dot = KF_HAS_FP8_DOT && std::is_same<QT, bf16>::value &&
                                   (std::is_same<KVT, fp8_e4m3>::value || std::is_same<KVT, fp8_e5m2>::value) &&
@@ -87,7 +87,8 @@ class DecodeKernel {
 
  public:
   explicit DecodeKernel(const kf_decode_planned& p)
-      : p_(p), group_(kGroup > 0 ? kGroup : int(p.group)),
+      : p_(p),
+        group_(kGroup > 0 ? kGroup : int(p.group)),
         padded_group_((group_ + kHeadTile - 1) / kHeadTile * kHeadTile),
         plan_{reinterpret_cast<const int32_t*>(p.plan), p.units},
         slot_rows_(plan_.heads_per_unit() * group_) {}
@@ -155,8 +156,8 @@ class DecodeKernel {
       if (next_count > 0) resolve_rows(io, w, t + kDecodeBlock, next);
       // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass.
       const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;
-      const int64_t steps = w.num_heads * ((padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile) +
-                                           value_steps);
+      const int64_t steps =
+          w.num_heads * ((padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile) + value_steps);
       BlockPrefetcher prefetch(next, next_count, w.num_heads, io, steps);
       for (int64_t h = 0; h < w.num_heads; ++h) {
         const HeadState st = head_state(scratch, h);
@@ -197,8 +198,8 @@ class DecodeKernel {
   // Row addresses of the tokens [t, t + kDecodeBlock) that the item covers, for its first KV head.
   void resolve_rows(const kf_decode_layer& io, const WorkItem& w, int64_t t, Rows& rows) const {
     const int64_t count = std::min<int64_t>(kDecodeBlock, w.end - t);
-    const int32_t* pages = reinterpret_cast<const int32_t*>(p_.indices) +
-                           reinterpret_cast<const int32_t*>(p_.indptr)[w.request];
+    const int32_t* pages =
+        reinterpret_cast<const int32_t*>(p_.indices) + reinterpret_cast<const int32_t*>(p_.indptr)[w.request];
     const auto k = page_plane_at<const KVT>(io.k, io.k_stride_page, io.k_stride_token, io.k_stride_head);
     const auto v = page_plane_at<const KVT>(io.v, io.v_stride_page, io.v_stride_token, io.v_stride_head);
     int64_t page_iter = t / p_.page_size, offset = t % p_.page_size;  // stepped, not divided, per token
@@ -219,9 +220,14 @@ class DecodeKernel {
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
-        : rows_(rows), k_head_(io.k_stride_head), v_head_(io.v_stride_head),
+        : rows_(rows),
+          k_head_(io.k_stride_head),
+          v_head_(io.v_stride_head),
           token_major_(io.k_stride_head < io.k_stride_token),
-          outer_end_(count == 0 ? 0 : token_major_ ? count : heads), inner_end_(token_major_ ? heads : count),
+          outer_end_(count == 0     ? 0
+                     : token_major_ ? count
+                                    : heads),
+          inner_end_(token_major_ ? heads : count),
           lines_per_step_(1 + count * heads * kRowLines / std::max<int64_t>(1, steps)) {}
 
     // The next lines_per_step lines of K and of V, walked with counters (a division per line would
@@ -286,13 +292,15 @@ class DecodeKernel {
 #if KF_HAS_DPBF16
     if constexpr (kBf16Dot) {
       return bf16_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
-                 reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) * scale;
+                 reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) *
+             scale;
     }
 #endif
 #if KF_HAS_FP8_DOT
     if constexpr (kFp8Dot) {
-      return fp8_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(
-                 reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim, k) * scale;
+      return fp8_dot::score_tile<kHeadTile, kTokenTile, kHeadDim>(reinterpret_cast<const bf16*>(st.q) + g0 * kPaddedDim,
+                                                                  k) *
+             scale;
     }
 #endif
     (void)scale;  // q is pre-scaled on this path
@@ -362,12 +370,12 @@ class DecodeKernel {
 
   // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
   // head_dim at a time so that small head tiles still have four independent FMA chains.
-  void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                         const float* scores, BlockPrefetcher& prefetch) const {
+  void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, const float* scores,
+                         BlockPrefetcher& prefetch) const {
 #if KF_HAS_DPBF16
     if constexpr (kBf16Dot) {  // 32-element chunks, two at a time for one head: >= 4 chains
       return accumulate_pairs<Bf16Pairs, kHeadTile, kHeadTile == 1 ? 2 : 1>(rows, head_offset, count, st, scores,
-                                                                          prefetch);
+                                                                            prefetch);
     }
 #endif
 #if KF_HAS_FP8_DOT
@@ -381,9 +389,8 @@ class DecodeKernel {
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       int64_t d = 0;
       for (; d + kChunks * kW <= kHeadDim; d += kChunks * kW) {
-        paced(g0 == 0 && d == 0, prefetch, [&](const auto& between) {
-          value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, between);
-        });
+        paced(g0 == 0 && d == 0, prefetch,
+              [&](const auto& between) { value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, between); });
       }
       for (; d < kFullDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, [] {});
       if constexpr (kTail > 0) {  // the rows' last partial vector (all of them when head_dim < kW)
@@ -398,22 +405,26 @@ class DecodeKernel {
   struct Bf16Pairs {  // p.V on pairs of bf16 V rows (bf16_dot.h)
     static constexpr int kChunk = bf16_dot::kChunk;
     template <int kHeads, int kChunks, class... Args>
-    static void accumulate(Args&&... args) { bf16_dot::accumulate_values<kHeads, kChunks>(args...); }
+    static void accumulate(Args&&... args) {
+      bf16_dot::accumulate_values<kHeads, kChunks>(args...);
+    }
   };
 #endif
 #if KF_HAS_FP8_DOT
   struct Fp8Pairs {  // p.V on pairs of fp8 V rows decoded to bf16 (fp8_dot.h)
     static constexpr int kChunk = fp8_dot::kChunk;
     template <int kHeads, int kChunks, class... Args>
-    static void accumulate(Args&&... args) { fp8_dot::accumulate_values<kHeads, kChunks>(args...); }
+    static void accumulate(Args&&... args) {
+      fp8_dot::accumulate_values<kHeads, kChunks>(args...);
+    }
   };
 #endif
 
   // p.V on pairs of tokens with bf16 dot products: kHeads heads and kChunks chunks of head_dim a
   // call, the accumulators kept in the dot path's scrambled order (unscrambled in finish).
   template <class Pairs, int kHeads, int kChunks>
-  void accumulate_pairs(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                        const float* scores, BlockPrefetcher& prefetch) const {
+  void accumulate_pairs(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, const float* scores,
+                        BlockPrefetcher& prefetch) const {
     alignas(64) static const KVT kZeros[kChunks * Pairs::kChunk] = {};  // the partner of an odd last token
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeads) {
       const uint32_t* pairs[kHeads];
@@ -426,9 +437,8 @@ class DecodeKernel {
       };
       int64_t d = 0;
       for (; d + kChunks * Pairs::kChunk <= kHeadDim; d += kChunks * Pairs::kChunk) {
-        paced(g0 == 0 && d == 0, prefetch, [&](const auto& between) {
-          call(std::integral_constant<int, kChunks>(), d, between);
-        });
+        paced(g0 == 0 && d == 0, prefetch,
+              [&](const auto& between) { call(std::integral_constant<int, kChunks>(), d, between); });
       }
       for (; d < kHeadDim; d += Pairs::kChunk) call(std::integral_constant<int, 1>(), d, [] {});
     }
@@ -436,8 +446,8 @@ class DecodeKernel {
 
   // kChunks vectors of kCount elements (kCount < kW: the rows' last partial vector, one chunk).
   template <int kChunks, int kCount = kW, class Between>
-  static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st,
-                         const float* scores, int64_t g0, int64_t d, const Between& between) {
+  static void value_step(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, const float* scores,
+                         int64_t g0, int64_t d, const Between& between) {
     static_assert(kCount == kW || kChunks == 1, "only the last vector is partial");
     VecF acc[kHeadTile][kChunks];
     for (int gg = 0; gg < kHeadTile; ++gg) {
@@ -516,8 +526,9 @@ class DecodeKernel {
     for (int64_t row = 0; row < m.num_heads * group_; ++row) {
       const int64_t head = m.kv_head * group_ + row;
       OutT* out = reinterpret_cast<OutT*>(io.out) + m.request * io.out_stride_token + head * io.out_stride_head;
-      float* lse = io.lse ? reinterpret_cast<float*>(io.lse) + m.request * io.lse_stride_token + head * io.lse_stride_head
-                          : nullptr;
+      float* lse = io.lse
+                       ? reinterpret_cast<float*>(io.lse) + m.request * io.lse_stride_token + head * io.lse_stride_head
+                       : nullptr;
       merge_state_row<float, OutT>(m.num_slots, partial_out(m.first_slot) + row * kHeadDim, slot_rows_ * kHeadDim,
                                    partial_lse(m.first_slot) + row, slot_rows_, kHeadDim, out, lse);
     }

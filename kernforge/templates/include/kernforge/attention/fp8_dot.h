@@ -31,13 +31,16 @@ namespace fp8_dot {
 
 constexpr int kChunk = 64;  // fp8 elements per load, bf16 elements per split pair
 
-template <class FP8> struct Format;
-template <> struct Format<fp8_e4m3> {
+template <class FP8>
+struct Format;
+template <>
+struct Format<fp8_e4m3> {
   static constexpr int kMantissaBits = 3, kBias = 7;
   static constexpr bool is_nan(int magnitude) { return magnitude == 0x7f; }  // no infinities
   static constexpr bool is_inf(int) { return false; }
 };
-template <> struct Format<fp8_e5m2> {
+template <>
+struct Format<fp8_e5m2> {
   static constexpr int kMantissaBits = 2, kBias = 15;
   static constexpr bool is_nan(int magnitude) { return magnitude > 0x7c; }
   static constexpr bool is_inf(int magnitude) { return magnitude == 0x7c; }
@@ -84,8 +87,10 @@ struct Converter {
   __m512i low0, low1, high0, high1, sign;
 
   Converter()
-      : low0(_mm512_load_si512(kTables<FP8>.low)), low1(_mm512_load_si512(kTables<FP8>.low + 64)),
-        high0(_mm512_load_si512(kTables<FP8>.high)), high1(_mm512_load_si512(kTables<FP8>.high + 64)),
+      : low0(_mm512_load_si512(kTables<FP8>.low)),
+        low1(_mm512_load_si512(kTables<FP8>.low + 64)),
+        high0(_mm512_load_si512(kTables<FP8>.high)),
+        high1(_mm512_load_si512(kTables<FP8>.high + 64)),
         sign(_mm512_set1_epi8(char(0x80))) {}
 
   // 64 fp8 at p -> 64 bf16 in split order (see the top of the file).

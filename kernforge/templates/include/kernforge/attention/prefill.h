@@ -17,8 +17,9 @@
 // to what the micro-kernels take (kDepthQK, kVO below); q, k, v and out rows are read and written
 // only up to their real length.
 // The bf16 path (q bf16, KV bf16 or fp8: fp8 widens to bf16 exactly) multiplies with vdpbf16ps on
-// AVX512-BF16, and in AMX tiles (gemm/amx_kernel.h, 32 x 32 blocks) on the amx tier; P is rounded to bf16 as FlashInfer's tensor-core kernels do. fp16/fp32 inputs take
-// the fp32 path so that nothing is rounded below the input precision.
+// AVX512-BF16, and in AMX tiles (gemm/amx_kernel.h, 32 x 32 blocks) on the amx tier; P is rounded to bf16 as
+// FlashInfer's tensor-core kernels do. fp16/fp32 inputs take the fp32 path so that nothing is rounded below the input
+// precision.
 //
 // Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
 // every query sees whole takes the unmasked softmax; the others (the diagonal, the window's edge, a
@@ -49,12 +50,12 @@ namespace kf::attention {
 // ---- planning -----------------------------------------------------------------------------------
 
 enum PrefillPlanError : int64_t {
-  kPrefillBadQoIndptr = 1,    // qo_indptr not starting at 0 or decreasing
-  kPrefillBadKvIndptr = 2,    // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
-  kPrefillBadLastPage = 3,    // last_page_len outside [1, page_size] for a request with pages
-  kPrefillNegativePage = 4,   // a negative page index
+  kPrefillBadQoIndptr = 1,   // qo_indptr not starting at 0 or decreasing
+  kPrefillBadKvIndptr = 2,   // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
+  kPrefillBadLastPage = 3,   // last_page_len outside [1, page_size] for a request with pages
+  kPrefillNegativePage = 4,  // a negative page index
   // 5 was "causal request with qo_len > kv_len": such rows now see no key (zeros, LSE -inf)
-  kPrefillTooManyItems = 6,   // the item buffer the caller sized is too small (a bug, not user input)
+  kPrefillTooManyItems = 6,  // the item buffer the caller sized is too small (a bug, not user input)
 };
 
 inline int64_t prefill_error(PrefillPlanError kind, int64_t index) { return (int64_t(kind) << 32) | index; }
@@ -78,7 +79,7 @@ struct PrefillPlanInput {
   const int32_t* last_page_len;  // paged only
   const int32_t* indices;        // paged only
   int64_t batch, num_indices, page_size, num_kv_heads, queries_per_tile, window_left;
-  bool ragged, causal, custom_mask;  // a custom mask replaces the causal one (FlashInfer's mask modes)
+  bool ragged, causal, custom_mask;                // a custom mask replaces the causal one (FlashInfer's mask modes)
   int64_t num_threads, block_n, min_split_blocks;  // split the KV when tiles are fewer than threads
 };
 
@@ -102,8 +103,8 @@ namespace prefill_detail {
 
 // Keys [begin, end) of a whole tile: from the block holding its first query's first key to its last
 // query's last key.
-inline void tile_keys(const PrefillPlanInput& in, int64_t qo_len, int64_t kv_len, int64_t query_begin,
-                      int64_t& begin, int64_t& end) {
+inline void tile_keys(const PrefillPlanInput& in, int64_t qo_len, int64_t kv_len, int64_t query_begin, int64_t& begin,
+                      int64_t& end) {
   const bool causal = in.causal && !in.custom_mask;
   const int64_t last = std::min(qo_len, query_begin + in.queries_per_tile) - 1;
   int64_t lo, hi, lo_last, hi_last;
@@ -157,7 +158,8 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
       int64_t begin, end;
       prefill_detail::tile_keys(in, qo_len, kv_lens[b], q0, begin, end);
       const int64_t blocks = (end - begin + in.block_n - 1) / in.block_n;
-      const int64_t parts = std::max<int64_t>(1, std::min(wanted_parts, blocks / std::max<int64_t>(in.min_split_blocks, 1)));
+      const int64_t parts =
+          std::max<int64_t>(1, std::min(wanted_parts, blocks / std::max<int64_t>(in.min_split_blocks, 1)));
       for (int64_t h = 0; h < in.num_kv_heads; ++h) {
         if (c.items + parts > item_capacity || (parts > 1 && c.merges == merge_capacity))
           return prefill_error(kPrefillTooManyItems, b);
@@ -165,8 +167,8 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
         for (int64_t i = 0; i < parts; ++i) {  // near-equal runs of whole blocks
           const int64_t from = begin + blocks * i / parts * in.block_n;
           const int64_t to = i + 1 == parts ? end : begin + blocks * (i + 1) / parts * in.block_n;
-          items[c.items++] = {int32_t(b), int32_t(h), int32_t(q0), int32_t(from), int32_t(to),
-                              int32_t(parts > 1 ? c.slots++ : -1)};
+          items[c.items++] = {int32_t(b),    int32_t(h),  int32_t(q0),
+                              int32_t(from), int32_t(to), int32_t(parts > 1 ? c.slots++ : -1)};
         }
       }
     }
@@ -176,7 +178,8 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
     const int64_t qo_len = int64_t(in.qo_indptr[it.request + 1]) - in.qo_indptr[it.request];
     return (std::min(qo_len - it.query_begin, in.queries_per_tile)) * (int64_t(it.kv_end) - it.kv_begin + 16);
   };
-  std::stable_sort(items, items + c.items, [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
+  std::stable_sort(items, items + c.items,
+                   [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
   *counts = c;
   return 0;
 }
@@ -187,9 +190,9 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
 template <class QT, class KVT, class OutT, int kHeadQK, int kHeadVO, int kBlockM, int kBlockN>
 class PrefillKernel {
   // bf16 q with bf16 or fp8 KV multiplies bf16 pairs; anything else multiplies in fp32.
-  static constexpr bool kBf16 = std::is_same_v<QT, bf16> &&
-                                (std::is_same_v<KVT, bf16> || std::is_same_v<KVT, fp8_e4m3> ||
-                                 std::is_same_v<KVT, fp8_e5m2>);
+  static constexpr bool kBf16 =
+      std::is_same_v<QT, bf16> &&
+      (std::is_same_v<KVT, bf16> || std::is_same_v<KVT, fp8_e4m3> || std::is_same_v<KVT, fp8_e5m2>);
   using Compute = std::conditional_t<kBf16, bf16, float>;
   using Tile = gemm::DefaultTile<Compute>;
   static constexpr int kMR = Tile::kMR;
@@ -220,9 +223,7 @@ class PrefillKernel {
   explicit PrefillKernel(const kf_prefill_planned& p) : p_(p) {}
 
   // Bytes of scratch one thread needs for tiles of `rows` query rows.
-  static int64_t scratch_bytes(int64_t rows) {
-    return Scratch::layout(rows, nullptr).bytes;
-  }
+  static int64_t scratch_bytes(int64_t rows) { return Scratch::layout(rows, nullptr).bytes; }
 
   void run(const kf_prefill_layer& io) const {
     const auto* items = reinterpret_cast<const PrefillItem*>(p_.items);
@@ -469,7 +470,8 @@ class PrefillKernel {
       r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int c = 0; c < 4; ++c) {  // gather the 128-bit lanes of the four row groups
-      const __m512i even_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), odd_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+      const __m512i even_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88),
+                    odd_a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
       const __m512i even_b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
       const __m512i odd_b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
       _mm512_storeu_si512(out + (c + 0) * kBlockN, _mm512_shuffle_i32x4(even_a, even_b, 0x88));
@@ -536,7 +538,8 @@ class PrefillKernel {
     alignas(64) float lo[kWidth], hi[kWidth];
     low.store(lo);
     high.store(hi);
-    for (int i = 0; i < kWidth; ++i) dst[i] = bit_cast<uint32_t>(lo[i]) >> 16 | (bit_cast<uint32_t>(hi[i]) & 0xffff0000u);
+    for (int i = 0; i < kWidth; ++i)
+      dst[i] = bit_cast<uint32_t>(lo[i]) >> 16 | (bit_cast<uint32_t>(hi[i]) & 0xffff0000u);
 #endif
   }
 
@@ -561,8 +564,8 @@ class PrefillKernel {
       for (int64_t j0 = 0; j0 < columns; j0 += NR) {
         float* tile = c + r0 * columns + j0;
         if constexpr (kBf16) {
-          gemm::micro_kernel_rows<kMR, NR>(tile_rows, a + r0 * lda, lda, reinterpret_cast<const uint32_t*>(b) + j0,
-                                           ldb, depth, tile, columns);
+          gemm::micro_kernel_rows<kMR, NR>(tile_rows, a + r0 * lda, lda, reinterpret_cast<const uint32_t*>(b) + j0, ldb,
+                                           depth, tile, columns);
         } else {
           gemm::micro_kernel_f32_rows<kMR, NR>(tile_rows, a + r0 * lda, lda, b + j0, ldb, depth, tile, columns);
         }
@@ -661,14 +664,13 @@ class PrefillKernel {
     for (int64_t r = 0; r < t.rows; ++r) {
       const float l = s.l[r];
       const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
-      for (int64_t d = 0; d < kHeadVO; d += kWidth) store_columns(VecF::load(s.o + r * kVO + d) * factor, state + r * kHeadVO, d);
+      for (int64_t d = 0; d < kHeadVO; d += kWidth)
+        store_columns(VecF::load(s.o + r * kVO + d) * factor, state + r * kHeadVO, d);
       state[p_.rows * kHeadVO + r] = segment_lse(s.m[r], l);
     }
   }
 
-  float* partial(int64_t slot) const {
-    return reinterpret_cast<float*>(p_.partials) + slot * p_.rows * (kHeadVO + 1);
-  }
+  float* partial(int64_t slot) const { return reinterpret_cast<float*>(p_.partials) + slot * p_.rows * (kHeadVO + 1); }
 
   // A split tile's output: its pieces' states merged by LSE (softmax_state.h), row by row.
   void merge(const kf_prefill_layer& io, const PrefillMerge& m) const {
@@ -682,9 +684,10 @@ class PrefillKernel {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = qo_begin + m.query_begin + r / p_.group;
       const int64_t head = m.kv_head * p_.group + r % p_.group;
-      merge_state_row<float, OutT>(m.parts, first + r * kHeadVO, slot_floats, first + p_.rows * kHeadVO + r, slot_floats,
-                                   kHeadVO, out + token * io.out_stride_token + head * io.out_stride_head,
-                                   lse == nullptr ? nullptr : lse + token * io.lse_stride_token + head * io.lse_stride_head);
+      merge_state_row<float, OutT>(
+          m.parts, first + r * kHeadVO, slot_floats, first + p_.rows * kHeadVO + r, slot_floats, kHeadVO,
+          out + token * io.out_stride_token + head * io.out_stride_head,
+          lse == nullptr ? nullptr : lse + token * io.lse_stride_token + head * io.lse_stride_head);
     }
   }
 

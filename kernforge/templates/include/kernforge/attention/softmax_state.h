@@ -25,7 +25,7 @@
 
 namespace kf {
 
-constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural log-sum-exp -> s
+constexpr float kLog2e = 1.44269504088896341f;                        // log2(e): natural log-sum-exp -> s
 constexpr float kEmptyLse = -std::numeric_limits<float>::infinity();  // s of an empty key set
 
 // s of a segment from the running state of an online softmax over natural logits: max_logit is
@@ -108,8 +108,8 @@ inline void store_empty(int64_t head_dim, Out* out, float* lse_out) {
 // result; when every state is empty (or there are none) the result is empty: (0, -inf). A NaN s
 // makes the result NaN.
 template <class In, class Out, class RowAt, class ScoreAt>
-inline void merge_states(int64_t num_states, const RowAt& row_at, const ScoreAt& score_at, int64_t head_dim,
-                         Out* out, float* lse_out) {
+inline void merge_states(int64_t num_states, const RowAt& row_at, const ScoreAt& score_at, int64_t head_dim, Out* out,
+                         float* lse_out) {
   float s_max = kEmptyLse;
   for (int64_t i = 0; i < num_states; ++i) {
     const float s = score_at(i);
@@ -139,20 +139,19 @@ inline void merge_states(int64_t num_states, const RowAt& row_at, const ScoreAt&
 // null). Accumulates in fp32; In/Out are fp32, bf16 or fp16 (the split-KV decode merges fp32
 // partials into its output dtype). `out` may alias a state's row and lse_out a state's score.
 template <class In, class Out>
-void merge_state_row(int64_t num_states, const In* v, int64_t v_state_stride, const float* s,
-                     int64_t s_state_stride, int64_t head_dim, Out* out, float* lse_out) {
+void merge_state_row(int64_t num_states, const In* v, int64_t v_state_stride, const float* s, int64_t s_state_stride,
+                     int64_t head_dim, Out* out, float* lse_out) {
   merge_detail::merge_states<In>(
-      num_states, [&](int64_t i) { return v + i * v_state_stride; },
-      [&](int64_t i) { return s[i * s_state_stride]; }, head_dim, out, lse_out);
+      num_states, [&](int64_t i) { return v + i * v_state_stride; }, [&](int64_t i) { return s[i * s_state_stride]; },
+      head_dim, out, lse_out);
 }
 
 // The same for two states held anywhere: (v_a, s_a) and (v_b, s_b).
 template <class In, class Out>
-void merge_state_pair(const In* v_a, float s_a, const In* v_b, float s_b, int64_t head_dim, Out* out,
-                      float* lse_out) {
+void merge_state_pair(const In* v_a, float s_a, const In* v_b, float s_b, int64_t head_dim, Out* out, float* lse_out) {
   merge_detail::merge_states<In>(
-      2, [&](int64_t i) { return i == 0 ? v_a : v_b; }, [&](int64_t i) { return i == 0 ? s_a : s_b; }, head_dim,
-      out, lse_out);
+      2, [&](int64_t i) { return i == 0 ? v_a : v_b; }, [&](int64_t i) { return i == 0 ? s_a : s_b; }, head_dim, out,
+      lse_out);
 }
 
 // ---- batched merges over seq_len x num_heads (token, head) pairs: the cascade ops ------------------
@@ -184,9 +183,8 @@ void merge_states_batch(StridedRows<const In> v, int64_t v_state_stride, Strided
 // (every token without a mask); other tokens' out and lse are not touched. out may be a (in place).
 template <class In, class Out>
 void merge_state_pairs(StridedRows<const In> v_a, StridedRows<const float> s_a, StridedRows<const In> v_b,
-                       StridedRows<const float> s_b, StridedRows<Out> out, StridedRows<float> lse,
-                       const uint8_t* mask, int64_t mask_stride, int64_t seq_len, int64_t num_heads,
-                       int64_t head_dim, int64_t num_threads) {
+                       StridedRows<const float> s_b, StridedRows<Out> out, StridedRows<float> lse, const uint8_t* mask,
+                       int64_t mask_stride, int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t num_threads) {
   const int64_t pairs = seq_len * num_heads;
   parallel_for(pairs, merge_threads(num_threads, pairs, 2 * head_dim), [&](int64_t p) {
     const int64_t t = p / num_heads, h = p % num_heads;

@@ -27,9 +27,13 @@ namespace attention {
 // KV tokens [begin, end) of one request's KV heads [kv_head, kv_head + num_heads); slot >= 0: a
 // piece of a split unit, whose partial state goes to workspace slot `slot`; slot < 0: the whole
 // unit, written to the output.
-struct WorkItem { int32_t request, kv_head, num_heads, begin, end, slot; };
+struct WorkItem {
+  int32_t request, kv_head, num_heads, begin, end, slot;
+};
 // The pieces of one split unit: slots [first_slot, first_slot + num_slots), merged into the output.
-struct MergeItem { int32_t request, kv_head, num_heads, first_slot, num_slots; };
+struct MergeItem {
+  int32_t request, kv_head, num_heads, first_slot, num_slots;
+};
 
 // Plan errors (returned as (code << 32) | index), checked before anything is planned.
 enum PlanError : int64_t {
@@ -66,12 +70,8 @@ struct PlanView {
   int64_t num_slots() const { return base[PlanLayout::kNumSlots]; }
   int64_t heads_per_unit() const { return base[PlanLayout::kHeadsPerUnit]; }
   const int32_t* list_offsets() const { return base + PlanLayout::kHeaderSize; }
-  const WorkItem* items() const {
-    return reinterpret_cast<const WorkItem*>(list_offsets() + num_lists() + 1);
-  }
-  const MergeItem* merges() const {
-    return reinterpret_cast<const MergeItem*>(items() + units + num_lists());
-  }
+  const WorkItem* items() const { return reinterpret_cast<const WorkItem*>(list_offsets() + num_lists() + 1); }
+  const MergeItem* merges() const { return reinterpret_cast<const MergeItem*>(items() + units + num_lists()); }
 };
 
 struct PlanInput {
@@ -79,10 +79,10 @@ struct PlanInput {
   const int32_t* last_page_len;  // [batch]
   const int32_t* indices;        // [num_indices]
   int64_t batch, num_indices, page_size, num_kv_heads;
-  int64_t window_left;           // < 0: no window; else keys at positions >= kv_len - 1 - window_left
-  int64_t num_lists;             // threads to plan for
-  int64_t unit_overhead;         // a unit's fixed cost, in KV tokens
-  int64_t min_split;             // smallest piece worth splitting off, in KV tokens
+  int64_t window_left;    // < 0: no window; else keys at positions >= kv_len - 1 - window_left
+  int64_t num_lists;      // threads to plan for
+  int64_t unit_overhead;  // a unit's fixed cost, in KV tokens
+  int64_t min_split;      // smallest piece worth splitting off, in KV tokens
 };
 
 // KV length of request b (validated input).
@@ -125,7 +125,8 @@ inline int64_t heads_per_unit(const PlanInput& in, int64_t visible_tokens) {
   if (in.batch >= in.num_lists || visible_tokens >= kShortUnit * in.num_lists) return in.num_kv_heads;
   int64_t parts = 1;
   while (in.batch * parts < in.num_lists && parts < in.num_kv_heads) {
-    do ++parts; while (in.num_kv_heads % parts);
+    do ++parts;
+    while (in.num_kv_heads % parts);
   }
   return in.num_kv_heads / parts;
 }

@@ -49,7 +49,9 @@ static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads exactly 64 bytes");
 //   reads_all_of(x): an empty asm that reads all of x, so every store to x happens before it.
 //   compiler_barrier(): all pending stores to memory reachable from outside happen before it.
 template <class T>
-inline void reads_all_of(const T& object) { __asm__ __volatile__("" : : "m"(object) : "memory"); }
+inline void reads_all_of(const T& object) {
+  __asm__ __volatile__("" : : "m"(object) : "memory");
+}
 inline void compiler_barrier() { __asm__ __volatile__("" ::: "memory"); }
 
 // Loads a tile configuration for the lifetime of the scope and releases the tile state after it,

@@ -16,14 +16,22 @@
 namespace kf {
 
 using fp32 = float;
-struct bf16 { uint16_t bits; };
-struct fp16 { uint16_t bits; };
+struct bf16 {
+  uint16_t bits;
+};
+struct fp16 {
+  uint16_t bits;
+};
 // torch.float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111
 // (0x7f, 0xff) is NaN, largest finite 448, smallest subnormal 2^-9.
-struct fp8_e4m3 { uint8_t bits; };
+struct fp8_e4m3 {
+  uint8_t bits;
+};
 // torch.float8_e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits; IEEE-like (Inf, NaN), the top
 // byte of an fp16. Largest finite 57344, smallest subnormal 2^-16.
-struct fp8_e5m2 { uint8_t bits; };
+struct fp8_e5m2 {
+  uint8_t bits;
+};
 
 // C++17 stand-in for std::bit_cast.
 template <class To, class From>
@@ -73,9 +81,9 @@ inline uint16_t float_to_fp16_bits(float f) {
   const uint32_t x = bit_cast<uint32_t>(f);
   const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
   const uint32_t abs_bits = x & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;    // NaN -> quiet NaN
-  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;   // >= 65520 rounds to Inf
-  if (abs_bits < 0x38800000u) {                          // below 2^-14: fp16 subnormal (or zero)
+  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;   // NaN -> quiet NaN
+  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to Inf
+  if (abs_bits < 0x38800000u) {                        // below 2^-14: fp16 subnormal (or zero)
     // Adding 0.5 puts the value's 2^-24 units into the low mantissa bits of a float whose ulp is
     // 2^-24, so the FPU does the round-to-nearest-even for us.
     const float shifted = bit_cast<float>(abs_bits) + 0.5f;
@@ -106,8 +114,8 @@ inline float fp8_e4m3_bits_to_float(uint8_t b) {
 inline float fp8_e5m2_bits_to_float(uint8_t b) {
   const uint32_t sign = uint32_t(b & 0x80u) << 24;
   const uint32_t magnitude = b & 0x7fu;
-  const uint32_t normal = (magnitude << 21) + (112u << 23);                        // rebias 15 -> 127
-  const uint32_t subnormal = bit_cast<uint32_t>(float(magnitude) * 0x1p-16f);     // mantissa * 2^-16
+  const uint32_t normal = (magnitude << 21) + (112u << 23);                    // rebias 15 -> 127
+  const uint32_t subnormal = bit_cast<uint32_t>(float(magnitude) * 0x1p-16f);  // mantissa * 2^-16
   // Inf (0x7c) keeps a zero mantissa; NaNs come out quieted with their payload, as F16C's
   // vcvtph2ps (and torch) give them.
   const uint32_t special = 0x7f800000u | (magnitude & 3u) << 21 | (magnitude > 0x7cu ? 0x00400000u : 0u);
@@ -153,11 +161,27 @@ inline float to_float(fp16 x) { return fp16_bits_to_float(x.bits); }
 inline float to_float(fp8_e4m3 x) { return fp8_e4m3_bits_to_float(x.bits); }
 inline float to_float(fp8_e5m2 x) { return fp8_e5m2_bits_to_float(x.bits); }
 
-template <class T> inline T from_float(float x);
-template <> inline fp32 from_float<fp32>(float x) { return x; }
-template <> inline bf16 from_float<bf16>(float x) { return bf16{float_to_bf16_bits(x)}; }
-template <> inline fp16 from_float<fp16>(float x) { return fp16{float_to_fp16_bits(x)}; }
-template <> inline fp8_e4m3 from_float<fp8_e4m3>(float x) { return fp8_e4m3{float_to_fp8_e4m3_bits(x)}; }
-template <> inline fp8_e5m2 from_float<fp8_e5m2>(float x) { return fp8_e5m2{float_to_fp8_e5m2_bits(x)}; }
+template <class T>
+inline T from_float(float x);
+template <>
+inline fp32 from_float<fp32>(float x) {
+  return x;
+}
+template <>
+inline bf16 from_float<bf16>(float x) {
+  return bf16{float_to_bf16_bits(x)};
+}
+template <>
+inline fp16 from_float<fp16>(float x) {
+  return fp16{float_to_fp16_bits(x)};
+}
+template <>
+inline fp8_e4m3 from_float<fp8_e4m3>(float x) {
+  return fp8_e4m3{float_to_fp8_e4m3_bits(x)};
+}
+template <>
+inline fp8_e5m2 from_float<fp8_e5m2>(float x) {
+  return fp8_e5m2{float_to_fp8_e5m2_bits(x)};
+}
 
 }  // namespace kf

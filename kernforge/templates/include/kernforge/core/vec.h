@@ -38,8 +38,8 @@
 #elif defined(KF_TIER_AVX512)
 #include "kernforge/core/vec_avx512.h"
 #elif defined(KF_TIER_AMX)
-#include "kernforge/core/vec_avx512.h"  // AMX machines run the AVX-512 vector code ...
 #include "kernforge/core/amx.h"         // ... plus the tile helpers for matmul kernels
+#include "kernforge/core/vec_avx512.h"  // AMX machines run the AVX-512 vector code ...
 #else
 #error "define one of KF_TIER_GENERIC, KF_TIER_AVX2, KF_TIER_AVX512, KF_TIER_AMX before kernforge/core/vec.h"
 #endif

@@ -73,12 +73,12 @@ struct VecF {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
 
-  static VecF widen_bf16(__m128i h) {
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
-  }
+  static VecF widen_bf16(__m128i h) { return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))}; }
 
   template <class Fp8>
-  static __m128i load_8_bytes(const Fp8* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static __m128i load_8_bytes(const Fp8* p) {
+    return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  }
 
   // e4m3 in 8 ops per 8 lanes: the 7 magnitude bits go to fp32 bits 20..26, where as an fp32 they
   // are the fp8 value times 2^-120 (exponent field = the fp8 exponent, bias 127 instead of 7; an
@@ -123,7 +123,9 @@ struct VecF {
   }
 };
 
-struct MaskF { __m256 m; };
+struct MaskF {
+  __m256 m;
+};
 
 inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
@@ -214,7 +216,8 @@ struct U8Quad {
 };
 inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
   const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b.v, 8), 8), b_odd = _mm256_srai_epi16(b.v, 8);
-  return {_mm256_add_epi32(acc.v, _mm256_add_epi32(_mm256_madd_epi16(a.even, b_even), _mm256_madd_epi16(a.odd, b_odd)))};
+  return {
+      _mm256_add_epi32(acc.v, _mm256_add_epi32(_mm256_madd_epi16(a.even, b_even), _mm256_madd_epi16(a.odd, b_odd)))};
 }
 
 }  // namespace kf

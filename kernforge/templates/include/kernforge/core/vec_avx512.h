@@ -81,9 +81,7 @@ struct VecF {
   // Lanes [0, count) set; count in [0, kWidth].
   static __mmask16 tail_mask(int64_t count) { return __mmask16(0xffffu >> (kWidth - count)); }
 
-  static VecF widen_bf16(__m256i h) {
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
-  }
+  static VecF widen_bf16(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
 
   // e4m3 in 6 ops per 16 lanes (sign-extend, shift, and, compare, masked multiply, ternlog):
   // the 7 magnitude bits go to fp32 bits 20..26, where as an fp32 they are the fp8 value times
@@ -99,15 +97,13 @@ struct VecF {
     const __m512 value = _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7ff00000)), finite,
                                             _mm512_castsi512_ps(magnitude), _mm512_set1_ps(0x1p120f));
     // value | (shifted & sign bit)
-    return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(value), shifted,
-                                                          _mm512_set1_epi32(int(0x80000000u)), 0xf8))};
+    return {_mm512_castsi512_ps(
+        _mm512_ternarylogic_epi32(_mm512_castps_si512(value), shifted, _mm512_set1_epi32(int(0x80000000u)), 0xf8))};
   }
 
   // e5m2 in 3 ops per 16 lanes: each byte is the top half of an fp16 (zero-extend, shift, vcvtph2ps;
   // exact, Inf/NaN included, NaNs quieted as torch does).
-  static VecF widen_e5m2(__m128i bytes) {
-    return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8))};
-  }
+  static VecF widen_e5m2(__m128i bytes) { return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8))}; }
 
   template <class Fp8>
   void store_lanes(Fp8* p, int64_t count) const {
@@ -135,7 +131,9 @@ struct VecF {
   }
 };
 
-struct MaskF { __mmask16 m; };
+struct MaskF {
+  __mmask16 m;
+};
 
 inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -210,7 +208,8 @@ struct U8Quad {
 };
 inline VecI32 dot4_u8s8(VecI32 acc, const U8Quad& a, VecI32 b) {
   const __m512i b_even = _mm512_srai_epi16(_mm512_slli_epi16(b.v, 8), 8), b_odd = _mm512_srai_epi16(b.v, 8);
-  return {_mm512_add_epi32(acc.v, _mm512_add_epi32(_mm512_madd_epi16(a.even, b_even), _mm512_madd_epi16(a.odd, b_odd)))};
+  return {
+      _mm512_add_epi32(acc.v, _mm512_add_epi32(_mm512_madd_epi16(a.even, b_even), _mm512_madd_epi16(a.odd, b_odd)))};
 }
 #endif
 

@@ -43,7 +43,9 @@ struct VecF {
   }
   // No portable non-temporal store: a plain store.
   template <class T>
-  void stream(T* p) const { store(p); }
+  void stream(T* p) const {
+    store(p);
+  }
 
   template <class T>
   void store(T* p, int64_t count) const {
@@ -53,7 +55,9 @@ struct VecF {
 };
 
 // All-ones or all-zeros per lane, so select is pure bit logic (vectorizes to and/andnot/or).
-struct MaskF { uint32_t lane[VecF::kWidth]; };
+struct MaskF {
+  uint32_t lane[VecF::kWidth];
+};
 
 namespace generic_detail {
 template <class F>
@@ -68,15 +72,27 @@ inline VecF zip(VecF a, VecF b, F f) {
 }
 }  // namespace generic_detail
 
-inline VecF operator+(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x + y; }); }
-inline VecF operator-(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x - y; }); }
-inline VecF operator*(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x * y; }); }
-inline VecF operator/(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x / y; }); }
-inline VecF operator-(VecF a) { return generic_detail::map(a, [](float x) { return -x; }); }
+inline VecF operator+(VecF a, VecF b) {
+  return generic_detail::zip(a, b, [](float x, float y) { return x + y; });
+}
+inline VecF operator-(VecF a, VecF b) {
+  return generic_detail::zip(a, b, [](float x, float y) { return x - y; });
+}
+inline VecF operator*(VecF a, VecF b) {
+  return generic_detail::zip(a, b, [](float x, float y) { return x * y; });
+}
+inline VecF operator/(VecF a, VecF b) {
+  return generic_detail::zip(a, b, [](float x, float y) { return x / y; });
+}
+inline VecF operator-(VecF a) {
+  return generic_detail::map(a, [](float x) { return -x; });
+}
 inline VecF& operator+=(VecF& a, VecF b) { return a = a + b; }
 inline VecF& operator*=(VecF& a, VecF b) { return a = a * b; }
 
-inline VecF max(VecF a, VecF b) { return generic_detail::zip(a, b, [](float x, float y) { return x > y ? x : y; }); }
+inline VecF max(VecF a, VecF b) {
+  return generic_detail::zip(a, b, [](float x, float y) { return x > y ? x : y; });
+}
 inline float reduce_max(VecF a) {
   float m = a.lane[0];
   for (float x : a.lane) m = x > m ? x : m;

@@ -28,8 +28,7 @@ inline VecF exp(VecF x) {
   // Cody-Waite: ln2 = kLn2Hi + kLn2Lo with kLn2Hi = 0.693359375 (9 significant bits), so n * kLn2Hi
   // is exact and r keeps full precision even for |n| ~ 128.
   const VecF r = fma(n, VecF::broadcast(2.12194440e-4f), fma(n, VecF::broadcast(-0.693359375f), x));
-  static constexpr float kExpR[] = {1.0f, 1.0f, 4.999923110e-01f, 1.666711420e-01f, 4.189011455e-02f,
-                                    8.312525228e-03f};
+  static constexpr float kExpR[] = {1.0f, 1.0f, 4.999923110e-01f, 1.666711420e-01f, 4.189011455e-02f, 8.312525228e-03f};
   return ldexp(math_detail::polynomial(r, kExpR), n);
 }
 
@@ -39,12 +38,11 @@ inline VecF exp(VecF x) {
 //   |x| >= 4:     +-1                   (erfc(4) = 1.5e-8 is below fp32 resolution at 1)
 // Max relative error ~2e-7.
 inline VecF erf(VecF x) {
-  static constexpr float kInner[] = {1.128379107e+00f, -3.761232495e-01f, 1.128017977e-01f,
-                                     -2.671131119e-02f, 4.917551298e-03f, -5.631421809e-04f};
-  static constexpr float kOuter[] = {9.995930791e-01f,  2.178021008e-03f,  -5.447186995e-03f,
-                                     8.353904821e-03f,  -8.612042293e-03f, 6.101185922e-03f,
-                                     -2.825388685e-03f, 5.729147815e-04f,  2.935914090e-04f,
-                                     -2.802539384e-04f, 5.871366739e-05f,  2.129921813e-05f,
+  static constexpr float kInner[] = {1.128379107e+00f,  -3.761232495e-01f, 1.128017977e-01f,
+                                     -2.671131119e-02f, 4.917551298e-03f,  -5.631421809e-04f};
+  static constexpr float kOuter[] = {9.995930791e-01f,  2.178021008e-03f,  -5.447186995e-03f, 8.353904821e-03f,
+                                     -8.612042293e-03f, 6.101185922e-03f,  -2.825388685e-03f, 5.729147815e-04f,
+                                     2.935914090e-04f,  -2.802539384e-04f, 5.871366739e-05f,  2.129921813e-05f,
                                      -8.595768122e-06f};
   const VecF one = VecF::broadcast(1.0f);
   const VecF a = abs(x);
@@ -59,8 +57,8 @@ inline VecF erf(VecF x) {
 // saturates to exactly +-1 once e^{2|x|} overflows. The sign is x's (tanh(-0) = -0: the small
 // branch alone gives +0 there). Max relative error ~2e-7.
 inline VecF tanh(VecF x) {
-  static constexpr float kSmall[] = {-3.33332819422e-1f, 1.33314422036e-1f, -5.37397155531e-2f,
-                                     2.06390887954e-2f, -5.70498872745e-3f};
+  static constexpr float kSmall[] = {-3.33332819422e-1f, 1.33314422036e-1f, -5.37397155531e-2f, 2.06390887954e-2f,
+                                     -5.70498872745e-3f};
   const VecF one = VecF::broadcast(1.0f);
   const VecF a = abs(x);
   const VecF x2 = x * x;

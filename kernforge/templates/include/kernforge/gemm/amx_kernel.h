@@ -41,10 +41,10 @@
 
 namespace kf::gemm::amx {
 
-constexpr int kTileRows = 16;                // rows of an A or C tile, and of a B tile (pair/group rows)
-constexpr int kTileWords = 16;               // 32-bit words in every tile row: 16 columns of B or C
+constexpr int kTileRows = 16;   // rows of an A or C tile, and of a B tile (pair/group rows)
+constexpr int kTileWords = 16;  // 32-bit words in every tile row: 16 columns of B or C
 constexpr int kRowBytes = 4 * kTileWords;
-constexpr int kBlockRows = 2 * kTileRows;    // a micro-kernel block: 2 x 2 C tiles
+constexpr int kBlockRows = 2 * kTileRows;  // a micro-kernel block: 2 x 2 C tiles
 constexpr int kBlockColumns = 2 * kTileWords;
 constexpr int64_t kTaskRows = 2 * kBlockRows;
 constexpr int64_t kMinRows = 5;

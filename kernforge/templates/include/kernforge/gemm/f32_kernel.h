@@ -10,8 +10,7 @@
 namespace kf::gemm {
 
 template <int MR, int NR, class T>
-inline void micro_kernel_f32(const T* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c,
-                             int64_t ldc) {
+inline void micro_kernel_f32(const T* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c, int64_t ldc) {
   constexpr int kWidth = VecF::kWidth, kVectors = NR / kWidth;
   static_assert(NR % kWidth == 0, "NR must be a multiple of the vector width");
   VecF acc[MR][kVectors];

@@ -93,13 +93,14 @@ class PairConverter {
 // fp32 are all bf16 values, so the word is (even bits >> 16) | (odd bits, whose low half is clear).
 inline void store_pair_words(VecF even, VecF odd, uint32_t* out) {
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
-  _mm512_storeu_si512(out, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even.v), 16),
-                                           _mm512_castps_si512(odd.v)));
+  _mm512_storeu_si512(out,
+                      _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even.v), 16), _mm512_castps_si512(odd.v)));
 #elif defined(KF_TIER_AVX2)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                       _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(even.v), 16), _mm256_castps_si256(odd.v)));
 #else
-  for (int i = 0; i < VecF::kWidth; ++i) out[i] = bit_cast<uint32_t>(even.lane[i]) >> 16 | bit_cast<uint32_t>(odd.lane[i]);
+  for (int i = 0; i < VecF::kWidth; ++i)
+    out[i] = bit_cast<uint32_t>(even.lane[i]) >> 16 | bit_cast<uint32_t>(odd.lane[i]);
 #endif
 }
 
@@ -114,7 +115,8 @@ inline void convert_to_pairs(const fp8_e4m3* b, int64_t ldb, int64_t depth, uint
   for (int64_t p = 0; p < pair_count; ++p) {
     const fp8_e4m3* even = b + 2 * p * ldb;
     const fp8_e4m3* odd = 2 * p + 1 < depth ? even + ldb : nullptr;
-    for (int c = 0; c < NR; c += 32) converter.convert(even + c, odd == nullptr ? nullptr : odd + c, pairs + p * NR + c);
+    for (int c = 0; c < NR; c += 32)
+      converter.convert(even + c, odd == nullptr ? nullptr : odd + c, pairs + p * NR + c);
   }
 #else
   constexpr int kWidth = VecF::kWidth;  // VecF's fp8 loads widen exactly on every tier
@@ -249,8 +251,8 @@ inline void micro_kernel(const T* a, int64_t lda, const fp8_e4m3* b, int64_t ldb
 
 // The same for 1 <= rows <= MR: the M tail runs the kernel instantiated for its row count.
 template <int MR, int NR, class T>
-inline void micro_kernel_rows(int64_t rows, const T* a, int64_t lda, const fp8_e4m3* b, int64_t ldb,
-                              const float* scale, int64_t depth, float* c, int64_t ldc) {
+inline void micro_kernel_rows(int64_t rows, const T* a, int64_t lda, const fp8_e4m3* b, int64_t ldb, const float* scale,
+                              int64_t depth, float* c, int64_t ldc) {
   if constexpr (MR > 1) {
     if (rows < MR) return micro_kernel_rows<MR - 1, NR>(rows, a, lda, b, ldb, scale, depth, c, ldc);
   }
@@ -318,31 +320,31 @@ inline void add_scaled_rows(float* tile, const float* block, const float* scale,
 
 // Few rows: fp8 weights converted in registers.
 template <int MR, int NR, class T, class Out>
-void scaled_mm_in_registers(const T* x, int64_t lda, const fp8_e4m3* packed, int64_t panel_width,
-                            const float* scales, int64_t block_n, int64_t block_k, const float* bias, Out* out,
-                            int64_t ldo, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
+void scaled_mm_in_registers(const T* x, int64_t lda, const fp8_e4m3* packed, int64_t panel_width, const float* scales,
+                            int64_t block_n, int64_t block_k, const float* bias, Out* out, int64_t ldo, int64_t m,
+                            int64_t n, int64_t k, int64_t num_threads) {
   static_assert(kRowBlock % MR == 0, "a row block holds whole tiles");
   const int64_t k_blocks = (k + block_k - 1) / block_k;
-  for_each_output_tile<NR>(m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
-                                                                                  int64_t rows) {
-    // Column n0 of row k: panel n0 / panel_width, offset n0 % panel_width within each row.
-    const fp8_e4m3* b = packed + (n0 / panel_width) * k * panel_width + n0 % panel_width;
-    alignas(64) float tile[kRowBlock * NR];
-    std::fill_n(tile, rows * NR, 0.0f);
-    const int64_t columns = std::min<int64_t>(NR, n - n0);
-    ColumnScales<NR> column_scales(scales, block_n, k_blocks, n0, columns);
-    const float* column_scale = nullptr;
-    int64_t scale_block = -1;
-    accumulate_tile<MR>(rows, k, block_k, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
-      if (k0 / block_k != scale_block) {
-        scale_block = k0 / block_k;
-        column_scale = column_scales.of_block(scale_block);
-      }
-      micro_kernel_rows<MR, NR>(row_count, x + (m0 + r0) * lda + k0, lda, b + k0 * panel_width, panel_width,
-                                column_scale, depth, tile + r0 * NR, NR);
-    });
-    store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
-  });
+  for_each_output_tile<NR>(
+      m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+        // Column n0 of row k: panel n0 / panel_width, offset n0 % panel_width within each row.
+        const fp8_e4m3* b = packed + (n0 / panel_width) * k * panel_width + n0 % panel_width;
+        alignas(64) float tile[kRowBlock * NR];
+        std::fill_n(tile, rows * NR, 0.0f);
+        const int64_t columns = std::min<int64_t>(NR, n - n0);
+        ColumnScales<NR> column_scales(scales, block_n, k_blocks, n0, columns);
+        const float* column_scale = nullptr;
+        int64_t scale_block = -1;
+        accumulate_tile<MR>(rows, k, block_k, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
+          if (k0 / block_k != scale_block) {
+            scale_block = k0 / block_k;
+            column_scale = column_scales.of_block(scale_block);
+          }
+          micro_kernel_rows<MR, NR>(row_count, x + (m0 + r0) * lda + k0, lda, b + k0 * panel_width, panel_width,
+                                    column_scale, depth, tile + r0 * NR, NR);
+        });
+        store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
+      });
 }
 
 // A converting task's scratch. The pads keep the arrays from starting at the same offset within a
@@ -369,41 +371,42 @@ void scaled_mm_converting(const T* x, int64_t lda, const fp8_e4m3* packed, int64
   constexpr int MR = gemm::DefaultTile<T>::kMR, NR = gemm::DefaultTile<T>::kNR;
   static_assert(kRowBlock % MR == 0 && kConvertingRowBlock % kRowBlock == 0, "blocks of whole tiles");
   const int64_t k_blocks = (k + block_k - 1) / block_k;
-  for_each_output_tile<NR>(m, n, k, kConvertingRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
-                                                                                            int64_t rows) {
-    const fp8_e4m3* b = packed + (n0 / panel_width) * k * panel_width + n0 % panel_width;
-    ConvertingScratch<NR> s;
-    const int64_t columns = std::min<int64_t>(NR, n - n0);
-    ColumnScales<NR> column_scales(scales, block_n, k_blocks, n0, columns);
-    std::fill_n(s.tile, rows * NR, 0.0f);
-    // Chunks of whole scale blocks up to kConvertDepth deep (a block deeper than that in pieces): a
-    // row block's visit then reads a chunk's worth of each x row contiguously, not one scale block's.
-    const int64_t blocks_per_chunk = block_k % 2 == 0 && block_k < kConvertDepth ? kConvertDepth / block_k : 1;
-    for (int64_t first = 0; first < k_blocks; first += blocks_per_chunk) {
-      const int64_t chunk_begin = first * block_k, chunk_end = std::min(k, (first + blocks_per_chunk) * block_k);
-      for (int64_t c0 = chunk_begin; c0 < chunk_end; c0 += kConvertDepth) {
-        const int64_t c1 = std::min(chunk_end, c0 + kConvertDepth);
-        convert_to_pairs<NR>(b + c0 * panel_width, panel_width, c1 - c0, s.pairs);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-          const int64_t block_rows = std::min(kRowBlock, rows - r0);
-          float* block_tile = s.block_tile + r0 * NR;
-          for (int64_t k0 = c0; k0 < c1;) {  // the scale blocks (or the piece of one) in [c0, c1)
-            const int64_t block = k0 / block_k, block_begin = block * block_k;
-            const int64_t block_end = std::min(k, block_begin + block_k), depth = std::min(block_end, c1) - k0;
-            if (k0 == block_begin) std::fill_n(block_tile, block_rows * NR, 0.0f);
-            for (int64_t r = 0; r < block_rows; r += MR) {
-              gemm::micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, block_rows - r), x + (m0 + r0 + r) * lda + k0,
-                                              lda, s.pairs + (k0 - c0) / 2 * NR, NR, depth, block_tile + r * NR, NR);
+  for_each_output_tile<NR>(
+      m, n, k, kConvertingRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+        const fp8_e4m3* b = packed + (n0 / panel_width) * k * panel_width + n0 % panel_width;
+        ConvertingScratch<NR> s;
+        const int64_t columns = std::min<int64_t>(NR, n - n0);
+        ColumnScales<NR> column_scales(scales, block_n, k_blocks, n0, columns);
+        std::fill_n(s.tile, rows * NR, 0.0f);
+        // Chunks of whole scale blocks up to kConvertDepth deep (a block deeper than that in pieces): a
+        // row block's visit then reads a chunk's worth of each x row contiguously, not one scale block's.
+        const int64_t blocks_per_chunk = block_k % 2 == 0 && block_k < kConvertDepth ? kConvertDepth / block_k : 1;
+        for (int64_t first = 0; first < k_blocks; first += blocks_per_chunk) {
+          const int64_t chunk_begin = first * block_k, chunk_end = std::min(k, (first + blocks_per_chunk) * block_k);
+          for (int64_t c0 = chunk_begin; c0 < chunk_end; c0 += kConvertDepth) {
+            const int64_t c1 = std::min(chunk_end, c0 + kConvertDepth);
+            convert_to_pairs<NR>(b + c0 * panel_width, panel_width, c1 - c0, s.pairs);
+            for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+              const int64_t block_rows = std::min(kRowBlock, rows - r0);
+              float* block_tile = s.block_tile + r0 * NR;
+              for (int64_t k0 = c0; k0 < c1;) {  // the scale blocks (or the piece of one) in [c0, c1)
+                const int64_t block = k0 / block_k, block_begin = block * block_k;
+                const int64_t block_end = std::min(k, block_begin + block_k), depth = std::min(block_end, c1) - k0;
+                if (k0 == block_begin) std::fill_n(block_tile, block_rows * NR, 0.0f);
+                for (int64_t r = 0; r < block_rows; r += MR) {
+                  gemm::micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, block_rows - r), x + (m0 + r0 + r) * lda + k0,
+                                                  lda, s.pairs + (k0 - c0) / 2 * NR, NR, depth, block_tile + r * NR,
+                                                  NR);
+                }
+                if (k0 + depth == block_end)
+                  add_scaled_rows<NR>(s.tile + r0 * NR, block_tile, column_scales.of_block(block), block_rows);
+                k0 += depth;
+              }
             }
-            if (k0 + depth == block_end)
-              add_scaled_rows<NR>(s.tile + r0 * NR, block_tile, column_scales.of_block(block), block_rows);
-            k0 += depth;
           }
         }
-      }
-    }
-    store_tile<NR>(out + m0 * ldo + n0, ldo, s.tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
-  });
+        store_tile<NR>(out + m0 * ldo + n0, ldo, s.tile, bias == nullptr ? nullptr : bias + n0, rows, columns);
+      });
 }
 
 // out = x . dequant(W)^T (+ bias): x [m x k] (lda), packed as above, scales [ceil(n / block_n) x

@@ -28,9 +28,9 @@
 
 namespace kf::gemm::int8 {
 
-constexpr int kGroup = 4;                   // K elements per 32-bit word of packed B
+constexpr int kGroup = 4;  // K elements per 32-bit word of packed B
 constexpr int32_t kActivationZeroPoint = 128;
-constexpr float kMinAbsMax = 1e-7f;        // sgl-kernel's eps: an all-zero row gets a tiny scale, not 0
+constexpr float kMinAbsMax = 1e-7f;  // sgl-kernel's eps: an all-zero row gets a tiny scale, not 0
 
 namespace detail {
 
@@ -79,8 +79,8 @@ inline void micro_kernel(const uint8_t* a, int64_t lda, const uint32_t* b, int64
 
 // The same for 1 <= rows <= MR: the M tail runs the kernel instantiated for its row count.
 template <int MR, int NR>
-inline void micro_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                              int64_t k, int32_t* c, int64_t ldc) {
+inline void micro_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k,
+                              int32_t* c, int64_t ldc) {
   if constexpr (MR > 1) {
     if (rows < MR) return micro_kernel_rows<MR - 1, NR>(rows, a, lda, b, ldb, k, c, ldc);
   }
@@ -130,8 +130,8 @@ inline void quantize_rows(uint8_t* q, int64_t ldq, float* scales, const T* x, in
 
 // --------------------------------------------------------------------------- the GEMM driver
 
-constexpr int64_t kRowBlock = 64;      // a multiple of every MR
-constexpr int64_t kDepthBlock = 256;   // a multiple of kGroup: a B block of 256 x 64 bytes stays in L1
+constexpr int64_t kRowBlock = 64;     // a multiple of every MR
+constexpr int64_t kDepthBlock = 256;  // a multiple of kGroup: a B block of 256 x 64 bytes stays in L1
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;  // a fork/join (~1 us) buys this much int8 work
 
 enum Status : int64_t { kOk = 0, kBadPanelWidth = 1 };
@@ -150,18 +150,18 @@ int64_t gemm(const uint8_t* a, int64_t lda, const uint32_t* packed, int64_t pane
   if (amx::gemm_u8s8<NR>(a, lda, packed, panel_width, m, n, k, num_threads, epilogue)) return kOk;
 #endif
   const int64_t groups = (k + kGroup - 1) / kGroup;
-  for_each_output_tile<NR>(m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
-                                                                                    int64_t rows) {
-    // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each group.
-    const uint32_t* b = packed + (n0 / panel_width) * groups * panel_width + n0 % panel_width;
-    alignas(64) int32_t tile[kRowBlock * NR];
-    std::fill_n(tile, rows * NR, 0);
-    accumulate_tile<MR>(rows, k, kDepthBlock, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
-      micro_kernel_rows<MR, NR>(row_count, a + (m0 + r0) * lda + k0, lda, b + k0 / kGroup * panel_width,
-                                panel_width, depth, tile + r0 * NR, NR);
-    });
-    epilogue(m0, n0, rows, std::min<int64_t>(NR, n - n0), static_cast<const int32_t*>(tile));
-  });
+  for_each_output_tile<NR>(
+      m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+        // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each group.
+        const uint32_t* b = packed + (n0 / panel_width) * groups * panel_width + n0 % panel_width;
+        alignas(64) int32_t tile[kRowBlock * NR];
+        std::fill_n(tile, rows * NR, 0);
+        accumulate_tile<MR>(rows, k, kDepthBlock, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
+          micro_kernel_rows<MR, NR>(row_count, a + (m0 + r0) * lda + k0, lda, b + k0 / kGroup * panel_width,
+                                    panel_width, depth, tile + r0 * NR, NR);
+        });
+        epilogue(m0, n0, rows, std::min<int64_t>(NR, n - n0), static_cast<const int32_t*>(tile));
+      });
   return kOk;
 }
 

@@ -50,19 +50,19 @@ int64_t packed_linear(T* out, int64_t ldo, const T* x, int64_t ldx, const uint32
   }
 #endif
   const int64_t pairs = (k + 1) / 2;
-  for_each_output_tile<NR, kSplit>(m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0,
-                                                                                            int64_t rows) {
-    // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each pair.
-    const uint32_t* b = packed + (n0 / panel_width) * pairs * panel_width + n0 % panel_width;
-    alignas(64) float tile[RowBlock<MR, Rows> * NR];  // not kRowBlock: gcc 12 ICEs on it in this lambda
-    std::fill_n(tile, rows * NR, 0.0f);  // only the rows used: a one-row task would clear 8 KB for 128 bytes
-    accumulate_tile<MR>(rows, k, Depth, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
-      micro_kernel_rows<MR, NR>(row_count, x + (m0 + r0) * ldx + k0, ldx, b + k0 / 2 * panel_width, panel_width,
-                                depth, tile + r0 * NR, NR);
-    });
-    store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows,
-                   std::min<int64_t>(NR, n - n0));
-  });
+  for_each_output_tile<NR, kSplit>(
+      m, n, k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+        // Column n0's words: panel n0 / panel_width, offset n0 % panel_width within each pair.
+        const uint32_t* b = packed + (n0 / panel_width) * pairs * panel_width + n0 % panel_width;
+        alignas(64) float tile[RowBlock<MR, Rows> * NR];  // not kRowBlock: gcc 12 ICEs on it in this lambda
+        std::fill_n(tile, rows * NR, 0.0f);  // only the rows used: a one-row task would clear 8 KB for 128 bytes
+        accumulate_tile<MR>(rows, k, Depth, [&](int64_t row_count, int64_t r0, int64_t k0, int64_t depth) {
+          micro_kernel_rows<MR, NR>(row_count, x + (m0 + r0) * ldx + k0, ldx, b + k0 / 2 * panel_width, panel_width,
+                                    depth, tile + r0 * NR, NR);
+        });
+        store_tile<NR>(out + m0 * ldo + n0, ldo, tile, bias == nullptr ? nullptr : bias + n0, rows,
+                       std::min<int64_t>(NR, n - n0));
+      });
   return kOk;
 }
 

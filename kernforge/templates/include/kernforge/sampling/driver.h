@@ -24,7 +24,7 @@ struct Params {
   int64_t action;
   const void* input;
   int64_t input_stride, input_rows, vocab;
-  bool from_logits;  // softmax the input row first (sampling_from_logits, softmax)
+  bool from_logits;       // softmax the input row first (sampling_from_logits, softmax)
   const void* row_index;  // output row -> input row, int32 or int64; null: the identity
   bool row_index_64;
   int64_t batch;  // output rows
@@ -98,11 +98,16 @@ inline int64_t validate(const Params& p) {
     const Filter f = filter_for(p, r);
     const int64_t row = input_row(p, r);
     int64_t error = 0;
-    if (f.top_k < 1) error = kBadTopK;
-    else if (!(f.top_p >= 0.0f)) error = kBadTopP;  // 0: the top entry and its ties; >= 1: no top-p
-    else if (!(f.min_p <= 1.0f)) error = kBadMinP;  // <= 0: no min-p
-    else if (!(f.temperature > 0.0f && f.temperature < kInf)) error = kBadTemperature;
-    else if (row < 0 || row >= p.input_rows) error = kBadIndex;
+    if (f.top_k < 1)
+      error = kBadTopK;
+    else if (!(f.top_p >= 0.0f))
+      error = kBadTopP;  // 0: the top entry and its ties; >= 1: no top-p
+    else if (!(f.min_p <= 1.0f))
+      error = kBadMinP;  // <= 0: no min-p
+    else if (!(f.temperature > 0.0f && f.temperature < kInf))
+      error = kBadTemperature;
+    else if (row < 0 || row >= p.input_rows)
+      error = kBadIndex;
     if (error) return (error << 32) | r;
   }
   return 0;
@@ -170,8 +175,10 @@ inline void run_row(const Params& p, int64_t r, int64_t threads, Scratch& s) {
     const int64_t offset = p.offset_arr ? p.offset_arr[p.offset_len == 1 ? 0 : r] : p.offset;
     token = sample_index(x, n, t, s.chunk_mass, kept, uniform(uint64_t(seed), uint64_t(offset), uint64_t(r)));
   }
-  if (p.samples_64) static_cast<int64_t*>(p.samples)[r] = token;
-  else static_cast<int32_t*>(p.samples)[r] = int32_t(token);
+  if (p.samples_64)
+    static_cast<int64_t*>(p.samples)[r] = token;
+  else
+    static_cast<int32_t*>(p.samples)[r] = int32_t(token);
   if (p.valid) p.valid[r] = valid && kept > 0.0;
 }
 

@@ -16,16 +16,14 @@ namespace kf::sampling {
 
 // probs = softmax(logits * inv_temperature): a max pass, an exp-and-sum pass, a scaling pass.
 template <class T>
-inline void softmax_row(const T* logits, float* probs, int64_t n, float inv_temperature, int64_t threads,
-                        Scratch& s) {
+inline void softmax_row(const T* logits, float* probs, int64_t n, float inv_temperature, int64_t threads, Scratch& s) {
   s.chunk_max.assign(num_chunks(n), -kInf);
   parallel_for(num_chunks(n), threads, [&](int64_t c) {
     const ChunkSpan chunk = chunk_span(c, n);
     Chains top = Chains::of(-kInf);
     float tail = -kInf;
     for_each_vector(
-        chunk.begin, chunk.end,
-        [&](int chain, int64_t j) { top.v[chain] = max(top.v[chain], VecF::load(logits + j)); },
+        chunk.begin, chunk.end, [&](int chain, int64_t j) { top.v[chain] = max(top.v[chain], VecF::load(logits + j)); },
         [&](int64_t i) { tail = std::max(tail, to_float(logits[i])); });
     s.chunk_max[c] = std::max(reduce_max(top.max()), tail);
   });
@@ -68,9 +66,8 @@ inline const float* as_fp32(const T* row, int64_t n, int64_t threads, Scratch& s
   float* dst = s.row.data();
   parallel_for(num_chunks(n), threads, [&](int64_t c) {
     const ChunkSpan chunk = chunk_span(c, n);
-    for_each_vector(chunk.begin, chunk.end, [&](int, int64_t j, int64_t count) {
-      VecF::load(row + j, count).store(dst + j, count);
-    });
+    for_each_vector(chunk.begin, chunk.end,
+                    [&](int, int64_t j, int64_t count) { VecF::load(row + j, count).store(dst + j, count); });
   });
   return dst;
 }
@@ -109,8 +106,8 @@ inline void fill_row(T* out, int64_t n, float value) {
 // Inverse CDF over the kept entries (x >= t) in index order: the first i whose running mass exceeds
 // u * total. The chunk comes from the per-chunk masses, the vector from vector sums, the entry from
 // a scalar walk; a zero entry never exceeds, so tokens with probability 0 are never drawn.
-inline int64_t sample_index(const float* x, int64_t n, float t, const std::vector<double>& chunk_mass,
-                            double total, double u) {
+inline int64_t sample_index(const float* x, int64_t n, float t, const std::vector<double>& chunk_mass, double total,
+                            double u) {
   const double target = u * total;
   const int64_t chunks = int64_t(chunk_mass.size());
   double before = 0.0;
