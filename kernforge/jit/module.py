@@ -206,6 +206,43 @@ class Struct:
         return f"typedef struct {self.name} {{ {body} }} {self.name};"  # typedef: C (cffi) names it without `struct`
 
 
+@dataclass(frozen=True)
+class Codes:
+    """Named integer constants that C++ and Python share (status and error codes, enum values, the
+    sizes of plan layouts), declared once on the :class:`Module`: the template gets them as
+    ``enum Name : int64_t { kA = 1, ... };`` (in the namespace ``name`` gives, before the headers
+    that use them), Python reads ``codes.kA`` and ``codes.name_of(1)``."""
+
+    name: str  # the C++ enum, qualified by its namespace: "kf::attention::PlanError"
+    values: tuple[tuple[str, int], ...]  # (enumerator, value)
+
+    def __post_init__(self):
+        *namespaces, enum = self.name.split("::")
+        for part in [*namespaces, enum]:
+            _check_identifier("codes", part)
+        names = [name for name, _ in self.values]
+        for name in names:
+            _check_identifier(f"codes {self.name}", name)
+        if len(set(names)) != len(names) or len({v for _, v in self.values}) != len(names):
+            raise DeclarationError(f"codes {self.name}: every enumerator and value must be distinct")
+
+    def __getattr__(self, name: str) -> int:
+        for enumerator, value in self.__dict__.get("values", ()):
+            if enumerator == name:
+                return value
+        raise AttributeError(f"codes {self.__dict__.get('name')} have no {name!r}")
+
+    def name_of(self, value: int) -> str:
+        return next(name for name, v in self.values if v == value)
+
+    def c_definition(self) -> str:
+        *namespaces, enum = self.name.split("::")
+        body = f"enum {enum} : int64_t {{ {', '.join(f'{n} = {v}' for n, v in self.values)} }};"
+        for namespace in reversed(namespaces):
+            body = f"namespace {namespace} {{ {body} }}"
+        return body
+
+
 def _check_fields(owner: str, fields: Iterable[tuple[str, str]], extra_types: tuple[str, ...] = ()) -> None:
     seen = set()
     for name, ctype in fields:
@@ -280,6 +317,7 @@ class Module:
         entries: Iterable[Entry],
         tiers: Mapping[str, str] = VECTOR_TIERS,
         structs: Iterable[Struct] = (),
+        codes: Iterable[Codes] = (),
         register: bool = True,
     ):
         _check_identifier("module", name)
@@ -288,6 +326,7 @@ class Module:
         for pname in self.params:
             _check_identifier(f"module {name}: parameter", pname)
         self.structs = {s.name: s for s in structs}
+        self.codes = tuple(codes)
         self.entries = {e.name: e for e in entries}
         if not self.entries:
             raise DeclarationError(f"module {name} declares no entry point")
@@ -361,7 +400,9 @@ class Module:
             "tier": tier,
             # A namespace, not a dict: Jinja's `decl.get` would find dict.get before a key "get".
             "decl": SimpleNamespace(**{name: e.cdecl(self.name) for name, e in self.entries.items()}),
-            "abi_structs": "\n".join(s.c_definition() for s in self.structs.values()),
+            "abi_structs": "\n".join(
+                [*(c.c_definition() for c in self.codes), *(s.c_definition() for s in self.structs.values())]
+            ),
         }
 
     # ---- variants

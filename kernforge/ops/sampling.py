@@ -44,7 +44,7 @@ from numbers import Integral, Real
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module, Struct
+from kernforge.jit.module import Codes, DType, Entry, Module, Struct
 from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
 from kernforge.ops._registry import ALL_DTYPES, export, kernel_op
 
@@ -86,25 +86,39 @@ SAMPLING_ARGS = Struct(
         ("num_threads", _I64),
     ),
 )
+# The contract with sampling/driver.h, declared here once and emitted into the template: which op a
+# call is, and the argument errors the kernel reports as (kind << 32) | row before it touches a row.
+ACTION = Codes("kf::sampling::Action", (("kSample", 0), ("kRenorm", 1), ("kMaskLogits", 2), ("kSoftmax", 3)))
+PARAM_ERROR = Codes(
+    "kf::sampling::ParamError",
+    (
+        ("kBadTopK", 1),
+        ("kBadTopP", 2),
+        ("kBadMinP", 3),
+        ("kBadTemperature", 4),
+        ("kBadIndex", 5),
+    ),
+)
 SAMPLING = Module(
     "sampling",
     "sampling.cpp.jinja",
     params={"dtype": DType()},
     structs=[SAMPLING_ARGS],
+    codes=[ACTION, PARAM_ERROR],
     entries=[Entry("run", "const kf_sampling_args* args", returns="int64_t")],
 )
 _FP32 = (torch.float32,)  # probabilities are fp32, as in FlashInfer
 
-_SAMPLE, _RENORM, _MASK_LOGITS, _SOFTMAX = 0, 1, 2, 3
+_SAMPLE, _RENORM, _MASK_LOGITS, _SOFTMAX = ACTION.kSample, ACTION.kRenorm, ACTION.kMaskLogits, ACTION.kSoftmax
 _FILTER_ORDERS = ("top_k_first", "joint")
 
 # Error kinds the kernel reports as (kind << 32) | row, checked before it touches any row.
-_PARAM_RULES = {
-    1: ("top_k", "must be >= 1"),
-    2: ("top_p", "must be >= 0"),
-    3: ("min_p", "must be <= 1"),
-    4: ("temperature", "must be finite and > 0"),
-    5: ("indices", "must be in [0, number of rows of the input)"),
+_PARAM_RULES = {  # PARAM_ERROR -> (argument, its rule)
+    "kBadTopK": ("top_k", "must be >= 1"),
+    "kBadTopP": ("top_p", "must be >= 0"),
+    "kBadMinP": ("min_p", "must be <= 1"),
+    "kBadTemperature": ("temperature", "must be finite and > 0"),
+    "kBadIndex": ("indices", "must be in [0, number of rows of the input)"),
 }
 
 
@@ -230,7 +244,7 @@ class _Call:
             self._raise_param_error(status >> 32, status & 0xFFFFFFFF)
 
     def _raise_param_error(self, kind: int, row: int) -> None:
-        name, rule = _PARAM_RULES[kind]
+        name, rule = _PARAM_RULES[PARAM_ERROR.name_of(kind)]
         value = self.values.get(name)
         if isinstance(value, torch.Tensor):
             raise ValueError(f"{name} {rule}, got {name}[{row}] = {value[row].item()}")

@@ -20,6 +20,7 @@ from numbers import Real
 
 import torch
 
+from kernforge.jit.module import Codes
 from kernforge.ops._common import num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES
 from kernforge.ops.attention.page import PagedKVCache, check_kv_layout, paged_kv_from_halves, paged_kv_halves
@@ -162,10 +163,11 @@ def keep_workspace(wrapper: WorkspaceWrapper) -> None:
     _SINGLE_WORKSPACES.__dict__[type(wrapper)] = wrapper._float_workspace_buffer
 
 
-def raise_plan_error(error: int, errors: dict, renamed: dict | None = None) -> None:
-    """A planner's ``(code << 32) | index`` as the ValueError of ``errors[code]``: (argument, what is
-    wrong with element ``{i}``); ``renamed`` maps an argument to the name this API gives it."""
-    name, what = errors[error >> 32]
+def raise_plan_error(error: int, codes: Codes, messages: dict, renamed: dict | None = None) -> None:
+    """A planner's ``(code << 32) | index`` as the ValueError ``messages`` gives for the code's
+    enumerator in ``codes``: (argument, what is wrong with element ``{i}``); ``renamed`` maps an
+    argument to the name this API gives it."""
+    name, what = messages[codes.name_of(error >> 32)]
     name = (renamed or {}).get(name, name)
     raise ValueError(f"{name} {what.format(i=error & 0xFFFFFFFF)}")
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Int, Module, Struct
+from kernforge.jit.module import Codes, DType, Entry, Int, Module, Struct
 from kernforge.ops._common import check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
 from kernforge.ops.attention._wrapper import (
@@ -71,6 +71,33 @@ DECODE_PLAN = Struct(
 DECODE_IO = Struct("kf_decode_layer", LAYER_FIELDS)
 MAX_GROUP = 8  # GQA groups up to this are compile-time constants; larger ones (MQA) use group 0
 
+# The contract with attention/work_plan.h, declared here once and emitted into the template.
+PLAN_ERROR = Codes(
+    "kf::attention::PlanError",
+    (
+        ("kPlanOk", 0),
+        ("kIndptrStart", 1),
+        ("kIndptrDecreasing", 2),
+        ("kIndptrBeyond", 3),
+        ("kLastPageLen", 4),
+        ("kNegativePage", 5),
+        ("kCapacity", 6),
+    ),
+)
+PLAN_HEADER = Codes(
+    "kf::attention::PlanHeader",
+    (  # int32 slots of the plan buffer's header
+        ("kNumLists", 0),
+        ("kNumItems", 1),
+        ("kNumMerges", 2),
+        ("kNumSlots", 3),
+        ("kMaxPage", 4),
+        ("kHeadsPerUnit", 5),
+        ("kHeaderSize", 8),
+    ),
+)
+PLAN_INTS = Codes("kf::attention::PlanInts", (("kItemInts", 6), ("kMergeInts", 5)))  # WorkItem, MergeItem
+
 DECODE = Module(
     "decode",
     "decode.cpp.jinja",
@@ -82,6 +109,7 @@ DECODE = Module(
         "group": Int(minimum=0, maximum=MAX_GROUP),
     },
     structs=[DECODE_PLAN, DECODE_IO],
+    codes=[PLAN_ERROR, PLAN_HEADER, PLAN_INTS],
     entries=[
         Entry(
             "plan",
@@ -98,14 +126,14 @@ DECODE = Module(
 
 # Splitting a request's KV across threads costs a merge; pieces under this many tokens are not worth it.
 _MIN_SPLIT, _NO_SPLIT = 128, 1 << 30
-_PLAN_HEADER = 8  # int32s before the list offsets (work_plan.h PlanLayout)
 # Plan errors of work_plan.h: code -> (argument, what is wrong with element `index`).
-_PLAN_ERRORS = {
-    1: ("indptr", "must start at 0"),
-    2: ("indptr", "must be non-decreasing (indptr[{i} + 1] < indptr[{i}])"),
-    3: ("indptr", "ends beyond indices: indptr[-1] > len(indices)"),
-    4: ("last_page_len", "must be in [1, page_size] for a request with pages (request {i})"),
-    5: ("indices", "holds a negative page index at position {i}"),
+# PLAN_ERROR's user errors: (argument, what is wrong with element {i}).
+_PLAN_MESSAGES = {
+    "kIndptrStart": ("indptr", "must start at 0"),
+    "kIndptrDecreasing": ("indptr", "must be non-decreasing (indptr[{i} + 1] < indptr[{i}])"),
+    "kIndptrBeyond": ("indptr", "ends beyond indices: indptr[-1] > len(indices)"),
+    "kLastPageLen": ("last_page_len", "must be in [1, page_size] for a request with pages (request {i})"),
+    "kNegativePage": ("indices", "holds a negative page index at position {i}"),
 }
 
 
@@ -233,8 +261,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
             plan_buffer.numel(),
         )
         if error:
-            raise_plan_error(error, _PLAN_ERRORS)
-        _, _, _, num_slots, max_page, unit_heads = plan_buffer[:6].tolist()
+            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES)
+        header = plan_buffer[: PLAN_HEADER.kHeaderSize].tolist()
+        num_slots, max_page = header[PLAN_HEADER.kNumSlots], header[PLAN_HEADER.kMaxPage]
+        unit_heads = header[PLAN_HEADER.kHeadsPerUnit]
         partial_floats = num_slots * unit_heads * group * (head_dim + 1)
         workspace = self._workspace(4 * (partial_floats + lists * kernel.scratch_floats(unit_heads, group)))
         base = workspace.data_ptr()
@@ -281,10 +311,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         if self._plan is None:
             raise PlanStateError("work_lists() called before plan()")
         buffer = self._plan.keep[0].tolist()
-        num_lists = buffer[0]
-        offsets = buffer[_PLAN_HEADER : _PLAN_HEADER + num_lists + 1]
-        items = buffer[_PLAN_HEADER + num_lists + 1 :]
-        return [[tuple(items[6 * i : 6 * i + 6]) for i in range(offsets[n], offsets[n + 1])] for n in range(num_lists)]
+        num_lists = buffer[PLAN_HEADER.kNumLists]
+        start, size = PLAN_HEADER.kHeaderSize, PLAN_INTS.kItemInts
+        offsets = buffer[start : start + num_lists + 1]
+        items = buffer[start + num_lists + 1 :]
+        return [
+            [tuple(items[size * i : size * (i + 1)]) for i in range(offsets[n], offsets[n + 1])]
+            for n in range(num_lists)
+        ]
 
     def run(
         self,

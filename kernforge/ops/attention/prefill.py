@@ -26,7 +26,7 @@ import math
 import torch
 
 from kernforge.jit import isa
-from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, IntTuple, Module, Struct
+from kernforge.jit.module import ALL_TIERS, Codes, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops._registry import export
@@ -90,6 +90,21 @@ PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS)
 # 64x128 58%, 32x64 55%); rows are queries x GQA group.
 TILES = ((128, 64), (64, 64), (32, 64), (64, 128), (32, 32))
 
+# The contract with attention/prefill.h, declared here once and emitted into the template.
+PLAN_ERROR = Codes(
+    "kf::attention::PrefillPlanError",
+    (
+        ("kPrefillBadQoIndptr", 1),
+        ("kPrefillBadKvIndptr", 2),
+        ("kPrefillBadLastPage", 3),
+        ("kPrefillNegativePage", 4),
+        ("kPrefillTooManyItems", 6),  # 5 was "causal qo_len > kv_len", now rows that see no key
+    ),
+)
+# int32s per PrefillItem (request, kv_head, query_begin, kv_begin, kv_end, slot) and per PrefillMerge
+# (request, kv_head, query_begin, first_slot, parts).
+PLAN_INTS = Codes("kf::attention::PrefillInts", (("kItemInts", 6), ("kMergeInts", 5)))
+
 PREFILL = Module(
     "prefill",
     "prefill.cpp.jinja",
@@ -103,6 +118,7 @@ PREFILL = Module(
     },
     tiers=ALL_TIERS,  # the amx build multiplies bf16 in AMX tiles (gemm/amx_kernel.h)
     structs=[PREFILL_PLAN, PREFILL_IO],
+    codes=[PLAN_ERROR, PLAN_INTS],
     entries=[
         Entry(
             "plan",
@@ -131,14 +147,19 @@ TILE_CANDIDATES = Candidates(
     bucket=lambda s: f"{s['dtype']}_kv{s['kv_dtype']}_qk{s['head_dim_qk']}_vo{s['head_dim_vo']}_g{s['group']}",
 )
 
-_PLAN_ERRORS = {
-    1: ("qo_indptr", "must start at 0 and be non-decreasing (request {i})"),
-    2: ("kv_indptr", "must start at 0, be non-decreasing and stay within the indices (request {i})"),
-    3: ("paged_kv_last_page_len", "must be in [1, page_size] for a request with pages (request {i})"),
-    4: ("paged_kv_indices", "holds a negative page index at position {i}"),
+# PLAN_ERROR's user errors: (argument, what is wrong with request or position {i}).
+_PLAN_MESSAGES = {
+    "kPrefillBadQoIndptr": ("qo_indptr", "must start at 0 and be non-decreasing (request {i})"),
+    "kPrefillBadKvIndptr": (
+        "kv_indptr",
+        "must start at 0, be non-decreasing and stay within the indices (request {i})",
+    ),
+    "kPrefillBadLastPage": (
+        "paged_kv_last_page_len",
+        "must be in [1, page_size] for a request with pages (request {i})",
+    ),
+    "kPrefillNegativePage": ("paged_kv_indices", "holds a negative page index at position {i}"),
 }
-_ITEM_INTS = 6  # PrefillItem: request, kv_head, query_begin, kv_begin, kv_end, slot
-_MERGE_INTS = 5  # PrefillMerge: request, kv_head, query_begin, first_slot, parts
 # A tile is split along the KV (when tiles are fewer than threads) into pieces of at least this
 # many key blocks: each piece then costs a partial state and a share of the merge.
 _MIN_SPLIT_BLOCKS = 2
@@ -256,8 +277,8 @@ class _PrefillWrapper(WorkspaceWrapper):
         total_q = int(qo_indptr[-1])
         threads = num_threads()
         tiles = (total_q // queries_per_tile + batch) * num_kv_heads  # at least the tiles the batch has
-        items = torch.empty((tiles + threads) * _ITEM_INTS, dtype=torch.int32)
-        merges = torch.empty(max(tiles, 1) * _MERGE_INTS, dtype=torch.int32)
+        items = torch.empty((tiles + threads) * PLAN_INTS.kItemInts, dtype=torch.int32)
+        merges = torch.empty(max(tiles, 1) * PLAN_INTS.kMergeInts, dtype=torch.int32)
         kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
         counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
         has_mask = custom_mask is not None or packed_custom_mask is not None
@@ -285,7 +306,7 @@ class _PrefillWrapper(WorkspaceWrapper):
             counts.data_ptr(),
         )
         if error:
-            raise_plan_error(error, _PLAN_ERRORS, {"kv_indptr": kv_name})
+            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES, {"kv_indptr": kv_name})
         num_items, num_merges, slots = counts.tolist()
 
         mask = mask_offsets = None

@@ -49,15 +49,10 @@ namespace kf::attention {
 
 // ---- planning -----------------------------------------------------------------------------------
 
-enum PrefillPlanError : int64_t {
-  kPrefillBadQoIndptr = 1,   // qo_indptr not starting at 0 or decreasing
-  kPrefillBadKvIndptr = 2,   // kv_indptr (pages or tokens) not starting at 0, decreasing, or past indices
-  kPrefillBadLastPage = 3,   // last_page_len outside [1, page_size] for a request with pages
-  kPrefillNegativePage = 4,  // a negative page index
-  // 5 was "causal request with qo_len > kv_len": such rows now see no key (zeros, LSE -inf)
-  kPrefillTooManyItems = 6,  // the item buffer the caller sized is too small (a bug, not user input)
-};
-
+// PrefillPlanError (kPrefillBadQoIndptr, kPrefillBadKvIndptr, kPrefillBadLastPage,
+// kPrefillNegativePage; kPrefillTooManyItems: the item buffer the caller sized is too small, a bug)
+// and PrefillInts (int32s per PrefillItem and PrefillMerge) are declared once in Python with the
+// module (kernforge/ops/attention/prefill.py) and emitted ahead of this header by the prelude.
 inline int64_t prefill_error(PrefillPlanError kind, int64_t index) { return (int64_t(kind) << 32) | index; }
 
 // One work item: a tile's request, KV head and first query, and the keys [kv_begin, kv_end) it
@@ -72,6 +67,9 @@ struct PrefillItem {
 struct PrefillMerge {
   int32_t request, kv_head, query_begin, first_slot, parts;
 };
+static_assert(sizeof(PrefillItem) == PrefillInts::kItemInts * sizeof(int32_t), "PrefillItem as declared in prefill.py");
+static_assert(sizeof(PrefillMerge) == PrefillInts::kMergeInts * sizeof(int32_t),
+              "PrefillMerge as declared in prefill.py");
 
 struct PrefillPlanInput {
   const int32_t* qo_indptr;

@@ -35,24 +35,22 @@ struct MergeItem {
   int32_t request, kv_head, num_heads, first_slot, num_slots;
 };
 
-// Plan errors (returned as (code << 32) | index), checked before anything is planned.
-enum PlanError : int64_t {
-  kPlanOk = 0,
-  kIndptrStart = 1,       // indptr[0] != 0
-  kIndptrDecreasing = 2,  // indptr[i + 1] < indptr[i]
-  kIndptrBeyond = 3,      // indptr[batch] > len(indices)
-  kLastPageLen = 4,       // last_page_len[i] outside [1, page_size] for a non-empty request
-  kNegativePage = 5,      // indices[i] < 0
-  kCapacity = 6,          // the plan buffer is too small (a bug in the caller's sizing)
-};
-
+// Declared once in Python with the module (kernforge/ops/attention/decode.py) and emitted ahead of
+// this header by the template's prelude, so the two sides cannot disagree:
+// * PlanError: plan errors, returned as (code << 32) | index, checked before anything is planned
+//   (kIndptrStart, kIndptrDecreasing, kIndptrBeyond, kLastPageLen, kNegativePage; kCapacity: the
+//   plan buffer is too small, a bug in the caller's sizing);
+// * PlanHeader: the int32 slots of the plan buffer's header and its size;
+// * PlanInts: int32s per WorkItem and per MergeItem.
 inline int64_t plan_error(PlanError code, int64_t index) { return (int64_t(code) << 32) | index; }
+static_assert(sizeof(WorkItem) == PlanInts::kItemInts * sizeof(int32_t), "WorkItem as declared in decode.py");
+static_assert(sizeof(MergeItem) == PlanInts::kMergeInts * sizeof(int32_t), "MergeItem as declared in decode.py");
 
 // int32 buffer: header, then list offsets (num_lists + 1), work items, merge items.
 struct PlanLayout {
-  enum Header { kNumLists, kNumItems, kNumMerges, kNumSlots, kMaxPage, kHeadsPerUnit, kHeaderSize = 8 };
-  static constexpr int64_t kItemInts = sizeof(WorkItem) / sizeof(int32_t);
-  static constexpr int64_t kMergeInts = sizeof(MergeItem) / sizeof(int32_t);
+  static constexpr int64_t kHeaderSize = PlanHeader::kHeaderSize;
+  static constexpr int64_t kItemInts = PlanInts::kItemInts;
+  static constexpr int64_t kMergeInts = PlanInts::kMergeInts;
 
   // Each list boundary splits at most one unit: at most units + lists - 1 items and lists - 1 merges.
   static int64_t capacity(int64_t units, int64_t lists) {
@@ -65,10 +63,10 @@ struct PlanView {
   const int32_t* base;
   int64_t units;  // the buffer was laid out for batch * num_kv_heads units
 
-  int64_t num_lists() const { return base[PlanLayout::kNumLists]; }
-  int64_t num_merges() const { return base[PlanLayout::kNumMerges]; }
-  int64_t num_slots() const { return base[PlanLayout::kNumSlots]; }
-  int64_t heads_per_unit() const { return base[PlanLayout::kHeadsPerUnit]; }
+  int64_t num_lists() const { return base[PlanHeader::kNumLists]; }
+  int64_t num_merges() const { return base[PlanHeader::kNumMerges]; }
+  int64_t num_slots() const { return base[PlanHeader::kNumSlots]; }
+  int64_t heads_per_unit() const { return base[PlanHeader::kHeadsPerUnit]; }
   const int32_t* list_offsets() const { return base + PlanLayout::kHeaderSize; }
   const WorkItem* items() const { return reinterpret_cast<const WorkItem*>(list_offsets() + num_lists() + 1); }
   const MergeItem* merges() const { return reinterpret_cast<const MergeItem*>(items() + units + num_lists()); }
@@ -152,12 +150,12 @@ class PlanWriter {
 
   void finish(int32_t max_page, int64_t heads_per_unit) {
     while (list_ < num_lists_) next_list();  // trailing lists stay empty
-    base_[PlanLayout::kNumLists] = int32_t(num_lists_);
-    base_[PlanLayout::kNumItems] = int32_t(num_items_);
-    base_[PlanLayout::kNumMerges] = int32_t(num_merges_);
-    base_[PlanLayout::kNumSlots] = int32_t(num_slots_);
-    base_[PlanLayout::kMaxPage] = max_page;
-    base_[PlanLayout::kHeadsPerUnit] = int32_t(heads_per_unit);
+    base_[PlanHeader::kNumLists] = int32_t(num_lists_);
+    base_[PlanHeader::kNumItems] = int32_t(num_items_);
+    base_[PlanHeader::kNumMerges] = int32_t(num_merges_);
+    base_[PlanHeader::kNumSlots] = int32_t(num_slots_);
+    base_[PlanHeader::kMaxPage] = max_page;
+    base_[PlanHeader::kHeadsPerUnit] = int32_t(heads_per_unit);
   }
 
  private:

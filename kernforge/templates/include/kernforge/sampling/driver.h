@@ -17,7 +17,8 @@
 
 namespace kf::sampling {
 
-enum Action : int64_t { kSample = 0, kRenorm = 1, kMaskLogits = 2, kSoftmax = 3 };
+// Action (kSample, kRenorm, kMaskLogits, kSoftmax) and ParamError (below) are declared once in
+// Python with the module (kernforge/ops/sampling.py) and emitted ahead of this header by the prelude.
 
 // One call's arguments. Per-row parameters come as an array (one value per output row) or a scalar.
 struct Params {
@@ -90,8 +91,8 @@ inline int64_t input_row(const Params& p, int64_t r) {
   return p.row_index_64 ? static_cast<const int64_t*>(p.row_index)[r] : static_cast<const int32_t*>(p.row_index)[r];
 }
 
-// Argument errors, reported as (kind << 32) | row before any row is touched.
-enum ParamError : int64_t { kBadTopK = 1, kBadTopP = 2, kBadMinP = 3, kBadTemperature = 4, kBadIndex = 5 };
+// Argument errors (ParamError: kBadTopK, kBadTopP, kBadMinP, kBadTemperature, kBadIndex), reported
+// as (kind << 32) | row before any row is touched.
 
 inline int64_t validate(const Params& p) {
   for (int64_t r = 0; r < p.batch; ++r) {
