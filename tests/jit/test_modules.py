@@ -433,3 +433,43 @@ def test_struct_arguments_are_filled_by_field_name():
         kernel.new("kf_sampling_args", {"top_p": "x"})
     with pytest.raises(DeclarationError, match="declares no struct 'args'"):
         kernel.new("args", {})
+
+
+# --------------------------------------------------------------------------- codes shared with C++
+
+
+def test_codes_are_declared_once_and_emitted_as_an_enum():
+    from kernforge.jit import Codes
+
+    codes = Codes("kf::demo::Status", (("kOk", 0), ("kBadInput", 3)))
+    assert codes.kBadInput == 3 and codes.name_of(3) == "kBadInput"
+    assert (
+        codes.c_definition() == "namespace kf { namespace demo { enum Status : int64_t { kOk = 0, kBadInput = 3 }; } }"
+    )
+    with pytest.raises(AttributeError, match="kMissing"):
+        _ = codes.kMissing
+    for values in ((("kA", 1), ("kA", 2)), (("kA", 1), ("kB", 1))):
+        with pytest.raises(DeclarationError, match="distinct"):
+            Codes("Status", values)
+    with pytest.raises(DeclarationError):
+        Codes("kf::bad name", (("kA", 1),))
+
+
+def test_every_reported_code_has_its_message():
+    """The errors a kernel reports to a user are the codes declared with its module, each with a message."""
+    from kernforge.ops import sampling
+    from kernforge.ops.attention import decode, prefill
+
+    internal = {"kPlanOk", "kCapacity", "kPrefillTooManyItems"}  # success, and the callers' own sizing bugs
+    for codes, messages in (
+        (decode.PLAN_ERROR, decode._PLAN_MESSAGES),
+        (prefill.PLAN_ERROR, prefill._PLAN_MESSAGES),
+        (sampling.PARAM_ERROR, sampling._PARAM_RULES),
+    ):
+        assert {name for name, _ in codes.values} - internal == set(messages)
+    for module, codes in (
+        (decode.DECODE, decode.PLAN_ERROR),
+        (prefill.PREFILL, prefill.PLAN_ERROR),
+        (sampling.SAMPLING, sampling.ACTION),
+    ):
+        assert codes.c_definition() in module.render_variables({}, "generic")["abi_structs"]
