@@ -777,7 +777,8 @@ PREFILL_EMULATED = Module(
     "prefill_amx_emulated",
     "prefill_amx_emulated.cpp.jinja",
     params=prefill.PREFILL.params,
-    structs=[prefill.PREFILL_PLAN, prefill.PREFILL_IO],
+    structs=prefill.PREFILL.structs.values(),
+    codes=prefill.PREFILL.codes,
     entries=[*prefill.PREFILL.entries.values(), Entry("take_counters", "int64_t counters")],
 )
 
