@@ -39,13 +39,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import torch
-
 from kernforge.jit import core, isa
 from kernforge.jit.module import DeclarationError, Module, registered
 from kernforge.model_spec import ModelSpec
 from kernforge.ops import OPS
-from kernforge.ops._common import TORCH_DTYPES, dtype_name
+from kernforge.ops._common import TORCH_DTYPES, dtype_name, kv_cache_dtype
 
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -109,13 +107,6 @@ def _gemm_entries(dtype: str, shapes) -> list[dict]:
     return [{"module": "gemm", "params": params} for params in configs.values()]
 
 
-_KV_CACHE_DTYPES = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "float8_e5m2": torch.float8_e5m2,
-}
-
 # Per-layer ops of the attention block besides decode: RoPE on q/k, then writing k/v to the cache.
 _ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
 
@@ -157,7 +148,7 @@ def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
     from kernforge.ops.attention.decode import decode_variant_params  # the one rule plan() uses
 
     q = TORCH_DTYPES[dtype_name(dtype)]
-    kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
+    kv = kv_cache_dtype(kv_dtype)
     group = attention["num_attention_heads"] // attention["num_key_value_heads"]
     return decode_variant_params(q, kv, q, attention["head_dim"], group)
 
@@ -166,7 +157,7 @@ def _prefill_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
     from kernforge.ops.attention.prefill import prefill_variant_params  # the one rule plan() uses
 
     q = TORCH_DTYPES[dtype_name(dtype)]
-    kv = _KV_CACHE_DTYPES.get(kv_dtype.lower().removeprefix("torch.")) or TORCH_DTYPES[dtype_name(kv_dtype)]
+    kv = kv_cache_dtype(kv_dtype)
     group = attention["num_attention_heads"] // attention["num_key_value_heads"]
     head_dim = attention["head_dim"]
     params = prefill_variant_params(q, kv, q, head_dim, head_dim, group)

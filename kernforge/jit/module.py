@@ -117,8 +117,9 @@ class Enum(Param):
         return {"type": "enum", "choices": self.choices}
 
 
-# Accepted spellings of the kernel dtypes; torch dtypes match through str(), so jit/ needs no torch.
-_DTYPE_ALIASES = {
+# Accepted spellings of the kernel dtypes, the one table of them; torch dtypes match through str(),
+# so jit/ needs no torch.
+DTYPE_ALIASES = {
     "fp32": "fp32",
     "float32": "fp32",
     "float": "fp32",
@@ -145,7 +146,7 @@ class DType(Param):
     kind = "dtype"
 
     def check(self, module, name, value):
-        canonical = _DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
+        canonical = DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
         if canonical not in self.choices:
             raise self._reject(module, name, value, f"one of {', '.join(self.choices)}")
         return canonical

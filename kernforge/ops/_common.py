@@ -12,19 +12,26 @@ import os
 import torch
 
 from kernforge.jit.core import Variant
-from kernforge.ops._registry import DTYPE_NAMES, OpKernels
+from kernforge.jit.module import DTYPE_ALIASES
+from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, OpKernels
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-_DTYPE_ALIASES = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-}
+KV_TORCH_DTYPES = {name: dtype for dtype, name in {**DTYPE_NAMES, **FP8_DTYPE_NAMES}.items()}
+
+
+def kv_cache_dtype(value: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a KV cache dtype in any spelling: the float ones and fp8 ('fp8_e4m3',
+    'float8_e4m3fn', torch.float8_e5m2 ...)."""
+    if isinstance(value, torch.dtype):
+        found = value if value in KV_TORCH_DTYPES.values() else None
+    else:
+        found = KV_TORCH_DTYPES.get(DTYPE_ALIASES.get(str(value).lower().removeprefix("torch.")))
+    if found is None:
+        raise TypeError(
+            f"unsupported KV cache dtype {value!r}; kernforge takes float32, bfloat16, float16, float8_e4m3fn and "
+            "float8_e5m2"
+        )
+    return found
 
 
 def dtype_name(value: str | torch.dtype) -> str:
@@ -32,8 +39,8 @@ def dtype_name(value: str | torch.dtype) -> str:
     if isinstance(value, torch.dtype):
         name = DTYPE_NAMES.get(value)
     else:
-        name = _DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
-    if name is None:
+        name = DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
+    if name not in TORCH_DTYPES:
         raise TypeError(f"unsupported dtype {value!r}; kernforge ops take float32, bfloat16 or float16")
     return name
 
