@@ -1,0 +1,127 @@
+"""Before/after: the same kernels timed in two checkouts of kernforge, in alternating processes.
+
+A change that should not move performance (a restructure, a new code path beside a fast one) is
+checked by timing both trees on the same machine in the same minutes: this VM's DRAM bandwidth
+drifts by tens of percent between minutes, so each round runs tree A then tree B in fresh
+processes, and the report gives per-case medians over rounds and the B/A ratio of each round.
+
+    python benchmarks/bench_ab.py --a /path/to/old-checkout --b . --rounds 4
+
+Cases (2 threads, bf16 unless named): paged decode B=16, L=4096, 32/8 heads, head_dim 128, pages of
+16 shuffled (bf16 and fp8 e4m3 KV, and head_dim 64); causal ragged prefill of 2048 tokens; the
+prepacked GEMM at M=1 (a 32 MiB weight, streamed) and M=256 on 4096x4096. Times are medians of
+one process's calls after warm-up (out= preallocated); GB/s is the KV or weight bytes over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = ("decode_bf16", "decode_fp8", "decode_bf16_d64", "prefill_2048", "gemm_m1", "gemm_m256")
+
+
+def _median_seconds(fn, budget: float = 1.0, min_calls: int = 15) -> float:
+    fn()
+    fn()
+    samples, start = [], time.perf_counter()
+    while len(samples) < min_calls or time.perf_counter() - start < budget:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _measure() -> dict[str, float]:
+    """One process: every case's median seconds (run in the tree PYTHONPATH selects)."""
+    import torch
+
+    import kernforge as kf
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+
+    def decode(kv_dtype, batch=16, length=4096, heads=32, kv_heads=8, head_dim=128, page=16):
+        per = length // page
+        cache = torch.randn(batch * per, 2, page, kv_heads, head_dim, generator=g).to(kv_dtype)
+        indices = torch.randperm(batch * per, generator=g).int()
+        wrapper = kf.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+        wrapper.plan(
+            torch.arange(0, batch * per + 1, per).int(),
+            indices,
+            torch.full((batch,), page).int(),
+            heads,
+            kv_heads,
+            head_dim,
+            page,
+            q_data_type=torch.bfloat16,
+            kv_data_type=kv_dtype,
+        )
+        q = torch.randn(batch, heads, head_dim, generator=g).bfloat16()
+        out = torch.empty_like(q)
+        return _median_seconds(lambda: wrapper.run(q, cache, out=out))
+
+    def prefill(length=2048, heads=32, kv_heads=8, head_dim=128):
+        q = torch.randn(length, heads, head_dim, generator=g).bfloat16()
+        k, v = (torch.randn(length, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+        wrapper = kf.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8))
+        indptr = torch.tensor([0, length], dtype=torch.int32)
+        wrapper.plan(indptr, indptr, heads, kv_heads, head_dim, causal=True, q_data_type=torch.bfloat16)
+        out = torch.empty(length, heads, head_dim, dtype=torch.bfloat16)
+        return _median_seconds(lambda: wrapper.run(q, k, v, out=out))
+
+    def gemm(m, n=4096, k=4096):
+        packed = kf.convert_weight_packed(torch.randn(n, k, generator=g).bfloat16())
+        x = torch.randn(m, k, generator=g).bfloat16()
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        return _median_seconds(lambda: kf.weight_packed_linear(x, packed, out=out))
+
+    return {
+        "decode_bf16": decode(torch.bfloat16),
+        "decode_fp8": decode(torch.float8_e4m3fn),
+        "decode_bf16_d64": decode(torch.bfloat16, head_dim=64),
+        "prefill_2048": prefill(),
+        "gemm_m1": gemm(1),
+        "gemm_m256": gemm(256),
+    }
+
+
+def _run_tree(tree: str) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    done = subprocess.run(
+        [sys.executable, __file__, "--child"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.abspath(tree),
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", help="checkout A (before)")
+    parser.add_argument("--b", help="checkout B (after)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_measure()))
+        return
+    rounds = [(_run_tree(args.a), _run_tree(args.b)) for _ in range(args.rounds)]
+    print(f"{'case':16} {'A ms':>9} {'B ms':>9} {'B/A time, per round':>30}")
+    for case in CASES:
+        a = statistics.median(r[0][case] for r in rounds) * 1e3
+        b = statistics.median(r[1][case] for r in rounds) * 1e3
+        ratios = " ".join(f"{r[1][case] / r[0][case]:.2f}" for r in rounds)
+        print(f"{case:16} {a:9.3f} {b:9.3f}   {ratios}")
+
+
+if __name__ == "__main__":
+    main()
