@@ -2,8 +2,9 @@
 
 A change that should not move performance (a restructure, a new code path beside a fast one) is
 checked by timing both trees on the same machine in the same minutes: this VM's DRAM bandwidth
-drifts by tens of percent between minutes, so each round runs tree A then tree B in fresh
-processes, and the report gives per-case medians over rounds and the B/A ratio of each round.
+drifts by tens of percent between minutes, so each round runs both trees in fresh processes (A
+first in even rounds, B first in odd ones), and the report gives per-case medians over rounds and
+the B/A ratio of each round.
 
     python benchmarks/bench_ab.py --a /path/to/old-checkout --b . --rounds 4
 
@@ -114,7 +115,13 @@ def main() -> None:
     if args.child:
         print(json.dumps(_measure()))
         return
-    rounds = [(_run_tree(args.a), _run_tree(args.b)) for _ in range(args.rounds)]
+    rounds = []
+    for n in range(args.rounds):  # A first in even rounds, B first in odd ones: no order bias
+        if n % 2:
+            b = _run_tree(args.b)
+            rounds.append((_run_tree(args.a), b))
+        else:
+            rounds.append((_run_tree(args.a), _run_tree(args.b)))
     print(f"{'case':16} {'A ms':>9} {'B ms':>9} {'B/A time, per round':>30}")
     for case in CASES:
         a = statistics.median(r[0][case] for r in rounds) * 1e3
