@@ -50,7 +50,7 @@ bench: $(STAMP)
 # look). It writes what it installed to .venv-latest/constraints.txt.
 test-latest:
 	test -x $(LATEST)/bin/python || python3 -m venv $(LATEST)
-	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers]'
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers,lint]'
 	$(LATEST)/bin/python -m pip install --quiet --upgrade transformers
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^kernforge' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > $(LATEST)/pins.txt
 	$(LATEST)/bin/python -m pytest -q $(LATEST_TESTS)
