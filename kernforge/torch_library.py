@@ -59,7 +59,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernforge.ops import activation, norm, rope, sampling
+from kernforge.ops import sampling
+from kernforge.ops._registry import TRACED
 from kernforge.ops.attention import decode, page, prefill
 from kernforge.ops.attention._wrapper import WorkspaceWrapper
 from kernforge.ops.attention.page import paged_kv_from_halves, paged_kv_halves
@@ -152,116 +153,44 @@ def _traceable(python_op: Callable) -> Callable:
     return op
 
 
-# --------------------------------------------------------------------------- norms and activations
+# --------------------------------------------------------------------------- ops declared Traced
 
 
-def _norm_fake(input, weight, eps=1e-6):
-    # as the op: empty_like of the rows it reads (a contiguous copy when the last dim is strided)
-    if input.stride(-1) == 1 or input.shape[-1] <= 1:
-        return torch.empty_like(input)
-    return input.new_empty(input.shape)
-
-
-def _gated_fake(input):
-    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
-
-
-def _define_with_out(python_op: Callable, fake: Callable) -> None:
-    """``<op>(...) -> Tensor`` and ``<op>_out(..., *, Tensor(a!) out) -> ()`` of an op with ``out=``."""
-    _define(schema_of(python_op, "Tensor"), python_op, fake)
-    _define(schema_of(python_op, "()", name=f"{python_op.__name__}_out", out=True), _writes_only(python_op), _no_output)
-
-
-for _python_op in (norm.rmsnorm, norm.gemma_rmsnorm):
-    _define_with_out(_python_op, _norm_fake)
-
-for _python_op in (norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm):
-    _define(schema_of(_python_op, "()", writes=("input", "residual")), _python_op, _no_output)
-
-for _python_op in (activation.silu_and_mul, activation.gelu_and_mul, activation.gelu_tanh_and_mul):
-    _define_with_out(_python_op, _gated_fake)
-
-
-def _maybe_out(name: str, out, *args):
+def _maybe_out(name: str, out, *args, **kwargs):
     """Traced: ``<name>(*args)``, or ``<name>_out(*args, out=out)`` and ``out``."""
     if out is None:
-        return _op(name)(*args)
-    _op(f"{name}_out")(*args, out=out)
+        return _op(name)(*args, **kwargs)
+    _op(f"{name}_out")(*args, **kwargs, out=out)
     return out
 
 
-@functools.wraps(norm.rmsnorm)
-def rmsnorm(input, weight, eps: float = 1e-6, out=None):
-    if torch.compiler.is_compiling():
-        return _maybe_out("rmsnorm", out, input, weight, eps)
-    return norm.rmsnorm(input, weight, eps, out)
+def _traceable_with_out(python_op: Callable) -> Callable:
+    """``python_op`` eagerly; traced, ``<op>`` or (given ``out``, its last parameter) ``<op>_out``."""
+    name, positional = python_op.__name__, len(inspect.signature(python_op).parameters) - 1
+
+    @functools.wraps(python_op)
+    def op(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return python_op(*args, **kwargs)
+        out = args[positional] if len(args) > positional else kwargs.pop("out", None)
+        return _maybe_out(name, out, *args[:positional], **kwargs)
+
+    return op
 
 
-@functools.wraps(norm.gemma_rmsnorm)
-def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None):
-    if torch.compiler.is_compiling():
-        return _maybe_out("gemma_rmsnorm", out, input, weight, eps)
-    return norm.gemma_rmsnorm(input, weight, eps, out)
+def _define_traced(python_op: Callable) -> Callable:
+    """The custom op(s) of an op declared ``Traced`` where it is defined; returns its facade."""
+    traced = python_op.traced
+    _define(schema_of(python_op, traced.returns, traced.writes), python_op, traced.fake or _no_output)
+    if not traced.with_out:
+        return _traceable(python_op)
+    out_schema = schema_of(python_op, "()", traced.writes, name=f"{python_op.__name__}_out", out=True)
+    _define(out_schema, _writes_only(python_op), _no_output)
+    return _traceable_with_out(python_op)
 
 
-fused_add_rmsnorm = _traceable(norm.fused_add_rmsnorm)
-gemma_fused_add_rmsnorm = _traceable(norm.gemma_fused_add_rmsnorm)
-
-
-@functools.wraps(activation.silu_and_mul)
-def silu_and_mul(input, out=None):
-    if torch.compiler.is_compiling():
-        return _maybe_out("silu_and_mul", out, input)
-    return activation.silu_and_mul(input, out)
-
-
-@functools.wraps(activation.gelu_and_mul)
-def gelu_and_mul(input, out=None):
-    if torch.compiler.is_compiling():
-        return _maybe_out("gelu_and_mul", out, input)
-    return activation.gelu_and_mul(input, out)
-
-
-@functools.wraps(activation.gelu_tanh_and_mul)
-def gelu_tanh_and_mul(input, out=None):
-    if torch.compiler.is_compiling():
-        return _maybe_out("gelu_tanh_and_mul", out, input)
-    return activation.gelu_tanh_and_mul(input, out)
-
-
-# --------------------------------------------------------------------------- RoPE
-
-
-def _rope_fake(q, k, *args, **kwargs):
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-for _python_op in (rope.apply_rope_pos_ids, rope.apply_llama31_rope_pos_ids, rope.apply_rope, rope.apply_llama31_rope):
-    _define(schema_of(_python_op, "(Tensor, Tensor)"), _python_op, _rope_fake)
-    _in_place = getattr(rope, f"{_python_op.__name__}_inplace")
-    _define(schema_of(_in_place, "()", writes=("q", "k")), _in_place, _no_output)
-
-_define(
-    schema_of(rope.apply_rope_with_cos_sin_cache, "(Tensor, Tensor)"),
-    rope.apply_rope_with_cos_sin_cache,
-    lambda positions, query, key, *args, **kwargs: (torch.empty_like(query), torch.empty_like(key)),
-)
-_define(
-    schema_of(rope.apply_rope_with_cos_sin_cache_inplace, "()", writes=("query", "key")),
-    rope.apply_rope_with_cos_sin_cache_inplace,
-    _no_output,
-)
-
-apply_rope_pos_ids = _traceable(rope.apply_rope_pos_ids)
-apply_rope_pos_ids_inplace = _traceable(rope.apply_rope_pos_ids_inplace)
-apply_llama31_rope_pos_ids = _traceable(rope.apply_llama31_rope_pos_ids)
-apply_llama31_rope_pos_ids_inplace = _traceable(rope.apply_llama31_rope_pos_ids_inplace)
-apply_rope = _traceable(rope.apply_rope)
-apply_rope_inplace = _traceable(rope.apply_rope_inplace)
-apply_llama31_rope = _traceable(rope.apply_llama31_rope)
-apply_llama31_rope_inplace = _traceable(rope.apply_llama31_rope_inplace)
-apply_rope_with_cos_sin_cache = _traceable(rope.apply_rope_with_cos_sin_cache)
-apply_rope_with_cos_sin_cache_inplace = _traceable(rope.apply_rope_with_cos_sin_cache_inplace)
+# rmsnorm, fused_add_rmsnorm, silu_and_mul, the RoPE ops...: this module's function of the same name
+globals().update({name: _define_traced(python_op) for name, python_op in TRACED.items()})
 
 
 # --------------------------------------------------------------------------- the paged KV cache

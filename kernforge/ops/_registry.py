@@ -1,14 +1,16 @@
 """The op registry: each public op is declared once, where it is defined.
 
-``@kernel_op(MODULE, dtypes, **fixed)`` on an op's function records which
-module variant the op runs for each input dtype (what pre-warm builds) and
-exports the function under its name; ``export(name, fn)`` adds an alias.
-``kernforge.ops`` and ``kernforge`` export exactly what is registered here.
+``@kernel_op(MODULE, dtypes, traced=Traced(...), **fixed)`` on an op's function records which
+module variant the op runs for each input dtype (what pre-warm builds), how it becomes a
+``torch.ops.kernforge`` custom op (``Traced``: kernforge.torch_library reads it; the arguments come
+from the function's signature) and exports the function under its name; ``export(name, fn)`` adds
+an alias. ``kernforge.ops`` and ``kernforge`` export exactly what is registered here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,18 +45,39 @@ class OpKernels:
         return found
 
 
-# op name -> its kernels (pre-warm's view); public name -> function (the exports)
+@dataclass(frozen=True)
+class Traced:
+    """How an op that takes its own arguments becomes ``torch.ops.kernforge.<op>``: what its schema
+    returns, the arguments it writes in place, its fake (the outputs from the inputs' shapes, dtypes
+    and strides alone; none for an op that only writes), and whether it takes ``out=`` (then an
+    ``<op>_out`` custom op writes ``out``)."""
+
+    returns: str = "()"
+    writes: tuple[str, ...] = ()
+    fake: Callable | None = None
+    with_out: bool = False
+
+
+# op name -> its kernels (pre-warm's view); public name -> function (the exports); op name ->
+# function, for the ops declared Traced (torch_library's view)
 OPS: dict[str, OpKernels] = {}
 PUBLIC: dict[str, Callable] = {}
+TRACED: dict[str, Callable] = {}
 
 
-def kernel_op(module: Module, dtypes: tuple[torch.dtype, ...] = ALL_DTYPES, **fixed) -> Callable:
-    """Register the decorated function as a public op running ``module`` with ``fixed`` params."""
+def kernel_op(
+    module: Module, dtypes: tuple[torch.dtype, ...] = ALL_DTYPES, traced: Traced | None = None, **fixed
+) -> Callable:
+    """Register the decorated function as a public op running ``module`` with ``fixed`` params;
+    ``traced``: how it becomes a custom op."""
 
     def register(fn: Callable) -> Callable:
         OPS[fn.__name__] = OpKernels(fn.__name__, module, dtypes, fixed)
         PUBLIC[fn.__name__] = fn
         fn.kernels = OPS[fn.__name__]
+        if traced is not None:
+            fn.traced = traced
+            TRACED[fn.__name__] = fn
         return fn
 
     return register

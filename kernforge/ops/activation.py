@@ -6,7 +6,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Enum, Module
 from kernforge.ops._common import checked_out, num_threads, readable_rows, row_geometry, rows_view, variant_for_input
-from kernforge.ops._registry import kernel_op
+from kernforge.ops._registry import Traced, kernel_op
 
 # out[i0, i1, :d] = act(input[i0, i1, :d]) * input[i0, i1, d:2d] over n0 x n1 rows at 2-D strides.
 ACTIVATION = Module(
@@ -23,19 +23,26 @@ ACTIVATION = Module(
 )
 
 
-@kernel_op(ACTIVATION, act="silu")
+def _half_width(input):  # the custom op's output, [..., 2d] -> [..., d]
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+_GATED = Traced("Tensor", fake=_half_width, with_out=True)
+
+
+@kernel_op(ACTIVATION, act="silu", traced=_GATED)
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` (SwiGLU)."""
     return _gated(input, out, silu_and_mul.kernels)
 
 
-@kernel_op(ACTIVATION, act="gelu")
+@kernel_op(ACTIVATION, act="gelu", traced=_GATED)
 def gelu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu(x[..., :d]) * x[..., d:]`` with the exact (erf) GELU (GeGLU)."""
     return _gated(input, out, gelu_and_mul.kernels)
 
 
-@kernel_op(ACTIVATION, act="gelu_tanh")
+@kernel_op(ACTIVATION, act="gelu_tanh", traced=_GATED)
 def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu(x[..., :d], approximate="tanh") * x[..., d:]``."""
     return _gated(input, out, gelu_tanh_and_mul.kernels)

@@ -15,7 +15,7 @@ from kernforge.ops._common import (
     variant_for_input,
     writable_rows,
 )
-from kernforge.ops._registry import OpKernels, kernel_op
+from kernforge.ops._registry import OpKernels, Traced, kernel_op
 
 # out = norm(input [+ residual]) * weight over n0 x n1 rows of `hidden` elements at 2-D strides;
 # with fused_add, residual is updated in place and out may be input.
@@ -34,19 +34,31 @@ NORM = Module(
 )
 
 
-@kernel_op(NORM, fused_add=False, gemma=False)
+def _rows_like(input, *args, **kwargs):
+    # the custom op's output: empty_like of the rows it reads (a contiguous copy when the last
+    # dimension is strided), as _normalize allocates it
+    if input.stride(-1) == 1 or input.shape[-1] <= 1:
+        return torch.empty_like(input)
+    return input.new_empty(input.shape)
+
+
+_NORMALIZES = Traced("Tensor", fake=_rows_like, with_out=True)
+_NORMALIZES_IN_PLACE = Traced(writes=("input", "residual"))
+
+
+@kernel_op(NORM, fused_add=False, gemma=False, traced=_NORMALIZES)
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """``out = input / sqrt(mean(input**2, -1) + eps) * weight``; input ``[N, D]`` or ``[B, H, D]``."""
     return _normalize(input, weight, eps, out, rmsnorm.kernels)
 
 
-@kernel_op(NORM, fused_add=False, gemma=True)
+@kernel_op(NORM, fused_add=False, gemma=True, traced=_NORMALIZES)
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None):
     """Gemma's RMSNorm: scales by ``1 + weight``."""
     return _normalize(input, weight, eps, out, gemma_rmsnorm.kernels)
 
 
-@kernel_op(NORM, fused_add=True, gemma=False)
+@kernel_op(NORM, fused_add=True, gemma=False, traced=_NORMALIZES_IN_PLACE)
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> None:
     """In place: ``residual += input; input = rmsnorm(residual)``.
 
@@ -56,7 +68,7 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
     _fused_add(input, residual, weight, eps, fused_add_rmsnorm.kernels)
 
 
-@kernel_op(NORM, fused_add=True, gemma=True)
+@kernel_op(NORM, fused_add=True, gemma=True, traced=_NORMALIZES_IN_PLACE)
 def gemma_fused_add_rmsnorm(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> None:

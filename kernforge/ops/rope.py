@@ -29,7 +29,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import _overlaps, num_threads, same_dtype, variant_for_input
-from kernforge.ops._registry import kernel_op
+from kernforge.ops._registry import Traced, kernel_op
 
 _I = "int64_t"
 # q/k: rows of head_dim elements at token and head strides, read at q / k and written at q_out /
@@ -94,7 +94,19 @@ _CACHED_FREQUENCIES = (1.0, 1.0, 0, 0.0, 0.0, 0.0)  # unused with a cache
 # --------------------------------------------------------------------------- FlashInfer's ops
 
 
-@kernel_op(ROPE)
+def _like_q_and_k(q, k, *args, **kwargs):  # the out-of-place custom ops' outputs
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _like_query_and_key(positions, query, key, *args, **kwargs):
+    return torch.empty_like(query), torch.empty_like(key)
+
+
+_ROTATES = Traced("(Tensor, Tensor)", fake=_like_q_and_k)
+_ROTATES_IN_PLACE = Traced(writes=("q", "k"))
+
+
+@kernel_op(ROPE, traced=Traced(writes=("query", "key")))
 def apply_rope_with_cos_sin_cache_inplace(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -111,7 +123,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=Traced("(Tensor, Tensor)", fake=_like_query_and_key))
 def apply_rope_with_cos_sin_cache(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -126,7 +138,7 @@ def apply_rope_with_cos_sin_cache(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES_IN_PLACE)
 def apply_rope_pos_ids_inplace(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,7 +161,7 @@ def apply_rope_pos_ids_inplace(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES)
 def apply_rope_pos_ids(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,7 +177,7 @@ def apply_rope_pos_ids(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES_IN_PLACE)
 def apply_llama31_rope_pos_ids_inplace(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,7 +203,7 @@ def apply_llama31_rope_pos_ids_inplace(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES)
 def apply_llama31_rope_pos_ids(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,7 +229,7 @@ def apply_llama31_rope_pos_ids(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES_IN_PLACE)
 def apply_rope_inplace(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,7 +254,7 @@ def apply_rope_inplace(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES)
 def apply_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -259,7 +271,7 @@ def apply_rope(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES_IN_PLACE)
 def apply_llama31_rope_inplace(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -287,7 +299,7 @@ def apply_llama31_rope_inplace(
     )
 
 
-@kernel_op(ROPE)
+@kernel_op(ROPE, traced=_ROTATES)
 def apply_llama31_rope(
     q: torch.Tensor,
     k: torch.Tensor,
