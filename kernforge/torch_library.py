@@ -29,20 +29,19 @@ Interface (what models and ``kernforge.integrations.transformers`` call)
   does not trace a ``torch.Generator`` argument: pass ``seed``/``offset`` tensors instead).
 * Attention: a wrapper's plan (page table, work lists, compiled kernel) lives in Python objects that
   a graph cannot hold, and is replaced every step. So ``plan()`` stays outside the compiled region
-  (once per step) and ``run()`` becomes ``kernforge::attention_run(q, kv, v, wrapper, out_dtype,
-  head_dim_vo, q_scale, k_scale, v_scale)``: ``wrapper`` is the wrapper's number in a registry of
-  live wrappers (weak references; numbers are never reused), and the real implementation runs that
-  wrapper's *current* plan, so one graph serves every step's new plan. The fake implementation needs
-  only ``q``'s shape and the two planned values it is given; Dynamo reads them from the plan while
-  tracing and guards on them, so a plan with another output dtype or head dim recompiles rather than
-  mis-describe the output (the real implementation checks them too). The KV cache is an input of the
-  op, which orders the op after the ``append_paged_kv_cache`` that wrote the cache. ``kv``/``v``:
-  the paged cache (one tensor, ``v`` None) or its ``(k_cache, v_cache)`` halves; the ragged
-  wrapper's ``k`` and ``v``. ``attention_run_return_lse`` returns ``(out, lse)``.
-  Use this module's ``BatchDecodeWithPagedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper``
-  and ``BatchPrefillWithRaggedKVCacheWrapper`` (kernforge's, registered when built, with a traceable
-  ``run()``), or ``register_wrapper(w)`` a wrapper of ``kernforge.ops`` and call
-  ``attention_run(w, q, paged_kv_cache)``.
+  (once per step) and ``run()`` becomes ``kernforge::attention_run(tensors, wrapper, out_dtype,
+  head_dim_vo, q_scale, k_scale, v_scale)``: ``tensors`` are the wrapper's run() tensors as its
+  ``traced_tensors()`` lists them (q and the paged cache's K/V halves, or q, k and v; MLA's four),
+  ``wrapper`` is the wrapper's number in a registry of live wrappers (weak references; numbers are
+  never reused), and the real implementation runs that wrapper's *current* plan, so one graph serves
+  every step's new plan. The fake implementation needs only ``q``'s shape and the two planned values
+  it is given (``planned_output()``); Dynamo reads them from the plan while tracing and guards on
+  them, so a plan with another output dtype or head dim recompiles rather than mis-describe the
+  output (the real implementation checks them too). The KV cache is an input of the op, which orders
+  the op after the ``append_paged_kv_cache`` that wrote the cache. ``attention_run_return_lse``
+  returns ``(out, lse)``. Every attention wrapper kernforge exports has a class of the same name
+  here (registered when built, with a traceable ``run()``); or ``register_wrapper(w)`` a wrapper of
+  ``kernforge.ops`` and call ``attention_run(w, *its run() tensors)``.
 * Inference only: no autograd formulas (run the model under ``torch.no_grad()`` or
   ``torch.inference_mode()``). Scales (``q_scale`` ...) are Python floats when traced.
 
@@ -60,8 +59,8 @@ from collections.abc import Callable
 import torch
 
 from kernforge.ops import sampling
-from kernforge.ops._registry import TRACED
-from kernforge.ops.attention import decode, page, prefill
+from kernforge.ops._registry import PUBLIC, TRACED
+from kernforge.ops.attention import page
 from kernforge.ops.attention._wrapper import WorkspaceWrapper
 from kernforge.ops.attention.page import paged_kv_from_halves, paged_kv_halves
 from kernforge.ops.gemm import bf16, int8
@@ -551,13 +550,19 @@ class _TraceableRun:
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
 
-class BatchDecodeWithPagedKVCacheWrapper(_TraceableRun, decode.BatchDecodeWithPagedKVCacheWrapper):
-    """kernforge's decode wrapper, registered, with a ``run()`` that torch.compile traces."""
+def _traceable_wrapper(cls: type) -> type:
+    """``cls`` (an exported attention wrapper), registered on construction, with a ``run()`` that
+    torch.compile traces as ``kernforge::attention_run``."""
+    doc = f"kernforge's ``{cls.__name__}``, registered, with a ``run()`` that torch.compile traces."
+    return type(cls.__name__, (_TraceableRun, cls), {"__doc__": doc, "__module__": __name__})
 
 
-class BatchPrefillWithPagedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWithPagedKVCacheWrapper):
-    """kernforge's paged prefill wrapper, registered, with a ``run()`` that torch.compile traces."""
-
-
-class BatchPrefillWithRaggedKVCacheWrapper(_TraceableRun, prefill.BatchPrefillWithRaggedKVCacheWrapper):
-    """kernforge's ragged prefill wrapper, registered, with a ``run(q, k, v)`` that torch.compile traces."""
+# BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWith{Paged,Ragged}KVCacheWrapper, and any wrapper
+# a new family exports: this module's class of the same name
+globals().update(
+    {
+        name: _traceable_wrapper(exported)
+        for name, exported in PUBLIC.items()
+        if isinstance(exported, type) and issubclass(exported, WorkspaceWrapper)
+    }
+)
