@@ -60,10 +60,7 @@ import torch
 
 from kernforge.ops import sampling
 from kernforge.ops._registry import PUBLIC, TRACED
-from kernforge.ops.attention import page
 from kernforge.ops.attention._wrapper import WorkspaceWrapper
-from kernforge.ops.attention.page import paged_kv_from_halves, paged_kv_halves
-from kernforge.ops.gemm import bf16, int8
 
 NAMESPACE = "kernforge"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace
@@ -180,6 +177,8 @@ def _traceable_with_out(python_op: Callable) -> Callable:
 def _define_traced(python_op: Callable) -> Callable:
     """The custom op(s) of an op declared ``Traced`` where it is defined; returns its facade."""
     traced = python_op.traced
+    if traced.arguments is not None:
+        return _define_adapted(python_op, traced)
     _define(schema_of(python_op, traced.returns, traced.writes), python_op, traced.fake or _no_output)
     if not traced.with_out:
         return _traceable(python_op)
@@ -188,151 +187,30 @@ def _define_traced(python_op: Callable) -> Callable:
     return _traceable_with_out(python_op)
 
 
+def _define_adapted(python_op: Callable, traced) -> Callable:
+    """An op whose custom op takes other arguments (``traced.arguments``): the op eagerly; traced,
+    its arguments converted by ``traced.to_schema``."""
+    name, impl = python_op.__name__, traced.from_schema
+    _define(
+        f"{name}({traced.arguments}) -> {traced.returns}",
+        impl if traced.returns != "()" else _writes_only(impl),
+        traced.fake or _no_output,
+    )
+    if traced.with_out:
+        _define(f"{name}_out({traced.arguments}, *, Tensor(a!) out) -> ()", _writes_only(impl), _no_output)
+
+    @functools.wraps(python_op)
+    def op(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return python_op(*args, **kwargs)
+        arguments, out = traced.to_schema(*args, **kwargs)
+        return _maybe_out(name, out, *arguments)
+
+    return op
+
+
 # rmsnorm, fused_add_rmsnorm, silu_and_mul, the RoPE ops...: this module's function of the same name
 globals().update({name: _define_traced(python_op) for name, python_op in TRACED.items()})
-
-
-# --------------------------------------------------------------------------- the paged KV cache
-
-
-def _append_impl(
-    append_key,
-    append_value,
-    batch_indices,
-    positions,
-    paged_kv_cache,
-    paged_v_cache,
-    kv_indices,
-    kv_indptr,
-    kv_last_page_len,
-    kv_layout="NHD",
-) -> None:
-    page.append_paged_kv_cache(
-        append_key,
-        append_value,
-        batch_indices,
-        positions,
-        paged_kv_from_halves(paged_kv_cache, paged_v_cache),
-        kv_indices,
-        kv_indptr,
-        kv_last_page_len,
-        kv_layout,
-    )
-
-
-_define(
-    "append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
-    "Tensor(a!) paged_kv_cache, Tensor(b!)? paged_v_cache, Tensor kv_indices, Tensor kv_indptr, "
-    'Tensor kv_last_page_len, str kv_layout="NHD") -> ()',
-    _append_impl,
-    _no_output,
-)
-
-
-@functools.wraps(page.append_paged_kv_cache)
-def append_paged_kv_cache(
-    append_key,
-    append_value,
-    batch_indices,
-    positions,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    kv_last_page_len,
-    kv_layout: str = "NHD",
-) -> None:
-    if not torch.compiler.is_compiling():
-        return page.append_paged_kv_cache(
-            append_key,
-            append_value,
-            batch_indices,
-            positions,
-            paged_kv_cache,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
-            kv_layout,
-        )
-    _op("append_paged_kv_cache")(
-        append_key,
-        append_value,
-        batch_indices,
-        positions,
-        *paged_kv_halves(paged_kv_cache),
-        kv_indices,
-        kv_indptr,
-        kv_last_page_len,
-        kv_layout,
-    )
-
-
-# --------------------------------------------------------------------------- GEMM
-
-
-def _linear_fake(x, packed, n, k, panel_width, bias=None):
-    return x.new_empty((*x.shape[:-1], n))
-
-
-def _packed_weight(packed, n, k, panel_width) -> bf16.PackedWeight:
-    return bf16.PackedWeight(packed, n, k, panel_width=panel_width)
-
-
-_define(
-    "weight_packed_linear(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None) -> Tensor",
-    lambda x, packed, n, k, panel_width, bias=None: bf16.weight_packed_linear(
-        x, _packed_weight(packed, n, k, panel_width), bias
-    ),
-    _linear_fake,
-)
-_define(
-    "weight_packed_linear_out(Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None, *, "
-    "Tensor(a!) out) -> ()",
-    _writes_only(
-        lambda x, packed, n, k, panel_width, bias=None, *, out: bf16.weight_packed_linear(
-            x, _packed_weight(packed, n, k, panel_width), bias, out
-        )
-    ),
-    _no_output,
-)
-_define(
-    "int8_scaled_mm_with_quant(Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, "
-    "int panel_width, Tensor? bias=None) -> Tensor",
-    lambda x, packed, compensation, scale, n, k, panel_width, bias=None: int8.int8_scaled_mm_with_quant(
-        x, int8.PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias
-    ),
-    lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)),
-)
-
-
-def _check_layout(packed, module) -> None:
-    # the custom ops rebuild the dataclass with the current layout: refuse another one before that
-    if packed.layout_version != module.LAYOUT_VERSION:
-        raise ValueError(
-            f"packed has layout version {packed.layout_version}; this kernforge reads version "
-            f"{module.LAYOUT_VERSION} (pack the weight again)"
-        )
-
-
-@functools.wraps(bf16.weight_packed_linear)
-def weight_packed_linear(x, packed, bias=None, out=None):
-    if not torch.compiler.is_compiling():
-        return bf16.weight_packed_linear(x, packed, bias, out)
-    _check_layout(packed, bf16)
-    return _maybe_out("weight_packed_linear", out, x, packed.packed, packed.n, packed.k, packed.panel_width, bias)
-
-
-@functools.wraps(int8.int8_scaled_mm_with_quant)
-def int8_scaled_mm_with_quant(x, packed, bias=None, out_dtype=None):
-    if not torch.compiler.is_compiling():
-        return int8.int8_scaled_mm_with_quant(x, packed, bias, out_dtype)
-    _check_layout(packed, int8)
-    if out_dtype is not None and out_dtype is not x.dtype:
-        raise TypeError(
-            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant writes x's dtype"
-        )
-    return _op("int8_scaled_mm_with_quant")(
-        x, packed.packed, packed.compensation, packed.scale, packed.n, packed.k, packed.panel_width, bias
-    )
 
 
 # --------------------------------------------------------------------------- sampling

@@ -47,15 +47,22 @@ class OpKernels:
 
 @dataclass(frozen=True)
 class Traced:
-    """How an op that takes its own arguments becomes ``torch.ops.kernforge.<op>``: what its schema
-    returns, the arguments it writes in place, its fake (the outputs from the inputs' shapes, dtypes
-    and strides alone; none for an op that only writes), and whether it takes ``out=`` (then an
-    ``<op>_out`` custom op writes ``out``)."""
+    """How an op becomes ``torch.ops.kernforge.<op>``: what its schema returns, the arguments it
+    writes in place, its fake (the outputs from the inputs' shapes, dtypes and strides alone; none
+    for an op that only writes), and whether it takes ``out=`` (then an ``<op>_out`` custom op
+    writes ``out``). The arguments are the op's own, read from its signature, unless ``arguments``
+    says otherwise."""
 
     returns: str = "()"
     writes: tuple[str, ...] = ()
     fake: Callable | None = None
     with_out: bool = False
+    # An op whose arguments a schema cannot hold (a packed-weight dataclass, a (k, v) pair) states
+    # the custom op's own ones (schema syntax), the op's call from them (the implementation), and
+    # the conversion of the op's arguments into them while tracing: -> (arguments, out).
+    arguments: str | None = None
+    from_schema: Callable | None = None
+    to_schema: Callable | None = None
 
 
 # op name -> its kernels (pre-warm's view); public name -> function (the exports); op name ->

@@ -648,16 +648,14 @@ def test_a_plan_with_another_output_dtype_recompiles(workspace):
 # --------------------------------------------------------------------------- schemas vs Python signatures
 
 # Custom ops whose schema takes other arguments than the Python op (a schema holds no Python objects):
-# their traceable facade converts, and keeps the Python op's signature.
+# declared so with the op (Traced.arguments, converted by its to_schema), or written in torch_library
+# (the sampler's per-row tensors and Philox seed; attention_run over the wrappers' protocol).
 ADAPTED = {
-    "append_paged_kv_cache": "paged_kv_cache as its (k, v) halves",
-    "weight_packed_linear": "the PackedWeight as its tensor and ints",
-    "weight_packed_linear_out": "the PackedWeight as its tensor and ints",
-    "int8_scaled_mm_with_quant": "the PackedInt8Weight as its tensors and ints",
-    "top_k_top_p_sampling_from_logits": "top_k/top_p per row and the Philox seed/offset as tensors",
-    "attention_run": "a wrapper's run() tensors and its registry handle",
-    "attention_run_return_lse": "a wrapper's run() tensors and its registry handle",
-}
+    name
+    for op_name, op in kernforge.ops._registry.TRACED.items()
+    if op.traced.arguments is not None
+    for name in (op_name, f"{op_name}_out")
+} | {"top_k_top_p_sampling_from_logits", "attention_run", "attention_run_return_lse"}
 
 
 # torch's spelling of a schema argument's type, for a Python annotation

@@ -28,7 +28,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import index_vector, num_threads
-from kernforge.ops._registry import FP8_DTYPE_NAMES, export, kernel_op
+from kernforge.ops._registry import FP8_DTYPE_NAMES, Traced, export, kernel_op
 
 KV_LAYOUTS = ("NHD", "HND")
 # Storage dtypes a cache may have (FlashInfer's decode reads fp8 caches as well).
@@ -313,7 +313,67 @@ PAGE = Module(
 )
 
 
-@kernel_op(PAGE)
+def _append_to_schema(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout="NHD",
+):
+    halves = paged_kv_halves(paged_kv_cache)
+    return (
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        *halves,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        kv_layout,
+    ), None
+
+
+def _append_from_schema(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    paged_v_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout="NHD",
+):
+    append_paged_kv_cache(
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        paged_kv_from_halves(paged_kv_cache, paged_v_cache),
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        kv_layout,
+    )
+
+
+# The custom op takes the paged cache as its two halves (one tensor: V None), both written.
+_APPEND_TRACED = Traced(
+    arguments="Tensor append_key, Tensor append_value, Tensor batch_indices, Tensor positions, "
+    "Tensor(a!) paged_kv_cache, Tensor(b!)? paged_v_cache, Tensor kv_indices, Tensor kv_indptr, "
+    'Tensor kv_last_page_len, str kv_layout="NHD"',
+    from_schema=_append_from_schema,
+    to_schema=_append_to_schema,
+)
+
+
+@kernel_op(PAGE, traced=_APPEND_TRACED)
 def append_paged_kv_cache(
     append_key: torch.Tensor,
     append_value: torch.Tensor,

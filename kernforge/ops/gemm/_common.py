@@ -51,6 +51,15 @@ def checked_weight(weight: object, dtype: torch.dtype, op: str) -> tuple[int, in
     return int(weight.shape[0]), int(weight.shape[1])
 
 
+def check_layout_version(packed: object, version: int) -> None:
+    """A custom op rebuilds a packed weight at this kernforge's layout: refuse another one first."""
+    if packed.layout_version != version:
+        raise ValueError(
+            f"packed has layout version {packed.layout_version}; this kernforge reads version {version} "
+            "(pack the weight again)"
+        )
+
+
 def check_packed(
     packed: object,
     cls: type,

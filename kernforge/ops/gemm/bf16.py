@@ -31,8 +31,15 @@ from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
-from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
-from kernforge.ops.gemm._common import check_packed, checked_weight, matrix_rows, packed_weight, raise_for_status
+from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op
+from kernforge.ops.gemm._common import (
+    check_layout_version,
+    check_packed,
+    checked_weight,
+    matrix_rows,
+    packed_weight,
+    raise_for_status,
+)
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # columns of the product per packed panel: a multiple of every tier's NR
@@ -194,7 +201,27 @@ export("convert_weight_packed", convert_weight_packed)
 
 
 # Pre-warm builds the best tier's bf16 default; other tiers, dtypes and tuned choices compile on first use.
-@kernel_op(GEMM, **gemm_config((8, 32), depth_block=512))  # pre-warm: avx512's bf16 default for K > 256
+def _to_schema(x, packed, bias=None, out=None):
+    check_layout_version(packed, LAYOUT_VERSION)  # the custom op rebuilds the dataclass at this version
+    return (x, packed.packed, packed.n, packed.k, packed.panel_width, bias), out
+
+
+def _from_schema(x, packed, n, k, panel_width, bias=None, out=None):
+    return weight_packed_linear(x, PackedWeight(packed, n, k, panel_width=panel_width), bias, out)
+
+
+# The custom op takes the PackedWeight as its tensor and ints (a schema holds no Python objects).
+_TRACED = Traced(
+    "Tensor",
+    fake=lambda x, packed, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)),
+    with_out=True,
+    arguments="Tensor x, Tensor packed, int n, int k, int panel_width, Tensor? bias=None",
+    from_schema=_from_schema,
+    to_schema=_to_schema,
+)
+
+
+@kernel_op(GEMM, traced=_TRACED, **gemm_config((8, 32), depth_block=512))  # pre-warm: avx512's bf16 default for K > 256
 def weight_packed_linear(
     x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -23,9 +23,10 @@ import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Module
 from kernforge.ops._common import num_threads
-from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
+from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op
 from kernforge.ops.gemm._common import (
     check_cpu_tensor,
+    check_layout_version,
     check_packed,
     checked_fp32_bias,
     checked_weight,
@@ -153,7 +154,31 @@ def int8_scaled_mm(
     return out
 
 
-@kernel_op(GEMM_INT8)
+def _to_schema(x, packed, bias=None, out_dtype=None):
+    check_layout_version(packed, LAYOUT_VERSION)  # the custom op rebuilds the dataclass at this version
+    if out_dtype is not None and out_dtype is not x.dtype:
+        raise TypeError(
+            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant (traced) writes x's dtype"
+        )
+    return (x, packed.packed, packed.compensation, packed.scale, packed.n, packed.k, packed.panel_width, bias), None
+
+
+def _from_schema(x, packed, compensation, scale, n, k, panel_width, bias=None):
+    return int8_scaled_mm_with_quant(x, PackedInt8Weight(packed, compensation, scale, n, k, panel_width), bias)
+
+
+# The custom op takes the PackedInt8Weight as its tensors and ints (a schema holds no Python objects).
+_TRACED = Traced(
+    "Tensor",
+    fake=lambda x, packed, compensation, scale, n, *args, **kwargs: x.new_empty((*x.shape[:-1], n)),
+    arguments="Tensor x, Tensor packed, Tensor compensation, Tensor scale, int n, int k, int panel_width, "
+    "Tensor? bias=None",
+    from_schema=_from_schema,
+    to_schema=_to_schema,
+)
+
+
+@kernel_op(GEMM_INT8, traced=_TRACED)
 def int8_scaled_mm_with_quant(
     x: torch.Tensor, packed: PackedInt8Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -162,7 +187,7 @@ def int8_scaled_mm_with_quant(
     kernel = _float_input_kernel(int8_scaled_mm_with_quant, x, "x")
     if out_dtype is not None and out_dtype is not x.dtype:
         raise TypeError(
-            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant writes x's dtype"
+            f"out_dtype is {out_dtype} but x has dtype {x.dtype}; int8_scaled_mm_with_quant (traced) writes x's dtype"
         )
     n, k = _checked_packed(packed)
     m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
