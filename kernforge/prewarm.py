@@ -43,7 +43,8 @@ from kernforge.jit import core, isa
 from kernforge.jit.module import DeclarationError, Module, registered
 from kernforge.model_spec import ModelSpec
 from kernforge.ops import OPS
-from kernforge.ops._common import TORCH_DTYPES, dtype_name, kv_cache_dtype
+from kernforge.ops._common import TORCH_DTYPES, dtype_name
+from kernforge.ops._registry import MODEL_KERNELS
 
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -58,64 +59,20 @@ def manifest_from_model_config(
     spec = ModelSpec.from_config(config)
     if quant not in (None, "int8"):
         raise ValueError(f"quant must be None or 'int8', got {quant!r}")
-    dtype, attention = spec.dtype, _attention_shape(spec)
-    norms = ["gemma_rmsnorm", "gemma_fused_add_rmsnorm"] if spec.gemma_norms else ["rmsnorm", "fused_add_rmsnorm"]
-    linear_shapes = spec.linear_shapes()
     return {
         "model": {
             "hidden_size": spec.hidden_size,
             "intermediate_size": spec.intermediate_size,
-            **attention,
-            "dtype": dtype,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "dtype": spec.dtype,
             "activation": spec.activation,
             "model_type": spec.model_type,
-            "linear_shapes": linear_shapes,
+            "linear_shapes": spec.linear_shapes(),
         },
-        "kernels": [
-            *({"op": op, "dtype": dtype} for op in [*norms, spec.gated_op]),
-            *({"op": op, "dtype": dtype} for op in _ATTENTION_OPS),
-            *(
-                {"module": "decode", "params": _decode_params(dtype, kv_dtype, attention)}
-                for kv_dtype in [dtype, *kv_cache_dtypes]
-            ),
-            *(
-                {"module": "prefill", "params": _prefill_params(dtype, kv_dtype, attention)}
-                for kv_dtype in [dtype, *kv_cache_dtypes]
-            ),
-            {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
-            {"op": "top_k_top_p_sampling_from_logits", "dtype": dtype},  # and on the model's logits
-            *_gemm_entries(dtype, linear_shapes.values()),
-            *([{"module": "gemm_int8", "params": {"dtype": dtype_name(dtype)}}] if quant == "int8" else []),
-        ],
-    }
-
-
-def _gemm_entries(dtype: str, shapes) -> list[dict]:
-    """The GEMM variants dispatch picks for these [N, K] weights over every row bucket."""
-    from kernforge.ops.gemm.bf16 import TILE_CANDIDATES, m_bucket, tile_shape
-
-    x_dtype, tier = TORCH_DTYPES[dtype_name(dtype)], isa.selected_tier()
-    configs = {}
-    for n, k in shapes:
-        for m in sorted({m_bucket(1 << i) for i in range(11)}):
-            config = TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params
-            params = {
-                "dtype": dtype_name(dtype),
-                **{key: list(v) if isinstance(v, tuple) else v for key, v in config.items()},
-            }
-            configs[json.dumps(params, sort_keys=True)] = params
-    return [{"module": "gemm", "params": params} for params in configs.values()]
-
-
-# Per-layer ops of the attention block besides decode: RoPE on q/k, then writing k/v to the cache.
-_ATTENTION_OPS = ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace", "append_paged_kv_cache")
-
-
-def _attention_shape(spec: ModelSpec) -> dict:
-    return {
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
+        # each family says what a model runs of it, next to its ops (ops._registry.model_kernels)
+        "kernels": [entry for hook in MODEL_KERNELS for entry in hook(spec, tuple(kv_cache_dtypes), quant)],
     }
 
 
@@ -142,26 +99,6 @@ def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None
     model = manifest_from_model_config(config)["model"]
     shapes = list(dict.fromkeys(tuple(nk) for nk in model["linear_shapes"].values()))  # distinct, in order
     return tune_gemm(m_list, shapes, TORCH_DTYPES[dtype_name(model["dtype"])], measure=measure)
-
-
-def _decode_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
-    from kernforge.ops.attention.decode import decode_variant_params  # the one rule plan() uses
-
-    q = TORCH_DTYPES[dtype_name(dtype)]
-    kv = kv_cache_dtype(kv_dtype)
-    group = attention["num_attention_heads"] // attention["num_key_value_heads"]
-    return decode_variant_params(q, kv, q, attention["head_dim"], group)
-
-
-def _prefill_params(dtype: str, kv_dtype: str, attention: dict) -> dict:
-    from kernforge.ops.attention.prefill import prefill_variant_params  # the one rule plan() uses
-
-    q = TORCH_DTYPES[dtype_name(dtype)]
-    kv = kv_cache_dtype(kv_dtype)
-    group = attention["num_attention_heads"] // attention["num_key_value_heads"]
-    head_dim = attention["head_dim"]
-    params = prefill_variant_params(q, kv, q, head_dim, head_dim, group)
-    return {**params, "tile": list(params["tile"])}  # as JSON spells it
 
 
 def specs_from_manifest(manifest: dict | str | Path, tier: str | None = None) -> list[core.KernelSpec]:

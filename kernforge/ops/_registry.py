@@ -90,6 +90,19 @@ def kernel_op(
     return register
 
 
+# What each family builds for a model: hooks (spec, kv_cache_dtypes, quant) -> manifest entries, next
+# to the ops (``spec``: a kernforge.model_spec.ModelSpec); pre-warm's manifest is their union.
+MODEL_KERNELS: list[Callable] = []
+
+
+def model_kernels(hook: Callable) -> Callable:
+    """Register ``hook(spec, kv_cache_dtypes, quant) -> [manifest entry, ...]``: the kernels of this
+    family that a model described by ``spec`` runs (KV caches in its dtype and ``kv_cache_dtypes``;
+    ``quant`` None or "int8")."""
+    MODEL_KERNELS.append(hook)
+    return hook
+
+
 def export(name: str, fn: Callable) -> Callable:
     """Export ``fn`` under another public name as well (FlashInfer's older spellings)."""
     PUBLIC[name] = fn

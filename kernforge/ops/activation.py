@@ -6,7 +6,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Enum, Module
 from kernforge.ops._common import checked_out, num_threads, readable_rows, row_geometry, rows_view, variant_for_input
-from kernforge.ops._registry import Traced, kernel_op
+from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 # out[i0, i1, :d] = act(input[i0, i1, :d]) * input[i0, i1, d:2d] over n0 x n1 rows at 2-D strides.
 ACTIVATION = Module(
@@ -70,3 +70,8 @@ def _gated(input, out, kernels):
             rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
         )
     return out
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    return [{"op": spec.gated_op, "dtype": spec.dtype}]  # the MLP's act(gate) * up

@@ -15,7 +15,7 @@ from kernforge.ops._common import (
     variant_for_input,
     writable_rows,
 )
-from kernforge.ops._registry import OpKernels, Traced, kernel_op
+from kernforge.ops._registry import OpKernels, Traced, kernel_op, model_kernels
 
 # out = norm(input [+ residual]) * weight over n0 x n1 rows of `hidden` elements at 2-D strides;
 # with fused_add, residual is updated in place and out may be input.
@@ -156,3 +156,9 @@ def _fused_add(input, residual, weight, eps, kernels):
         float(eps),
         num_threads(),
     )
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    names = ("gemma_rmsnorm", "gemma_fused_add_rmsnorm") if spec.gemma_norms else ("rmsnorm", "fused_add_rmsnorm")
+    return [{"op": name, "dtype": spec.dtype} for name in names]

@@ -29,7 +29,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import _overlaps, num_threads, same_dtype, variant_for_input
-from kernforge.ops._registry import Traced, kernel_op
+from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 _I = "int64_t"
 # q/k: rows of head_dim elements at token and head strides, read at q / k and written at q_out /
@@ -610,3 +610,12 @@ def _checked_cache(cache):
         cache = cache.contiguous()
         row_stride = rotary_dim
     return cache, rotary_dim, shape[0], row_stride
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    # the transformers integration rotates from a cos/sin cache; engines by position ids
+    return [
+        {"op": name, "dtype": spec.dtype}
+        for name in ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_pos_ids_inplace")
+    ]

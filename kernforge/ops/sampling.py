@@ -46,7 +46,7 @@ import torch
 
 from kernforge.jit.module import Codes, DType, Entry, Module, Struct
 from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
-from kernforge.ops._registry import ALL_DTYPES, export, kernel_op
+from kernforge.ops._registry import ALL_DTYPES, export, kernel_op, model_kernels
 
 _I64 = "int64_t"
 # One kernel for every sampling op: which op is `action`; per-row parameters are a scalar or an
@@ -612,3 +612,11 @@ def top_k_mask_logits(logits, top_k, out=None):
 # FlashInfer's older singular names, which SGLang still calls.
 top_p_renorm_prob = export("top_p_renorm_prob", top_p_renorm_probs)
 top_k_renorm_prob = export("top_k_renorm_prob", top_k_renorm_probs)
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    return [
+        {"op": "top_k_top_p_sampling_from_probs", "dtype": "fp32"},  # the sampler, on fp32 probs
+        {"op": "top_k_top_p_sampling_from_logits", "dtype": spec.dtype},  # and on the model's logits
+    ]

@@ -25,8 +25,8 @@ import math
 import torch
 
 from kernforge.jit.module import Codes, DType, Entry, Int, Module, Struct
-from kernforge.ops._common import check_head_dim, index_vector, num_threads
-from kernforge.ops._registry import export
+from kernforge.ops._common import TORCH_DTYPES, check_head_dim, dtype_name, index_vector, kv_cache_dtype, num_threads
+from kernforge.ops._registry import export, model_kernels
 from kernforge.ops.attention._wrapper import (
     KV_DTYPE_NAMES,
     LAYER_FIELDS,
@@ -469,3 +469,13 @@ def single_decode_with_kv_cache(
 
 export("BatchDecodeWithPagedKVCacheWrapper", BatchDecodeWithPagedKVCacheWrapper)
 export("single_decode_with_kv_cache", single_decode_with_kv_cache)
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    """The decode variant for a KV cache in the model's dtype and in each of ``kv_cache_dtypes``."""
+    q = TORCH_DTYPES[dtype_name(spec.dtype)]
+    return [
+        {"module": "decode", "params": decode_variant_params(q, kv_cache_dtype(kv), q, spec.head_dim, spec.group)}
+        for kv in [spec.dtype, *kv_cache_dtypes]
+    ]

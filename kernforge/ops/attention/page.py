@@ -28,7 +28,7 @@ import torch
 
 from kernforge.jit.module import DType, Entry, Module
 from kernforge.ops._common import index_vector, num_threads
-from kernforge.ops._registry import FP8_DTYPE_NAMES, Traced, export, kernel_op
+from kernforge.ops._registry import FP8_DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 
 KV_LAYOUTS = ("NHD", "HND")
 # Storage dtypes a cache may have (FlashInfer's decode reads fp8 caches as well).
@@ -556,3 +556,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
 
 
 export("get_batch_indices_positions", get_batch_indices_positions)
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    return [{"op": "append_paged_kv_cache", "dtype": spec.dtype}]  # each step's K/V into the cache

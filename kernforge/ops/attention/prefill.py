@@ -28,8 +28,16 @@ import torch
 from kernforge.jit import isa
 from kernforge.jit.module import ALL_TIERS, Codes, DType, Entry, Int, IntTuple, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
-from kernforge.ops._registry import export
+from kernforge.ops._common import (
+    MAX_HEAD_DIM,
+    TORCH_DTYPES,
+    check_head_dim,
+    dtype_name,
+    index_vector,
+    kv_cache_dtype,
+    num_threads,
+)
+from kernforge.ops._registry import export, model_kernels
 from kernforge.ops.attention._wrapper import (
     KV_DTYPE_NAMES,
     LAYER_FIELDS,
@@ -873,6 +881,17 @@ def single_prefill_with_kv_cache(
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    """The prefill variant (tuned tile, else the default) for each KV cache dtype."""
+    q = TORCH_DTYPES[dtype_name(spec.dtype)]
+    entries = []
+    for kv in [spec.dtype, *kv_cache_dtypes]:
+        params = prefill_variant_params(q, kv_cache_dtype(kv), q, spec.head_dim, spec.head_dim, spec.group)
+        entries.append({"module": "prefill", "params": {**params, "tile": list(params["tile"])}})  # JSON's spelling
+    return entries
 
 
 export("BatchPrefillWithPagedKVCacheWrapper", BatchPrefillWithPagedKVCacheWrapper)

@@ -30,8 +30,8 @@ from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import checked_out, num_threads, same_dtype, variant_for_input
-from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op
+from kernforge.ops._common import TORCH_DTYPES, checked_out, dtype_name, num_threads, same_dtype, variant_for_input
+from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import (
     check_layout_version,
     check_packed,
@@ -331,3 +331,19 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
             f"out of shape {tuple(out.shape)} and strides {tuple(out.stride())}: its leading "
             "dimensions cannot be merged into one row index without a copy"
         ) from None
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    """The GEMM variants dispatch picks for the model's linear shapes at every row bucket (tuned or
+    default), in the model's dtype."""
+    x_dtype, tier, configs = TORCH_DTYPES[dtype_name(spec.dtype)], isa.selected_tier(), {}
+    for n, k in spec.linear_shapes().values():
+        for m in sorted({m_bucket(1 << i) for i in range(11)}):
+            params = dict(TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params)
+            params = {
+                "dtype": dtype_name(spec.dtype),
+                **{key: list(v) if isinstance(v, tuple) else v for key, v in params.items()},
+            }
+            configs[tuple(sorted((key, str(v)) for key, v in params.items()))] = params
+    return [{"module": "gemm", "params": params} for params in configs.values()]

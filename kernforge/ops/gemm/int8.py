@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Module
-from kernforge.ops._common import num_threads
-from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op
+from kernforge.ops._common import dtype_name, num_threads
+from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import (
     check_cpu_tensor,
     check_layout_version,
@@ -287,3 +287,8 @@ def _weight_args(packed: PackedInt8Weight, bias: torch.Tensor | None) -> tuple[i
         packed.scale.data_ptr(),
         0 if bias is None else bias.data_ptr(),
     )
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    return [{"module": "gemm_int8", "params": {"dtype": dtype_name(spec.dtype)}}] if quant == "int8" else []
