@@ -82,28 +82,7 @@ def _tuned_and_default(group: int):
 def _ragged_wrapper(workspace, length, tile=None):
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     indptr = torch.tensor([0, length], dtype=torch.int32)
-    wrapper._make_plan(
-        indptr,
-        indptr,
-        None,
-        None,
-        HEADS,
-        KV_HEADS,
-        HEAD_DIM,
-        None,
-        1,
-        None,
-        None,
-        True,
-        "NONE",
-        -1,
-        None,
-        None,
-        torch.bfloat16,
-        None,
-        None,
-        tile,
-    )
+    wrapper.plan_with_tile(indptr, indptr, HEADS, KV_HEADS, HEAD_DIM, tile)
     return wrapper
 
 

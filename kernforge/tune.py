@@ -203,27 +203,16 @@ def tune_prefill(
             def seconds(candidate: Candidate) -> float:
                 tile = candidate.params["tile"]
                 wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-                wrapper._make_plan(  # plan() with the tile forced (FlashInfer's plan() has no such argument)
-                    qo_indptr=indptr,
-                    kv_indptr=indptr,
-                    last_page_len=None,
-                    indices=None,
-                    num_qo_heads=num_kv_heads * group,
-                    num_kv_heads=num_kv_heads,
-                    head_dim_qk=head_dim_qk,
-                    head_dim_vo=head_dim_vo,
-                    page_size=1,
-                    custom_mask=None,
-                    packed_custom_mask=None,
-                    causal=True,
-                    pos_encoding_mode="NONE",
-                    window_left=-1,
-                    logits_soft_cap=None,
-                    sm_scale=None,
+                wrapper.plan_with_tile(
+                    indptr,
+                    indptr,
+                    num_kv_heads * group,
+                    num_kv_heads,
+                    head_dim_qk,
+                    tile,
+                    head_dim_vo,
                     q_data_type=dtype,
                     kv_data_type=kv_dtype,
-                    o_data_type=dtype,
-                    tile=tile,
                 )
                 timings[tile] = measure(tile, lambda: wrapper.run(q, k, v, out=out))
                 return timings[tile]

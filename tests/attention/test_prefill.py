@@ -400,28 +400,7 @@ def test_masked_blocks_are_skipped(workspace):
     counts = {}
     for causal in (True, False):
         wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-        wrapper._make_plan(
-            qo_indptr,
-            kv_indptr,
-            None,
-            None,
-            4,
-            1,
-            64,
-            None,
-            1,
-            None,
-            None,
-            causal,
-            "NONE",
-            -1,
-            None,
-            None,
-            torch.bfloat16,
-            None,
-            None,
-            tile,
-        )
+        wrapper.plan_with_tile(qo_indptr, kv_indptr, 4, 1, 64, tile, causal=causal)
         out = wrapper.run(q, k, v)
         counts[causal] = wrapper.computed_blocks()
         check(out, None, attention_reference(q, k, v, causal=causal)[0], None, torch.bfloat16, f"causal={causal}")
@@ -441,27 +420,8 @@ def test_keyless_tiles_visit_no_block(workspace):
         rand((kv_len, 1, 64), torch.bfloat16, g),
     )
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper._make_plan(
-        torch.tensor([0, qo_len], dtype=torch.int32),
-        torch.tensor([0, kv_len], dtype=torch.int32),
-        None,
-        None,
-        4,
-        1,
-        64,
-        None,
-        1,
-        None,
-        None,
-        True,
-        "NONE",
-        -1,
-        None,
-        None,
-        torch.bfloat16,
-        None,
-        None,
-        tile,
+    wrapper.plan_with_tile(
+        torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32), 4, 1, 64, tile
     )
     out, lse = wrapper.run_return_lse(q, k, v)
     check(out, lse, *attention_reference(q, k, v, causal=True), torch.bfloat16)
@@ -599,28 +559,7 @@ def test_every_tile(tier, workspace, tile):
     qo_indptr = torch.tensor([0, 70, 75], dtype=torch.int32)
     kv_indptr = torch.tensor([0, 200, 205], dtype=torch.int32)
     wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    wrapper._make_plan(
-        qo_indptr,
-        kv_indptr,
-        None,
-        None,
-        12,
-        4,
-        64,
-        None,
-        1,
-        None,
-        None,
-        True,
-        "NONE",
-        -1,
-        None,
-        None,
-        torch.bfloat16,
-        None,
-        None,
-        tile,
-    )
+    wrapper.plan_with_tile(qo_indptr, kv_indptr, 12, 4, 64, tile)
     out = wrapper.run(q, k, v)
     check_ragged(out, None, q, k, v, qo_indptr, kv_indptr, torch.bfloat16, f"tile {tile}", causal=True)
 
@@ -815,27 +754,16 @@ def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, ti
     with kernforge.use_isa("avx512"):
         for window in (-1, 40):
             wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-            wrapper._make_plan(
+            wrapper.plan_with_tile(
                 qo_indptr,
                 kv_indptr,
-                None,
-                None,
                 num_qo_heads,
                 2,
                 head_dim_qk,
-                head_dim_vo,
-                1,
-                None,
-                None,
-                True,
-                "NONE",
-                window,
-                None,
-                None,
-                torch.bfloat16,
-                kv_dtype,
-                None,
                 tile,
+                head_dim_vo,
+                window_left=window,
+                kv_data_type=kv_dtype,
                 module=PREFILL_EMULATED,
             )
             kernel = wrapper._plan.kernel

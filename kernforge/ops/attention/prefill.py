@@ -702,6 +702,28 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 
     begin_forward = plan
 
+    def plan_with_tile(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        tile: tuple[int, int],
+        head_dim_vo: int | None = None,
+        causal: bool = True,
+        window_left: int = -1,
+        q_data_type=torch.bfloat16,
+        kv_data_type=None,
+        module: Module = PREFILL,
+    ) -> None:
+        """plan() with the tile forced (kernforge's, not FlashInfer's: what the tuner, the
+        benchmarks and the tests time or check); ``module``: PREFILL or a test build of its template."""
+        self._make_plan(
+            qo_indptr, kv_indptr, None, None, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 1, None, None,
+            causal, "NONE", window_left, None, None, q_data_type, kv_data_type, None, tile, module=module,
+        )  # fmt: skip
+
     def run(
         self,
         q: torch.Tensor,
