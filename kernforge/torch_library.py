@@ -58,7 +58,6 @@ from collections.abc import Callable
 
 import torch
 
-from kernforge.ops import sampling
 from kernforge.ops._registry import PUBLIC, TRACED
 from kernforge.ops.attention._wrapper import WorkspaceWrapper
 
@@ -204,90 +203,14 @@ def _define_adapted(python_op: Callable, traced) -> Callable:
         if not torch.compiler.is_compiling():
             return python_op(*args, **kwargs)
         arguments, out = traced.to_schema(*args, **kwargs)
-        return _maybe_out(name, out, *arguments)
+        outputs = _maybe_out(name, out, *arguments)
+        return outputs if traced.result is None else traced.result(outputs, *args, **kwargs)
 
     return op
 
 
-# rmsnorm, fused_add_rmsnorm, silu_and_mul, the RoPE ops...: this module's function of the same name
+# rmsnorm, fused_add_rmsnorm, silu_and_mul, the RoPE ops, the sampler...: this module's function of the same name
 globals().update({name: _define_traced(python_op) for name, python_op in TRACED.items()})
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def _sampling_impl(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
-    return sampling.top_k_top_p_sampling_from_logits(
-        logits, top_k, top_p, indices, filter_apply_order, seed=seed, offset=offset, return_valid=True
-    )
-
-
-def _sampling_fake(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
-    batch, dtype = (logits.shape[0], torch.int32) if indices is None else (indices.shape[0], indices.dtype)
-    return logits.new_empty(batch, dtype=dtype), logits.new_empty(batch, dtype=torch.bool)
-
-
-_define(
-    "top_k_top_p_sampling_from_logits(Tensor logits, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset, "
-    'Tensor? indices=None, str filter_apply_order="top_k_first") -> (Tensor samples, Tensor valid)',
-    _sampling_impl,
-    _sampling_fake,
-)
-
-
-def _per_row(value, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.full((batch,), value, dtype=dtype)
-
-
-def _seed_tensor(value) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.tensor([value], dtype=torch.int64)
-
-
-@functools.wraps(sampling.top_k_top_p_sampling_from_logits)
-def top_k_top_p_sampling_from_logits(
-    logits,
-    top_k,
-    top_p,
-    indices=None,
-    filter_apply_order="top_k_first",
-    deterministic=True,
-    generator=None,
-    check_nan=False,
-    seed=None,
-    offset=None,
-    return_valid=False,
-):
-    if not torch.compiler.is_compiling():
-        return sampling.top_k_top_p_sampling_from_logits(
-            logits,
-            top_k,
-            top_p,
-            indices,
-            filter_apply_order,
-            deterministic,
-            generator,
-            check_nan,
-            seed,
-            offset,
-            return_valid,
-        )
-    if check_nan:
-        raise NotImplementedError("check_nan reads the logits in Python: not available under torch.compile")
-    batch = logits.shape[0] if indices is None else indices.shape[0]
-    if not isinstance(top_k, torch.Tensor):
-        top_k = min(top_k, logits.shape[1])  # as the Python op: k >= vocab means no top-k
-    if seed is None or offset is None:  # as the Python op: a fresh seed from the generator, offset 0
-        seed, offset = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=generator), 0
-    samples, valid = _op("top_k_top_p_sampling_from_logits")(
-        logits,
-        _per_row(top_k, batch, torch.int64),
-        _per_row(top_p, batch, torch.float32),
-        _seed_tensor(seed),
-        _seed_tensor(offset),
-        indices,
-        filter_apply_order,
-    )
-    return (samples, valid) if return_valid else samples
 
 
 # --------------------------------------------------------------------------- attention

@@ -63,6 +63,9 @@ class Traced:
     arguments: str | None = None
     from_schema: Callable | None = None
     to_schema: Callable | None = None
+    # The op's result from the custom op's outputs and the op's arguments, where the two differ (the
+    # sampler returns ``valid`` only when asked): result(outputs, *args, **kwargs).
+    result: Callable | None = None
 
 
 # op name -> its kernels (pre-warm's view); public name -> function (the exports); op name ->

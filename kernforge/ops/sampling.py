@@ -40,13 +40,14 @@ ValueError before any row is touched: ``top_k < 1``, ``top_p < 0``,
 
 from __future__ import annotations
 
+import inspect
 from numbers import Integral, Real
 
 import torch
 
 from kernforge.jit.module import Codes, DType, Entry, Module, Struct
 from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
-from kernforge.ops._registry import ALL_DTYPES, export, kernel_op, model_kernels
+from kernforge.ops._registry import ALL_DTYPES, Traced, export, kernel_op, model_kernels
 
 _I64 = "int64_t"
 # One kernel for every sampling op: which op is `action`; per-row parameters are a scalar or an
@@ -554,7 +555,65 @@ def top_k_top_p_sampling_from_probs(
     )
 
 
-@kernel_op(SAMPLING, ALL_DTYPES)
+# The sampler's custom op takes ``top_k``/``top_p`` as ``[batch]`` tensors and the Philox
+# ``seed``/``offset`` as int64 tensors, so it is a pure function of its inputs; it always returns
+# ``valid`` as well. Traced, the op's Python values become those tensors; without ``seed``, one is
+# drawn from the generator by a traced ``randint``, as the op does eagerly.
+def _sampler_from_schema(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
+    return top_k_top_p_sampling_from_logits(
+        logits, top_k, top_p, indices, filter_apply_order, seed=seed, offset=offset, return_valid=True
+    )
+
+
+def _sampler_fake(logits, top_k, top_p, seed, offset, indices=None, filter_apply_order="top_k_first"):
+    batch, dtype = (logits.shape[0], torch.int32) if indices is None else (indices.shape[0], indices.dtype)
+    return logits.new_empty(batch, dtype=dtype), logits.new_empty(batch, dtype=torch.bool)
+
+
+def _per_row(value, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.full((batch,), value, dtype=dtype)
+
+
+def _int64_tensor(value) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor([value], dtype=torch.int64)
+
+
+def _sampler_arguments(*args, **kwargs) -> dict:
+    bound = inspect.signature(top_k_top_p_sampling_from_logits).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _sampler_to_schema(*args, **kwargs):
+    a = _sampler_arguments(*args, **kwargs)
+    logits, indices, top_k, seed, offset = a["logits"], a["indices"], a["top_k"], a["seed"], a["offset"]
+    if a["check_nan"]:
+        raise NotImplementedError("check_nan reads the logits in Python: not available under torch.compile")
+    batch = logits.shape[0] if indices is None else indices.shape[0]
+    if not isinstance(top_k, torch.Tensor):
+        top_k = min(top_k, logits.shape[1])  # as eagerly: k >= vocab means no top-k
+    if seed is None or offset is None:  # as eagerly: a fresh seed from the generator, offset 0
+        seed, offset = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=a["generator"]), 0
+    per_row = (_per_row(top_k, batch, torch.int64), _per_row(a["top_p"], batch, torch.float32))
+    return (logits, *per_row, _int64_tensor(seed), _int64_tensor(offset), indices, a["filter_apply_order"]), None
+
+
+def _sampler_result(outputs, *args, **kwargs):
+    return outputs if _sampler_arguments(*args, **kwargs)["return_valid"] else outputs[0]
+
+
+_SAMPLER_TRACED = Traced(
+    "(Tensor samples, Tensor valid)",
+    fake=_sampler_fake,
+    arguments="Tensor logits, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset, Tensor? indices=None, "
+    'str filter_apply_order="top_k_first"',
+    from_schema=_sampler_from_schema,
+    to_schema=_sampler_to_schema,
+    result=_sampler_result,
+)
+
+
+@kernel_op(SAMPLING, ALL_DTYPES, traced=_SAMPLER_TRACED)
 def top_k_top_p_sampling_from_logits(
     logits,
     top_k,
