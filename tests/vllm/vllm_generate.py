@@ -1,0 +1,62 @@
+"""Greedy generation through ``vllm.LLM`` in a process of its own (vLLM's engine state and plugins
+are per process): ``python vllm_generate.py SPEC.json OUT.json``.
+
+SPEC: ``model`` (a model directory), ``prompts`` (lists of token ids), ``new`` (tokens per
+prompt), ``plugin`` (bool: kernforge's vLLM plugin on), ``engine`` (extra ``LLM`` arguments). OUT:
+per prompt, the generated ids and, per step, the top logprobs as {id: logprob}; the scheduler's
+preemptions.
+"""
+
+import json
+import os
+import sys
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ["KERNFORGE_VLLM"] = "1" if spec["plugin"] else "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a share of RAM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = dict(
+        model=spec["model"],
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+    )
+    engine.update(spec.get("engine", {}))
+    llm = LLM(**engine)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=spec["new"],
+        min_tokens=spec["new"],
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=spec.get("logprobs", 2),  # vLLM 0.32 CPU: logprobs=3 kills the worker here
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], params, use_tqdm=False)
+    result = []
+    for output in outputs:
+        completion = output.outputs[0]
+        steps = [{str(i): lp.logprob for i, lp in step.items()} for step in completion.logprobs]
+        result.append({"ids": list(completion.token_ids), "logprobs": steps})
+    with open(out_path, "w") as f:
+        json.dump({"outputs": result, "preemptions": _preemptions(llm)}, f)
+
+
+def _preemptions(llm) -> int | None:
+    """Requests the scheduler preempted, from the engine's metrics (None where not reported)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # older engines have no metrics API
+        return None
+    return int(sum(m.value for m in metrics if m.name.endswith("num_preemptions") and hasattr(m, "value")))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
