@@ -59,19 +59,22 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def make_model_dir(path: str | Path, shape: str = "tiny", max_position: int = 4096, seed: int = 0) -> Path:
-    """Write a random-weight bf16 Llama of ``shape`` and its tokenizer to ``path`` (kept if it
-    already holds one of the same shape)."""
+def make_model_dir(
+    path: str | Path, shape: str = "tiny", max_position: int = 4096, seed: int = 0, layers: int | None = None
+) -> Path:
+    """Write a random-weight bf16 Llama of ``shape`` (``layers`` decoder layers if given) and its
+    tokenizer to ``path`` (kept if it already holds the same)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
     path = Path(path)
     marker = path / "kernforge-random-model.txt"
-    if marker.exists() and marker.read_text() == f"{shape} {max_position} {seed}\n":
+    recipe = f"{shape} {max_position} {seed} {layers}\n"
+    if marker.exists() and marker.read_text() == recipe:
         return path
     config = LlamaConfig(
-        **SHAPES[shape],
+        **dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})),
         max_position_embeddings=max_position,
         bos_token_id=1,
         eos_token_id=2,
@@ -89,7 +92,7 @@ def make_model_dir(path: str | Path, shape: str = "tiny", max_position: int = 40
     model.tie_weights()  # no_init_weights skips tying too
     model.save_pretrained(path)
     _tokenizer(config.vocab_size).save_pretrained(path)
-    marker.write_text(f"{shape} {max_position} {seed}\n")
+    marker.write_text(recipe)
     return path
 
 

