@@ -33,11 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import _harness as H
 import torch
 
 import kernforge
 from kernforge.integrations.random_llama import SHAPES, make_model_dir
+
+import _harness as H
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 THROUGHPUT = (
@@ -105,12 +106,16 @@ def measured_rates(threads: int) -> dict:
 def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
     """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate."""
     hidden, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
-    heads, kv_heads, head_dim, vocab = (shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"))
+    heads, kv_heads, head_dim, vocab = (
+        shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+    )
     decoder = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter)
     lm_head = hidden * vocab
     prefill = prompts * (2 * decoder * input_len + 2 * layers * heads * head_dim * input_len**2 + 2 * lm_head)
     kv_per_token = layers * 2 * kv_heads * head_dim * 2
-    decode_bytes = sum(2 * (decoder + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1))
+    decode_bytes = sum(
+        2 * (decoder + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1)
+    )
     return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
 
 
@@ -130,10 +135,17 @@ def main() -> None:
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
     H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
-    model = make_model_dir(Path(args.model_cache) / f"llama-3.2-1b-{shape['num_hidden_layers']}l", "llama-3.2-1b",
-                           max_position=4096, layers=args.layers)
-    subprocess.run([sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")],
-                   check=True, capture_output=True)
+    model = make_model_dir(
+        Path(args.model_cache) / f"llama-3.2-1b-{shape['num_hidden_layers']}l",
+        "llama-3.2-1b",
+        max_position=4096,
+        layers=args.layers,
+    )
+    subprocess.run(
+        [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")],
+        check=True,
+        capture_output=True,
+    )
     rates = measured_rates(args.threads)
     cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -143,22 +155,43 @@ def main() -> None:
                 result = vllm_throughput(model, column == "kf", prompts, input_len, output_len, args)
                 assert result["plugin_active"] == (column == "kf"), "the plugin's state is not what the column says"
                 runs.setdefault((case, column), []).append(result)
-                print(f"round {round_ + 1} {case:8s} {column:5s} {result['elapsed_time']:7.2f} s "
-                      f"{result['tokens_per_second']:7.1f} tok/s", flush=True)
+                print(
+                    f"round {round_ + 1} {case:8s} {column:5s} {result['elapsed_time']:7.2f} s "
+                    f"{result['tokens_per_second']:7.1f} tok/s",
+                    flush=True,
+                )
     rows, summary = [], {}
     for case, (prompts, input_len, output_len) in cases.items():
         stock = statistics.median(r["elapsed_time"] for r in runs[case, "stock"])
         kf = statistics.median(r["elapsed_time"] for r in runs[case, "kf"])
         tokens = prompts * (input_len + output_len)
         bound = bound_seconds(shape, prompts, input_len, output_len, rates)
-        summary[case] = {"stock_s": stock, "kf_s": kf, "speedup": stock / kf, "bound_s": bound, "kf_over_bound": kf / bound}
-        rows.append([f"{case}: {prompts} x ({input_len} in, {output_len} out)", f"{stock:.2f}", f"{kf:.2f}",
-                     f"{stock / kf:.2f}x", f"{tokens / stock:.0f}", f"{tokens / kf:.0f}", f"{bound:.2f}", f"{kf / bound:.2f}"])
+        summary[case] = {
+            "stock_s": stock,
+            "kf_s": kf,
+            "speedup": stock / kf,
+            "bound_s": bound,
+            "kf_over_bound": kf / bound,
+        }
+        rows.append(
+            [
+                f"{case}: {prompts} x ({input_len} in, {output_len} out)",
+                f"{stock:.2f}",
+                f"{kf:.2f}",
+                f"{stock / kf:.2f}x",
+                f"{tokens / stock:.0f}",
+                f"{tokens / kf:.0f}",
+                f"{bound:.2f}",
+                f"{kf / bound:.2f}",
+            ]
+        )
     print()
     print(H.table(["case", "stock s", "kf s", "kf speedup", "stock tok/s", "kf tok/s", "bound s", "kf / bound"], rows))
-    print(f"\nrates measured in this run: bf16 GEMM {rates['gemm_gflops']:.0f} GFLOP/s "
-          f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}), "
-          f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s)")
+    print(
+        f"\nrates measured in this run: bf16 GEMM {rates['gemm_gflops']:.0f} GFLOP/s "
+        f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}), "
+        f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s)"
+    )
     H.write_json(args.json, {"summary": summary, "rates": rates, "runs": {f"{c}/{k}": v for (c, k), v in runs.items()}})
 
 

@@ -21,35 +21,13 @@ import math
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-from transformers.initialization import no_init_weights
+from transformers import AutoModelForCausalLM
 
 from kernforge.integrations import transformers as kft
+from kernforge.integrations.random_llama import random_llama
 
-# Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B), for random weights.
-LLAMA_3_2_1B = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=128000,
-    eos_token_id=128001,
-    hidden_act="silu",
-    rope_parameters={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-)
+# Llama-3.2-1B's token ids and context beyond the shape random_llama draws (hidden 2048, 16 layers...)
+LLAMA_3_2_1B_IDS = dict(max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001)
 
 
 def build_model(checkpoint: str | None = None, layers: int | None = None, seed: int = 0) -> torch.nn.Module:
@@ -61,23 +39,7 @@ def build_model(checkpoint: str | None = None, layers: int | None = None, seed: 
             checkpoint, dtype=torch.bfloat16, local_files_only=True, attn_implementation="sdpa", **overrides
         )
         return model.eval()
-    config = LlamaConfig(
-        **{**LLAMA_3_2_1B, **({"num_hidden_layers": layers} if layers else {})},
-        dtype="bfloat16",
-        attn_implementation="sdpa",
-    )
-    with no_init_weights():  # skip transformers' slow per-module init; the weights are drawn below
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-            else:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * config.initializer_range)
-    # no_init_weights also skips tying: without this, lm_head is a second 0.5 GB copy of the embedding
-    model.tie_weights()
-    return model.eval()
+    return random_llama("llama-3.2-1b", seed, layers, attn_implementation="sdpa", **LLAMA_3_2_1B_IDS)
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -59,39 +59,43 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def make_model_dir(
-    path: str | Path, shape: str = "tiny", max_position: int = 4096, seed: int = 0, layers: int | None = None
-) -> Path:
-    """Write a random-weight bf16 Llama of ``shape`` (``layers`` decoder layers if given) and its
-    tokenizer to ``path`` (kept if it already holds the same)."""
+def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, **config):
+    """A bf16 ``LlamaForCausalLM`` of ``shape`` (``layers`` decoder layers if given; ``config``
+    overrides more) with weights drawn from N(0, initializer_range), norms at 1."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    path = Path(path)
-    marker = path / "kernforge-random-model.txt"
-    recipe = f"{shape} {max_position} {seed} {layers}\n"
-    if marker.exists() and marker.read_text() == recipe:
-        return path
-    config = LlamaConfig(
-        **dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})),
-        max_position_embeddings=max_position,
-        bos_token_id=1,
-        eos_token_id=2,
-        dtype="bfloat16",
-    )
+    fields = dict(SHAPES[shape], bos_token_id=1, eos_token_id=2, dtype="bfloat16")
+    fields.update({"num_hidden_layers": layers} if layers else {}, **config)
+    llama_config = LlamaConfig(**fields)
     with no_init_weights():  # transformers' per-module init is slow at 1B; the weights are drawn below
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(llama_config).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.fill_(1.0)
             else:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * config.initializer_range)
-    model.tie_weights()  # no_init_weights skips tying too
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * llama_config.initializer_range)
+    # no_init_weights also skips tying: without this, lm_head is a second copy of the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+def make_model_dir(
+    path: str | Path, shape: str = "tiny", max_position: int = 4096, seed: int = 0, layers: int | None = None
+) -> Path:
+    """Write :func:`random_llama` and a tokenizer for its vocabulary to ``path`` (kept if it already
+    holds the same)."""
+    path = Path(path)
+    marker = path / "kernforge-random-model.txt"
+    recipe = f"{shape} {max_position} {seed} {layers}\n"
+    if marker.exists() and marker.read_text() == recipe:
+        return path
+    model = random_llama(shape, seed, layers, max_position_embeddings=max_position)
     model.save_pretrained(path)
-    _tokenizer(config.vocab_size).save_pretrained(path)
+    _tokenizer(model.config.vocab_size).save_pretrained(path)
     marker.write_text(recipe)
     return path
 
