@@ -51,8 +51,8 @@ THROUGHPUT = (
 )
 
 
-def engine_environment(plugin: bool, threads: int) -> dict:
-    env = dict(os.environ, KERNFORGE_VLLM="1" if plugin else "0")
+def engine_environment(parts: str, threads: int) -> dict:
+    env = dict(os.environ, KERNFORGE_VLLM=parts)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -62,7 +62,7 @@ def engine_environment(plugin: bool, threads: int) -> dict:
     return env
 
 
-def vllm_throughput(model: Path, plugin: bool, prompts: int, input_len: int, output_len: int, args) -> dict:
+def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, output_len: int, args) -> dict:
     """One run of vLLM's throughput benchmark in a fresh process: its JSON plus wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -72,12 +72,12 @@ def vllm_throughput(model: Path, plugin: bool, prompts: int, input_len: int, out
         command += ["--num-prompts", str(prompts), "--max-model-len", str(args.max_model_len)]
         command += ["--no-enable-prefix-caching", "--seed", "0", "--output-json", str(out)]
         started = time.monotonic()
-        run = subprocess.run(command, env=engine_environment(plugin, args.threads), capture_output=True, text=True)
+        run = subprocess.run(command, env=engine_environment(parts, args.threads), capture_output=True, text=True)
         if run.returncode != 0:
-            raise RuntimeError(f"vLLM's benchmark failed ({'kf' if plugin else 'stock'}):\n{run.stderr[-4000:]}")
+            raise RuntimeError(f"vLLM's benchmark failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
         result = json.loads(out.read_text())
         result["wall_s"] = time.monotonic() - started
-        result["plugin_active"] = "runs vLLM's attention" in run.stdout + run.stderr
+        result["plugin_active"] = "kernforge" in run.stdout + run.stderr and "runs vLLM's" in run.stdout + run.stderr
         return result
 
 
@@ -95,11 +95,11 @@ def measured_rates(threads: int) -> dict:
     big = torch.randn(16384, 8192).bfloat16()  # 256 MiB, larger than any L3 here
     big_packed, x = kernforge.convert_weight_packed(big), torch.randn(1, 8192).bfloat16()
     stream_times = H.compare({"stream": lambda: kernforge.weight_packed_linear(x, big_packed)}, budget_s=1.0)
-    best_gemm = min(t.median for t in gemm_times.values())
+    best_gemm_s = min(t.median_ns for t in gemm_times.values()) / 1e9
     return {
-        "gemm_gflops": 2 * n**3 / best_gemm / 1e9,
-        "gemm_by": {name: 2 * n**3 / t.median / 1e9 for name, t in gemm_times.items()},
-        "stream_gbs": big.numel() * 2 / stream_times["stream"].median / 1e9,
+        "gemm_gflops": 2 * n**3 / best_gemm_s / 1e9,
+        "gemm_by": {name: 2 * n**3 / t.median_ns for name, t in gemm_times.items()},
+        "stream_gbs": big.numel() * 2 / stream_times["stream"].median_ns,
     }
 
 
@@ -128,6 +128,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; --quick 4)")
     parser.add_argument("--model-cache", default=str(Path.home() / ".cache" / "kernforge-bench"))
+    parser.add_argument(
+        "--columns",
+        nargs="+",
+        default=["stock=0", "kf=1"],
+        help="NAME=KERNFORGE_VLLM per column, the first the baseline (e.g. kf-no-linear=attention,layers)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
@@ -148,49 +154,48 @@ def main() -> None:
     )
     rates = measured_rates(args.threads)
     cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
+    columns = dict(column.split("=", 1) for column in args.columns)
+    baseline = next(iter(columns))
     runs: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
         for case, (prompts, input_len, output_len) in cases.items():
-            for column in ("stock", "kf"):
-                result = vllm_throughput(model, column == "kf", prompts, input_len, output_len, args)
-                assert result["plugin_active"] == (column == "kf"), "the plugin's state is not what the column says"
+            for column, parts in columns.items():
+                result = vllm_throughput(model, parts, prompts, input_len, output_len, args)
+                assert result["plugin_active"] == (parts != "0"), (
+                    f"{column}: the plugin's state is not KERNFORGE_VLLM's"
+                )
                 runs.setdefault((case, column), []).append(result)
                 print(
-                    f"round {round_ + 1} {case:8s} {column:5s} {result['elapsed_time']:7.2f} s "
+                    f"round {round_ + 1} {case:8s} {column:12s} {result['elapsed_time']:7.2f} s "
                     f"{result['tokens_per_second']:7.1f} tok/s",
                     flush=True,
                 )
     rows, summary = [], {}
     for case, (prompts, input_len, output_len) in cases.items():
-        stock = statistics.median(r["elapsed_time"] for r in runs[case, "stock"])
-        kf = statistics.median(r["elapsed_time"] for r in runs[case, "kf"])
         tokens = prompts * (input_len + output_len)
         bound = bound_seconds(shape, prompts, input_len, output_len, rates)
-        summary[case] = {
-            "stock_s": stock,
-            "kf_s": kf,
-            "speedup": stock / kf,
-            "bound_s": bound,
-            "kf_over_bound": kf / bound,
-        }
-        rows.append(
-            [
-                f"{case}: {prompts} x ({input_len} in, {output_len} out)",
-                f"{stock:.2f}",
-                f"{kf:.2f}",
-                f"{stock / kf:.2f}x",
-                f"{tokens / stock:.0f}",
-                f"{tokens / kf:.0f}",
-                f"{bound:.2f}",
-                f"{kf / bound:.2f}",
-            ]
-        )
+        base = statistics.median(r["elapsed_time"] for r in runs[case, baseline])
+        for column in columns:
+            seconds = statistics.median(r["elapsed_time"] for r in runs[case, column])
+            summary[f"{case}/{column}"] = {"s": seconds, "vs_baseline": base / seconds, "bound_s": bound}
+            rows.append(
+                [
+                    f"{case}: {prompts} x ({input_len} in, {output_len} out)",
+                    column,
+                    f"{seconds:.2f}",
+                    f"{tokens / seconds:.0f}",
+                    f"{base / seconds:.2f}x",
+                    f"{bound:.2f}",
+                    f"{seconds / bound:.2f}",
+                ]
+            )
     print()
-    print(H.table(["case", "stock s", "kf s", "kf speedup", "stock tok/s", "kf tok/s", "bound s", "kf / bound"], rows))
+    print(H.table(["case", "column", "s", "tok/s", f"vs {baseline}", "bound s", "/ bound"], rows))
     print(
         f"\nrates measured in this run: bf16 GEMM {rates['gemm_gflops']:.0f} GFLOP/s "
         f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}), "
-        f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s)"
+        f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s); "
+        f"columns: {', '.join(f'{k} = KERNFORGE_VLLM={v}' for k, v in columns.items())}"
     )
     H.write_json(args.json, {"summary": summary, "rates": rates, "runs": {f"{c}/{k}": v for (c, k), v in runs.items()}})
 

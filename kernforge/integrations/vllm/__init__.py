@@ -1,7 +1,8 @@
 """kernforge inside vLLM's CPU engine, as a vLLM general plugin (``pip install 'kernforge[vllm]'``).
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
-:func:`register`, which, unless ``KERNFORGE_VLLM=0``:
+:func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: unset or ``1`` all of them,
+``0`` none, or a comma-separated list of ``attention``, ``layers``, ``linear``):
 
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
@@ -20,12 +21,27 @@ from __future__ import annotations
 import os
 
 ENABLE_VARIABLE = "KERNFORGE_VLLM"
+PARTS = ("attention", "layers", "linear")
 ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBackend"
 _registered: list[str] | None = None
 
 
+def enabled_parts() -> tuple[str, ...]:
+    """The parts ``KERNFORGE_VLLM`` turns on."""
+    value = os.environ.get(ENABLE_VARIABLE, "1").strip()
+    if value in ("", "1"):
+        return PARTS
+    if value == "0":
+        return ()
+    parts = tuple(part.strip() for part in value.split(","))
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"{ENABLE_VARIABLE}={value!r}: unknown parts {sorted(unknown)}; use 0, 1 or some of {PARTS}")
+    return parts
+
+
 def enabled() -> bool:
-    return os.environ.get(ENABLE_VARIABLE, "1") != "0"
+    return bool(enabled_parts())
 
 
 def register() -> list[str]:
@@ -52,16 +68,20 @@ def register() -> list[str]:
 
     from kernforge.integrations.vllm import layers
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
-    replaced = ["attention (CPU_ATTN)", *layers.register_custom_ops()]
-    if layers.patch_linear_dispatch():
+    parts, replaced = enabled_parts(), []
+    if "attention" in parts:
+        register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
+        replaced.append("attention (CPU_ATTN)")
+    if "layers" in parts:
+        replaced += layers.register_custom_ops()
+    if "linear" in parts and layers.patch_linear_dispatch():
         replaced.append("bf16 linear layers")
-    else:
+    elif "linear" in parts:
         logger.warning_once(
             "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is not the "
             "function this plugin replaces (vLLM changed it); linear layers stay on vLLM's kernels"
         )
-    logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced))
+    logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced) or "nothing")
     _registered = replaced
     return replaced
 
