@@ -144,7 +144,7 @@ def main() -> None:
     model = make_model_dir(
         Path(args.model_cache) / f"llama-3.2-1b-{shape['num_hidden_layers']}l",
         "llama-3.2-1b",
-        max_position=4096,
+        max_position=131072,  # Llama 3.2 (vLLM serves --max-model-len of it)
         layers=args.layers,
     )
     subprocess.run(

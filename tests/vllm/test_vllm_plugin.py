@@ -17,7 +17,10 @@ from references import linear_reference
 
 @pytest.fixture(scope="module")
 def registered():
-    return plugin.register()
+    """Every part registered (KERNFORGE_VLLM=1: on an AMX CPU the default leaves linear out)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(plugin.ENABLE_VARIABLE, "1")
+        return plugin.register()
 
 
 def test_register_replaces_attention_layers_and_linear_once(registered):
@@ -36,6 +39,37 @@ def test_switched_off_by_environment(monkeypatch):
     assert not plugin.enabled()
     monkeypatch.setattr(plugin, "_registered", None)
     assert plugin.register() == []
+
+
+@pytest.mark.parametrize(
+    "value, parts",
+    [
+        ("1", plugin.PARTS),
+        ("", plugin.PARTS),
+        ("0", ()),
+        ("attention", ("attention",)),
+        ("layers, linear", ("layers", "linear")),
+    ],
+)
+def test_environment_picks_parts(monkeypatch, value, parts):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, value)
+    assert plugin.enabled_parts() == parts
+
+
+def test_default_leaves_linear_layers_to_onednn_on_amx(monkeypatch):
+    from kernforge.jit import isa
+
+    monkeypatch.delenv(plugin.ENABLE_VARIABLE, raising=False)
+    expected = ("attention", "layers") if isa.selected_tier() == "amx" else plugin.PARTS
+    assert plugin.enabled_parts() == plugin.default_parts() == expected
+    with isa.use_isa("avx512" if isa.runnable("avx512") else "generic"):
+        assert plugin.default_parts() == plugin.PARTS
+
+
+def test_unknown_part_is_an_error_naming_the_choices(monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "attention,gemm")
+    with pytest.raises(ValueError, match=r"unknown parts \['gemm'\].*'attention', 'layers', 'linear'"):
+        plugin.enabled_parts()
 
 
 @pytest.mark.parametrize("version, warns", [("0.32.0", False), ("0.32.5", False), ("0.31.2", True), ("0.40.0", True)])

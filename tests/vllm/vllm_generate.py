@@ -37,7 +37,7 @@ def main(spec_path: str, out_path: str) -> None:
         min_tokens=spec["new"],
         ignore_eos=True,
         detokenize=False,
-        logprobs=spec.get("logprobs", 2),  # vLLM 0.32 CPU: logprobs=3 kills the worker here
+        logprobs=spec.get("logprobs", 3),
     )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], params, use_tqdm=False)
     result = []

@@ -1,8 +1,10 @@
 """kernforge inside vLLM's CPU engine, as a vLLM general plugin (``pip install 'kernforge[vllm]'``).
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
-:func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: unset or ``1`` all of them,
-``0`` none, or a comma-separated list of ``attention``, ``layers``, ``linear``):
+:func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: ``1`` all of them, ``0``
+none, a comma-separated list of ``attention``, ``layers``, ``linear``, or unset: the parts that
+were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where the kernels run
+on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md):
 
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
@@ -26,10 +28,19 @@ ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBac
 _registered: list[str] | None = None
 
 
+def default_parts() -> tuple[str, ...]:
+    """The parts measured faster than vLLM's own kernels on this CPU's best kernforge tier."""
+    from kernforge.jit import isa
+
+    return tuple(part for part in PARTS if not (part == "linear" and isa.selected_tier() == "amx"))
+
+
 def enabled_parts() -> tuple[str, ...]:
     """The parts ``KERNFORGE_VLLM`` turns on."""
-    value = os.environ.get(ENABLE_VARIABLE, "1").strip()
-    if value in ("", "1"):
+    value = os.environ.get(ENABLE_VARIABLE, "").strip()
+    if value == "":
+        return default_parts()
+    if value == "1":
         return PARTS
     if value == "0":
         return ()
