@@ -45,7 +45,6 @@ def test_switched_off_by_environment(monkeypatch):
     "value, parts",
     [
         ("1", plugin.PARTS),
-        ("", plugin.PARTS),
         ("0", ()),
         ("attention", ("attention",)),
         ("layers, linear", ("layers", "linear")),
