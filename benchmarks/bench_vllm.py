@@ -11,6 +11,10 @@ docs recommend, the same for both columns: ``VLLM_CPU_OMP_THREADS_BIND=0-<thread
     fixed    the CPU roadmap's fixed-input batch: --prompts requests x (--input in, --output out),
              all at once; elapsed time of vLLM's benchmark (engine start excluded), tokens/s
     batch 1  one request (--input in, --output out): its elapsed time
+    --serve  instead: vLLM's OpenAI server per column, loaded by ``vllm bench serve``'s code
+             (``vllm.benchmarks.serve``): --serve-prompts requests of the random dataset (input
+             32-2048, output 16-512 tokens), Poisson arrivals at --rate requests/s; output tok/s,
+             TTFT and TPOT p50/p99
 
 Bound (measured in this run): prefill FLOPs (2 x decoder and lm_head weights x prompt tokens, plus
 causal attention) at the machine's measured bf16 GEMM rate (the faster of kernforge's packed GEMM
@@ -20,17 +24,20 @@ larger than the L3).
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # 2 rounds (about 15 minutes)
     .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --serve --rounds 1 --columns stock=0 kf=
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -41,14 +48,16 @@ from kernforge.integrations.random_llama import SHAPES, make_model_dir
 import _harness as H
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-THROUGHPUT = (
+# `vllm bench <kind>`'s code, run as `python -c`: vllm-cpu 0.32.0's `vllm` command fails at start
+BENCH = (
     "import sys\n"
-    "from vllm.benchmarks.throughput import add_cli_args, main\n"
+    "from vllm.benchmarks.{kind} import add_cli_args, main\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "parser = FlexibleArgumentParser()\n"
     "add_cli_args(parser)\n"
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
+SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
 def engine_environment(parts: str, threads: int) -> dict:
@@ -66,7 +75,7 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
     """One run of vLLM's throughput benchmark in a fresh process: its JSON plus wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, "-c", THROUGHPUT, "--model", str(model), "--dtype", "bfloat16"]
+        command = [sys.executable, "-c", BENCH.format(kind="throughput"), "--model", str(model), "--dtype", "bfloat16"]
         command += ["--dataset-name", "random", "--random-input-len", str(input_len)]
         command += ["--random-output-len", str(output_len), "--random-range-ratio", "0"]
         command += ["--num-prompts", str(prompts), "--max-model-len", str(args.max_model_len)]
@@ -79,6 +88,83 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
         result["wall_s"] = time.monotonic() - started
         result["plugin_active"] = "kernforge" in run.stdout + run.stderr and "runs vLLM's" in run.stdout + run.stderr
         return result
+
+
+def vllm_serve(model: Path, parts: str, args) -> dict:
+    """One server per call (its kernels pre-warmed), loaded by vLLM's serving benchmark: its JSON."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    server += ["--dtype", "bfloat16", "--max-model-len", "2600", "--no-enable-prefix-caching", "--port", str(port)]
+    env = engine_environment(parts, args.threads)
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "w") as log:
+        process = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(port, process, Path(tmp) / "server.log")
+            client = [sys.executable, "-c", BENCH.format(kind="serve"), "--backend", "vllm", "--model", str(model)]
+            client += ["--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions"]
+            client += ["--dataset-name", "random", "--random-input-len", "1040", "--random-range-ratio", "0.969"]
+            client += ["--random-output-len", "264", "--ignore-eos", "--num-prompts", str(args.serve_prompts)]
+            client += ["--request-rate", str(args.rate), "--seed", "0", "--percentile-metrics", "ttft,tpot"]
+            client += ["--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp]
+            client += ["--result-filename", "serve.json"]
+            run = subprocess.run(client, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
+            result = json.loads((Path(tmp) / "serve.json").read_text())
+            result["plugin_active"] = "runs vLLM's" in (Path(tmp) / "server.log").read_text()
+            return result
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+
+
+def _wait_ready(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server was not ready after {timeout_s} s")
+
+
+def serve_main(model: Path, columns: dict, args) -> None:
+    results: dict[str, list[dict]] = {}
+    for round_ in range(args.rounds):
+        for column, parts in columns.items():
+            result = vllm_serve(model, parts, args)
+            assert result["plugin_active"] == (parts != "0"), f"{column}: the plugin's state is not KERNFORGE_VLLM's"
+            results.setdefault(column, []).append(result)
+            print(
+                f"round {round_ + 1} {column:12s} " + " ".join(f"{m} {result[m]:.1f}" for m in SERVE_METRICS),
+                flush=True,
+            )
+    baseline = next(iter(columns))
+    rows = []
+    for column, runs in results.items():
+        medians = {m: statistics.median(r[m] for r in runs) for m in SERVE_METRICS}
+        base = {m: statistics.median(r[m] for r in results[baseline]) for m in SERVE_METRICS}
+        rows.append(
+            [
+                column,
+                *(f"{medians[m]:.1f}" for m in SERVE_METRICS),
+                f"{medians['output_throughput'] / base['output_throughput']:.2f}x",
+                f"{base['median_tpot_ms'] / medians['median_tpot_ms']:.2f}x",
+            ]
+        )
+    print()
+    print(H.table(["column", *SERVE_METRICS, "output tok/s vs " + baseline, "TPOT p50 vs " + baseline], rows))
+    print(
+        f"\n{args.serve_prompts} requests, random dataset (input 32-2048, output 16-512), Poisson at "
+        f"{args.rate} req/s; medians of {args.rounds} round(s)"
+    )
+    H.write_json(args.json, {"serve": results})
 
 
 def measured_rates(threads: int) -> dict:
@@ -134,6 +220,9 @@ def main() -> None:
         default=["stock=0", "kf=1"],
         help="NAME=KERNFORGE_VLLM per column, the first the baseline (e.g. kf-no-linear=attention,layers)",
     )
+    parser.add_argument("--serve", action="store_true", help="the serving benchmark instead (see above)")
+    parser.add_argument("--serve-prompts", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=0.25, help="requests/s, Poisson (stock sustains ~0.35 here)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
@@ -152,9 +241,11 @@ def main() -> None:
         check=True,
         capture_output=True,
     )
+    columns = dict(column.split("=", 1) for column in args.columns)
+    if args.serve:
+        return serve_main(model, columns, args)
     rates = measured_rates(args.threads)
     cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
-    columns = dict(column.split("=", 1) for column in args.columns)
     baseline = next(iter(columns))
     runs: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):

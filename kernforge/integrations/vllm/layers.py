@@ -58,13 +58,20 @@ class KernforgeSiluAndMul(SiluAndMul):
 class KernforgeRotaryEmbedding:
     """Mixed into each RotaryEmbedding class whose forward is RotaryEmbedding's own."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM's cos/sin values (its cache is rounded to the model's dtype) in the fp32 kernforge
+        # takes, converted once: a Llama 3 cache has 131072 rows (none without init_cache)
+        cache = getattr(self, "cos_sin_cache", None)
+        fp32 = None if cache is None else cache.to(self.dtype).float()
+        self.register_buffer("kernforge_cos_sin_cache", fp32, persistent=False)
+
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
-        if key is None or query.dtype not in KERNEL_DTYPES:
+        unsupported = key is None or query.dtype != self.dtype or query.dtype not in KERNEL_DTYPES
+        if unsupported or self.kernforge_cos_sin_cache is None:
             return RotaryEmbedding.forward_native(self, positions, query, key)
-        # vLLM's cache in the model's dtype, in fp32 as kernforge takes it: the values vLLM uses
-        cache = self._match_cos_sin_cache_dtype(query).float()
         return ops.apply_rope_with_cos_sin_cache(
-            positions.flatten(), query, key, self.head_size, cache, self.is_neox_style
+            positions.flatten(), query, key, self.head_size, self.kernforge_cos_sin_cache, self.is_neox_style
         )
 
     forward_cpu = forward_native
