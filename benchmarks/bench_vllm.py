@@ -31,19 +31,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
 import kernforge
 from kernforge.integrations.random_llama import SHAPES, make_model_dir
+from kernforge.integrations.vllm.server import openai_server
 
 import _harness as H
 
@@ -58,6 +57,11 @@ BENCH = (
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def plugin_active(log: str) -> bool:
+    """Whether a vLLM process's log says kernforge's plugin replaced something."""
+    return "kernforge" in log and "runs vLLM's" in log and "runs vLLM's nothing" not in log
 
 
 def engine_environment(parts: str, threads: int) -> dict:
@@ -86,52 +90,28 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
             raise RuntimeError(f"vLLM's benchmark failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
         result = json.loads(out.read_text())
         result["wall_s"] = time.monotonic() - started
-        result["plugin_active"] = "kernforge" in run.stdout + run.stderr and "runs vLLM's" in run.stdout + run.stderr
+        result["plugin_active"] = plugin_active(run.stdout + run.stderr)
         return result
 
 
 def vllm_serve(model: Path, parts: str, args) -> dict:
     """One server per call (its kernels pre-warmed), loaded by vLLM's serving benchmark: its JSON."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    server += ["--dtype", "bfloat16", "--max-model-len", "2600", "--no-enable-prefix-caching", "--port", str(port)]
+    server = ["--dtype", "bfloat16", "--max-model-len", "2600", "--no-enable-prefix-caching"]
     env = engine_environment(parts, args.threads)
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "w") as log:
-        process = subprocess.Popen(server, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(port, process, Path(tmp) / "server.log")
-            client = [sys.executable, "-c", BENCH.format(kind="serve"), "--backend", "vllm", "--model", str(model)]
-            client += ["--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions"]
-            client += ["--dataset-name", "random", "--random-input-len", "1040", "--random-range-ratio", "0.969"]
-            client += ["--random-output-len", "264", "--ignore-eos", "--num-prompts", str(args.serve_prompts)]
-            client += ["--request-rate", str(args.rate), "--seed", "0", "--percentile-metrics", "ttft,tpot"]
-            client += ["--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp]
-            client += ["--result-filename", "serve.json"]
-            run = subprocess.run(client, env=env, capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"vllm bench serve failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
-            result = json.loads((Path(tmp) / "serve.json").read_text())
-            result["plugin_active"] = "runs vLLM's" in (Path(tmp) / "server.log").read_text()
-            return result
-        finally:
-            process.terminate()
-            process.wait(timeout=120)
-
-
-def _wait_ready(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"the server was not ready after {timeout_s} s")
+    with tempfile.TemporaryDirectory() as tmp, openai_server(model, server, env, Path(tmp) / "server.log") as url:
+        client = [sys.executable, "-c", BENCH.format(kind="serve"), "--backend", "vllm", "--model", str(model)]
+        client += ["--base-url", url, "--endpoint", "/v1/completions"]
+        client += ["--dataset-name", "random", "--random-input-len", "1040", "--random-range-ratio", "0.969"]
+        client += ["--random-output-len", "264", "--ignore-eos", "--num-prompts", str(args.serve_prompts)]
+        client += ["--request-rate", str(args.rate), "--seed", "0", "--percentile-metrics", "ttft,tpot"]
+        client += ["--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp]
+        client += ["--result-filename", "serve.json"]
+        run = subprocess.run(client, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
+        result = json.loads((Path(tmp) / "serve.json").read_text())
+        result["plugin_active"] = plugin_active((Path(tmp) / "server.log").read_text())
+        return result
 
 
 def serve_main(model: Path, columns: dict, args) -> None:

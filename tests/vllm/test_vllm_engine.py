@@ -9,6 +9,7 @@ at its first such near-tie (reported); any other difference fails, and most toke
 compared before their prompts' near-ties.
 """
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def generate(model_dir, tmp_path, plugin: bool, prompts=None, new=NEW_TOKENS, **
         "plugin": plugin,
         "engine": engine,
     }
-    name = f"{'kf' if plugin else 'stock'}-{abs(hash(json.dumps(engine, sort_keys=True)))}"
+    name = f"{'kf' if plugin else 'stock'}-{hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]}"
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     run = subprocess.run(

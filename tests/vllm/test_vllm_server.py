@@ -3,23 +3,16 @@ pre-warmed from the model's config beforehand (the server compiles nothing), ans
 ``openai`` client's streaming and plain completions, several at once."""
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
+from kernforge.integrations.vllm.server import openai_server
+
 pytestmark = pytest.mark.slow
 START_TIMEOUT = 420  # seconds: vLLM's start here is 20-60 s, far more on a loaded machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,51 +21,10 @@ def server(model_dir, tmp_path_factory):
     env = {**os.environ, "KERNFORGE_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", "KERNFORGE_VLLM": "1"}
     prewarm = [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model_dir / "config.json")]
     subprocess.run(prewarm, env=env, check=True, capture_output=True, timeout=600)
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    # `vllm serve`'s module: vllm-cpu 0.32.0's `vllm` command fails at start, looking up the version
-    # of a distribution named "vllm" (this one is "vllm-cpu")
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--port",
-        str(port),
-    ]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_ready(port, process, log_path)
-        yield f"http://127.0.0.1:{port}/v1", log_path
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _wait_ready(port: int, process: subprocess.Popen, log_path: Path) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"vllm serve not ready after {START_TIMEOUT} s:\n{log_path.read_text()[-5000:]}")
+    arguments = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"]
+    with openai_server(model_dir, arguments, env, log_path, START_TIMEOUT) as url:
+        yield f"{url}/v1", log_path
 
 
 def _client(url):

@@ -46,16 +46,13 @@ def main(spec_path: str, out_path: str) -> None:
         steps = [{str(i): lp.logprob for i, lp in step.items()} for step in completion.logprobs]
         result.append({"ids": list(completion.token_ids), "logprobs": steps})
     with open(out_path, "w") as f:
-        json.dump({"outputs": result, "preemptions": _preemptions(llm)}, f)
+        stats = not engine.get("disable_log_stats", True)  # LLM's default: no stats, no metrics
+        json.dump({"outputs": result, "preemptions": _preemptions(llm) if stats else None}, f)
 
 
-def _preemptions(llm) -> int | None:
-    """Requests the scheduler preempted, from the engine's metrics (None where not reported)."""
-    try:
-        metrics = llm.get_metrics()
-    except Exception:  # older engines have no metrics API
-        return None
-    return int(sum(m.value for m in metrics if m.name.endswith("num_preemptions") and hasattr(m, "value")))
+def _preemptions(llm) -> int:
+    """Requests the scheduler preempted, from the engine's metrics (an engine with stats on)."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
 
 
 if __name__ == "__main__":
