@@ -295,6 +295,30 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
     return found
 
 
+def amx_peak(threads: int = THREADS) -> float | None:
+    """The AMX tile unit's bf16 GFLOP/s at ``threads`` threads, measured now
+    (benchmarks/templates/bench_amx_peak.cpp.jinja: independent TDPBF16PS on loaded tiles); None
+    where kernforge does not run the amx tier. The peak a large-M GEMM is held to on such a CPU
+    (roof.json's bf16 figure is the AVX512-BF16 dot product's)."""
+    import kernforge
+    from kernforge.jit import Entry, Module, core, isa
+
+    if isa.selected_tier() != "amx":
+        return None
+    kernforge.register_template_dir(BENCH_DIR / "templates")
+    probe = Module(
+        "bench_amx_peak",
+        "bench_amx_peak.cpp.jinja",
+        params={},
+        entries=[Entry("run", "int64_t steps, int64_t num_threads", returns="double")],
+        tiers={"amx": "amx"},
+        register=False,
+    )
+    run = core.load_kernel(probe, {}, "amx").run
+    run(10_000, threads)  # warm: the tile unit powers up
+    return max(run(2_000_000, threads) for _ in range(3))
+
+
 # --------------------------------------------------------------------------- machine state
 
 

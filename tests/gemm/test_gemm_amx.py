@@ -108,8 +108,8 @@ def _no_faults(kernel) -> int:
 
 
 def _expected_dot_products(m: int, n: int, k: int, step_k: int, task_columns: int) -> int:
-    """What the tiles do: per task (64 rows x task_columns), per 32-row block, per 32-column block inside
-    N, one instruction per C tile (2 for a block of up to 16 rows, else 4) per 64-byte K step."""
+    """What the tiles do: per 32-row block, per 32-column block inside N (chunks are whole task_columns
+    groups), one instruction per C tile (2 for a block of up to 16 rows, else 4) per 64-byte K step."""
     steps = -(-k // step_k)
     per_task_row = sum(2 if min(BLOCK, m - r) <= TILE_ROWS else 4 for r in range(0, m, BLOCK))
     column_blocks = sum(-(-min(task_columns, n - n0) // BLOCK) for n0 in range(0, n, task_columns))
@@ -258,6 +258,8 @@ BF16_SHAPES = [
     (33, 47, 129),
     (70, 40, 95),
     (33, 15, 4109),
+    (300, 290, 300),  # row groups, column chunks and K blocks, each with a tail
+    (260, 40, 4100),  # the deep-K blocking
 ]
 
 
@@ -327,7 +329,17 @@ def _accumulate(kernel, entry, a_q, packed, threads=2):
     return out
 
 
-INT8_SHAPES = [(1, 1, 1), (1, 15, 17), (5, 64, 64), (16, 65, 63), (33, 70, 129), (70, 130, 200), (33, 17, 4109)]
+INT8_SHAPES = [
+    (1, 1, 1),
+    (1, 15, 17),
+    (5, 64, 64),
+    (16, 65, 63),
+    (33, 70, 129),
+    (70, 130, 200),
+    (33, 17, 4109),
+    (300, 290, 600),  # row groups, column chunks and K blocks, each with a tail
+    (260, 40, 8200),  # the deep-K blocking
+]
 
 
 @pytest.mark.parametrize("m,n,k", INT8_SHAPES, ids=[f"m{m}_n{n}_k{k}" for m, n, k in INT8_SHAPES])
