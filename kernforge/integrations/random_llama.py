@@ -100,6 +100,64 @@ def make_model_dir(
     return path
 
 
+# compressed-tensors' int8 w8a8 scheme: per-channel symmetric weights, activations quantized per
+# token at run time (symmetric), as llm-compressor writes it; lm_head stays bf16.
+W8A8_QUANTIZATION = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head"],
+}
+_W8A8_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_w8a8(source: str | Path, path: str | Path) -> Path:
+    """Write a copy of the model directory ``source`` with its decoder layers' linear weights in
+    compressed-tensors' int8 w8a8 format (:data:`W8A8_QUANTIZATION`): what vLLM loads as an int8
+    checkpoint. Kept if ``path`` already holds it."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    marker = path / "kernforge-random-model.txt"
+    recipe = f"w8a8 of {(source / 'kernforge-random-model.txt').read_text()}"
+    if marker.exists() and marker.read_text() == recipe:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _W8A8_LAYERS):
+            tensors[name] = tensor
+            continue
+        scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+        tensors[name] = (tensor.float() / scale).round().clamp(-128, 127).to(torch.int8)
+        tensors[name.removesuffix("weight") + "weight_scale"] = scale
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = W8A8_QUANTIZATION
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for other in source.iterdir():
+        if other.name not in ("model.safetensors", "config.json", marker.name) and other.is_file():
+            shutil.copy(other, path / other.name)
+    marker.write_text(recipe)
+    return path
+
+
 def _tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -118,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--max-position", type=int, default=4096)
+    parser.add_argument("--w8a8", metavar="PATH", help="also write an int8 w8a8 copy (compressed-tensors) to PATH")
     args = parser.parse_args(argv)
     print(make_model_dir(args.path, args.shape, args.max_position))
+    if args.w8a8:
+        print(quantize_w8a8(args.path, args.w8a8))
 
 
 if __name__ == "__main__":

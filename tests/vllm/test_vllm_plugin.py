@@ -26,7 +26,7 @@ def registered():
 def test_register_replaces_attention_layers_and_linear_once(registered):
     assert registered[:3] == ["attention (CPU_ATTN)", "RMSNorm", "SiluAndMul"]
     assert {"RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"} <= set(registered)
-    assert registered[-1] == "bf16 linear layers"
+    assert registered[-2:] == ["bf16 linear layers", "int8 w8a8 linear layers (dynamic, symmetric)"]
     assert plugin.register() == registered  # vLLM loads plugins in every process, maybe twice
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -159,6 +159,56 @@ def test_linear_dispatch_leaves_other_weights_to_vllm(registered):
     assert not hasattr(layer, "kernforge_packed_weight") and callable(layer.cpu_linear)
 
 
+def _int8_layer(n, k, channelwise, logical_widths, seed):
+    """A layer as vLLM's int8 schemes leave it before process_weights_after_loading: int8 weight
+    [N, K], fp32 scales per channel [N, 1] or per fused part [parts], a bf16 bias."""
+    generator = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8), False)
+    scales = torch.rand(n if channelwise else len(logical_widths), generator=generator) * 1e-3 + 1e-4
+    layer.weight_scale = torch.nn.Parameter(scales.reshape(-1, 1) if channelwise else scales, False)
+    layer.bias = torch.nn.Parameter(_rows(1, n, seed + 1)[0], requires_grad=False)
+    layer.logical_widths = logical_widths
+    return layer
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 130])
+@pytest.mark.parametrize("channelwise", [True, False], ids=["per-channel", "per-tensor-fused"])
+def test_int8_kernel_matches_dequantized_weights(registered, tokens, channelwise):
+    """vLLM's int8 layers hand kernforge's kernel their weights; per-tensor scales of a fused layer
+    (one per part) become per-channel ones, the activation is quantized per token (1/254 of a row's
+    largest value at most)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+
+    n, k, widths = 96, 160, [64, 32]
+    layer = _int8_layer(n, k, channelwise, widths, seed=11)
+    scales = layer.weight_scale.data.reshape(-1)
+    channel_scales = scales if channelwise else scales.repeat_interleave(torch.tensor(widths))
+    dequantized = layer.weight.data.float() * channel_scales[:, None]
+    bias = layer.bias.data.clone()
+    config = Int8ScaledMMLinearLayerConfig(
+        is_channelwise=channelwise, is_static_input_scheme=False, input_symmetric=True
+    )
+    kernel = layers.KernforgeInt8ScaledMMLinearKernel(config, ["weight", "weight_scale", "input_scale", "", ""])
+    kernel.process_weights_after_loading(layer)
+    assert layer.weight.numel() == 0  # the packed copy is the one kept
+    x = _rows(tokens, k, 12)
+    out = kernel.apply_weights(layer, x, layer.bias)
+    reference = linear_reference(x, dequantized, bias)
+    tolerance = 3e-2 + (x.float().abs().amax() / 254) * dequantized.abs().sum(1).amax()
+    torch.testing.assert_close(out.float(), reference, atol=float(tolerance), rtol=2e-2)
+
+
+@pytest.mark.parametrize("static, symmetric, takes", [(False, True, True), (True, True, False), (False, False, False)])
+def test_int8_kernel_takes_only_dynamic_symmetric_layers(static, symmetric, takes):
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+
+    config = Int8ScaledMMLinearLayerConfig(
+        is_channelwise=True, is_static_input_scheme=static, input_symmetric=symmetric
+    )
+    assert layers.KernforgeInt8ScaledMMLinearKernel.can_implement(config)[0] is takes
+
+
 # --------------------------------------------------------------------------- vLLM's internals
 
 
@@ -180,3 +230,13 @@ def test_vllm_internals_the_plugin_relies_on_are_unchanged():
         "vLLM's CPU KV cache per layer is no longer [blocks, kv_heads, block, content]"
     )
     assert not CPUAttentionBackend.forward_includes_kv_cache_update  # ours does; vLLM's writes separately
+
+    from vllm.model_executor.kernels import linear as linear_kernels
+    from vllm.platforms import PlatformEnum
+
+    assert linear_kernels._POSSIBLE_INT8_KERNELS[PlatformEnum.CPU][0] is layers.KernforgeInt8ScaledMMLinearKernel, (
+        "layers.register_int8_linear: vLLM's CPU int8 kernels are chosen from another list now"
+    )
+    assert "_POSSIBLE_INT8_KERNELS" in inspect.getsource(linear_kernels.init_int8_linear_kernel), (
+        "vLLM's int8 layers no longer pick their kernel from _POSSIBLE_INT8_KERNELS"
+    )

@@ -2,7 +2,8 @@
 are per process): ``python vllm_generate.py SPEC.json OUT.json``.
 
 SPEC: ``model`` (a model directory), ``prompts`` (lists of token ids), ``new`` (tokens per
-prompt), ``plugin`` (bool: kernforge's vLLM plugin on), ``engine`` (extra ``LLM`` arguments). OUT:
+prompt), ``plugin`` (bool: kernforge's vLLM plugin on, every part; or a list of parts as
+``KERNFORGE_VLLM`` takes it), ``engine`` (extra ``LLM`` arguments). OUT:
 per prompt, the generated ids and, per step, the top logprobs as {id: logprob}; the scheduler's
 preemptions.
 """
@@ -15,7 +16,8 @@ import sys
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    os.environ["KERNFORGE_VLLM"] = "1" if spec["plugin"] else "0"
+    plugin = spec["plugin"]  # a bool (every part or none) or KERNFORGE_VLLM's list of parts
+    os.environ["KERNFORGE_VLLM"] = plugin if isinstance(plugin, str) else "1" if plugin else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a share of RAM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

