@@ -295,6 +295,20 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
     return found
 
 
+def weight_streaming_call(seed: int = 0) -> tuple[Callable[[], object], int]:
+    """kernforge's M=1 GEMM on a 256 MiB bf16 weight (8x the L3 here) and the bytes it streams per
+    call: the rate DEVELOPERS.md states bandwidth-bound results against (it reads faster than the
+    roofline's DRAM probe)."""
+    import torch
+
+    import kernforge
+
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16384, 8192, generator=g).bfloat16()
+    packed, x = kernforge.convert_weight_packed(weight), torch.randn(1, 8192, generator=g).bfloat16()
+    return (lambda: kernforge.weight_packed_linear(x, packed)), weight.numel() * weight.element_size()
+
+
 def amx_peak(threads: int = THREADS) -> float | None:
     """The AMX tile unit's bf16 GFLOP/s at ``threads`` threads, measured now
     (benchmarks/templates/bench_amx_peak.cpp.jinja: independent TDPBF16PS on loaded tiles); None

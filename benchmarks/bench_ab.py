@@ -38,8 +38,8 @@ def _median_seconds(fn, budget: float = 1.0, min_calls: int = 15) -> float:
     return statistics.median(samples)
 
 
-def _measure() -> dict[str, float]:
-    """One process: every case's median seconds (run in the tree PYTHONPATH selects)."""
+def _measure(cases: list[str]) -> dict[str, float]:
+    """One process: the cases' median seconds (run in the tree PYTHONPATH selects)."""
     import torch
 
     import kernforge as kf
@@ -82,20 +82,21 @@ def _measure() -> dict[str, float]:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         return _median_seconds(lambda: kf.weight_packed_linear(x, packed, out=out))
 
-    return {
-        "decode_bf16": decode(torch.bfloat16),
-        "decode_fp8": decode(torch.float8_e4m3fn),
-        "decode_bf16_d64": decode(torch.bfloat16, head_dim=64),
-        "prefill_2048": prefill(),
-        "gemm_m1": gemm(1),
-        "gemm_m256": gemm(256),
+    timers = {
+        "decode_bf16": lambda: decode(torch.bfloat16),
+        "decode_fp8": lambda: decode(torch.float8_e4m3fn),
+        "decode_bf16_d64": lambda: decode(torch.bfloat16, head_dim=64),
+        "prefill_2048": prefill,
+        "gemm_m1": lambda: gemm(1),
+        "gemm_m256": lambda: gemm(256),
     }
+    return {case: timers[case]() for case in cases}
 
 
-def _run_tree(tree: str) -> dict[str, float]:
+def _run_tree(tree: str, cases: list[str]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     done = subprocess.run(
-        [sys.executable, __file__, "--child"],
+        [sys.executable, __file__, "--child", "--cases", *cases],
         env=env,
         capture_output=True,
         text=True,
@@ -110,20 +111,21 @@ def main() -> None:
     parser.add_argument("--a", help="checkout A (before)")
     parser.add_argument("--b", help="checkout B (after)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="cases to time (all)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure()))
+        print(json.dumps(_measure(args.cases)))
         return
     rounds = []
     for n in range(args.rounds):  # A first in even rounds, B first in odd ones: no order bias
         if n % 2:
-            b = _run_tree(args.b)
-            rounds.append((_run_tree(args.a), b))
+            b = _run_tree(args.b, args.cases)
+            rounds.append((_run_tree(args.a, args.cases), b))
         else:
-            rounds.append((_run_tree(args.a), _run_tree(args.b)))
+            rounds.append((_run_tree(args.a, args.cases), _run_tree(args.b, args.cases)))
     print(f"{'case':16} {'A ms':>9} {'B ms':>9} {'B/A time, per round':>30}")
-    for case in CASES:
+    for case in args.cases:
         a = statistics.median(r[0][case] for r in rounds) * 1e3
         b = statistics.median(r[1][case] for r in rounds) * 1e3
         ratios = " ".join(f"{r[1][case] / r[0][case]:.2f}" for r in rounds)

@@ -216,7 +216,10 @@ class DecodeKernel {
   // token are one row in NHD) or head by head (HND). The page table hides the next rows from the
   // hardware prefetcher; without these fetches the kernel reads its KV at half the rate. Spread
   // out, they overlap the arithmetic: issued as one burst per block, or fetching every other line
-  // and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md).
+  // and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md). They go
+  // to L2 only (prefetcht1): into L1 each one holds one of the core's few L1 miss buffers, and a
+  // load-only walk of NHD pages head by head read 1.5-1.7x slower that way on Zen 4 (this kernel
+  // 1.4x slower; benchmarks/bench_paged_read.py, RESULTS.md issue 22).
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
@@ -231,12 +234,12 @@ class DecodeKernel {
           lines_per_step_(1 + count * heads * kRowLines / std::max<int64_t>(1, steps)) {}
 
     // The next lines_per_step lines of K and of V, walked with counters (a division per line would
-    // cost as much as the arithmetic around it).
+    // cost as much as the arithmetic around it); prefetcht1: (address, read, locality 2).
     void step() {
       for (int64_t n = 0; n < lines_per_step_ && outer_ < outer_end_; ++n) {
         const int64_t token = token_major_ ? outer_ : inner_, head = token_major_ ? inner_ : outer_;
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + line_offset(line_));
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + line_offset(line_));
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + line_offset(line_), 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + line_offset(line_), 0, 2);
         if (++line_ < kRowLines) continue;
         line_ = 0;
         if (++inner_ == inner_end_) inner_ = 0, ++outer_;
