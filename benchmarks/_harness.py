@@ -309,28 +309,37 @@ def weight_streaming_call(seed: int = 0) -> tuple[Callable[[], object], int]:
     return (lambda: kernforge.weight_packed_linear(x, packed)), weight.numel() * weight.element_size()
 
 
-def amx_peak(threads: int = THREADS) -> float | None:
-    """The AMX tile unit's bf16 GFLOP/s at ``threads`` threads, measured now
-    (benchmarks/templates/bench_amx_peak.cpp.jinja: independent TDPBF16PS on loaded tiles); None
-    where kernforge does not run the amx tier. The peak a large-M GEMM is held to on such a CPU
-    (roof.json's bf16 figure is the AVX512-BF16 dot product's)."""
+def streaming_rate(budget_s: float = 1.0) -> float:
+    """GB/s that :func:`weight_streaming_call` streams now (median of its calls)."""
+    stream, stream_bytes = weight_streaming_call()
+    return stream_bytes / measure(stream, budget_s=budget_s, min_samples=5, warmup=1, sample_ns=0).median_ns
+
+
+def bf16_peak(threads: int = THREADS) -> tuple[float, str] | None:
+    """This CPU's bf16 GFLOP/s at ``threads`` threads, measured now, and what it measured
+    (benchmarks/templates/bench_bf16_peak.cpp.jinja): the AMX tile unit on the amx tier, the
+    AVX512-BF16 dot product on avx512; None on other tiers. The peak a large-M GEMM is held to:
+    roof.json's figure is one machine's, and CPUs of one tier differ by 2x (Zen 4, Zen 5)."""
     import kernforge
     from kernforge.jit import Entry, Module, core, isa
 
-    if isa.selected_tier() != "amx":
+    tier = isa.selected_tier()
+    if tier not in ("amx", "avx512"):
         return None
     kernforge.register_template_dir(BENCH_DIR / "templates")
     probe = Module(
-        "bench_amx_peak",
-        "bench_amx_peak.cpp.jinja",
+        "bench_bf16_peak",
+        "bench_bf16_peak.cpp.jinja",
         params={},
         entries=[Entry("run", "int64_t steps, int64_t num_threads", returns="double")],
-        tiers={"amx": "amx"},
+        tiers={"amx": "amx", "avx512": "avx512"},
         register=False,
     )
-    run = core.load_kernel(probe, {}, "amx").run
-    run(10_000, threads)  # warm: the tile unit powers up
-    return max(run(2_000_000, threads) for _ in range(3))
+    run = core.load_kernel(probe, {}, tier).run
+    if run(10_000, threads) < 0:  # also the warm-up: wide units power up
+        return None
+    unit = "AMX tiles (TDPBF16PS)" if tier == "amx" else "AVX512-BF16 (vdpbf16ps)"
+    return max(run(20_000_000 if tier == "avx512" else 2_000_000, threads) for _ in range(3)), unit
 
 
 # --------------------------------------------------------------------------- machine state

@@ -374,9 +374,7 @@ def read_bandwidth(args) -> dict[str, float]:
     """DRAM read GB/s now: kernforge's M=1 GEMM over a 256 MiB weight (the rate the targets are
     held to), kernforge's stream probe (read-only sum, 256 MiB) and torch x.sum() over 1 GiB fp32,
     at the current thread count."""
-    stream, stream_bytes = H.weight_streaming_call()
-    t = H.measure(stream, budget_s=0.3 if args.quick else 1.0, min_samples=5, warmup=1, sample_ns=0)
-    found = {STREAM_KEY: stream_bytes / t.median_ns}
+    found = {STREAM_KEY: H.streaming_rate(budget_s=0.3 if args.quick else 1.0)}
     probe = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
     if probe:
         found["stream probe r"] = probe["DRAM"]["r"]

@@ -15,9 +15,9 @@ Columns
                               Each call reads another copy of the weight (copies rotate over
                               >= 256 MiB, 8x the L3), so no weight is served from the cache.
     GFLOP/s, % bf16 peak      2 * M * N * K / kernforge time, against the bf16 peak for the thread
-                              count (the figure for large M): on the amx tier the tile unit's,
-                              measured in the run (_harness.amx_peak), else roof.json's
-                              AVX512-BF16 dot product's.
+                              count (the figure for large M), measured in the run
+                              (_harness.bf16_peak: the AMX tile unit's on the amx tier, the
+                              AVX512-BF16 dot product's on avx512), else roof.json's.
     int8 x, fp8 x             kernforge bf16 time / the time of the same weights quantized: int8 w8a8
                               (int8_scaled_mm_with_quant: the activation is quantized inside the call,
                               per-channel weight scales) and fp8 block-scaled (fp8_scaled_mm, e4m3 with
@@ -207,8 +207,8 @@ def main() -> int:
     stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
     threads_roof = roof[str(args.threads)]
     dram_r = stream["DRAM"]["r"] if stream else threads_roof["DRAM_r"]
-    tile_peak = H.amx_peak(args.threads)
-    peak = tile_peak or threads_roof["bf16_gflops"]
+    measured_peak = H.bf16_peak(args.threads)
+    peak = measured_peak[0] if measured_peak else threads_roof["bf16_gflops"]
     compiled, compile_mode = _compiled_linear(args)
     info = H.print_header(
         "bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)",
@@ -217,7 +217,7 @@ def main() -> int:
             "roof": f"{roof_path.name}: bf16 peak {threads_roof['bf16_gflops']:.0f} GFLOP/s, DRAM read "
             f"{threads_roof['DRAM_r']:.1f} GB/s",
             "% bf16 peak against": f"{peak:.0f} GFLOP/s ("
-            + ("the AMX tile peak measured now" if tile_peak else f"{roof_path.name}'s AVX512-BF16 peak")
+            + (f"{measured_peak[1]}, measured now" if measured_peak else f"{roof_path.name}'s bf16 peak")
             + ")",
             "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
             "torch.compile": compile_mode,

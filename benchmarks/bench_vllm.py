@@ -158,13 +158,13 @@ def measured_rates(threads: int) -> dict:
         "torch": lambda: torch.nn.functional.linear(a, w),
     }
     gemm_times = H.compare(gemm, budget_s=1.0, min_samples=3)
-    stream, stream_bytes = H.weight_streaming_call()
-    stream_times = H.compare({"stream": stream}, budget_s=1.0)
     best_gemm_s = min(t.median_ns for t in gemm_times.values()) / 1e9
+    peak = H.bf16_peak(threads)
     return {
+        "bf16_peak_gflops": peak[0] if peak else None,
         "gemm_gflops": 2 * n**3 / best_gemm_s / 1e9,
         "gemm_by": {name: 2 * n**3 / t.median_ns for name, t in gemm_times.items()},
-        "stream_gbs": stream_bytes / stream_times["stream"].median_ns,
+        "stream_gbs": H.streaming_rate(),
     }
 
 
@@ -263,7 +263,8 @@ def main() -> None:
     print(H.table(["case", "column", "s", "tok/s", f"vs {baseline}", "bound s", "/ bound"], rows))
     print(
         f"\nrates measured in this run: bf16 GEMM {rates['gemm_gflops']:.0f} GFLOP/s "
-        f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}), "
+        f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}; the CPU's bf16 peak "
+        f"{rates['bf16_peak_gflops'] or float('nan'):.0f}), "
         f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s); "
         f"columns: {', '.join(f'{k} = KERNFORGE_VLLM={v}' for k, v in columns.items())}"
     )
