@@ -11,7 +11,8 @@ prefetched row by row. Variants change one of: prefetch distance (none, 2, 4 blo
 (64, 256), layout (HND), dtype (fp8: 128-byte rows), the prefetch hint (prefetcht1: into L2 only
 on Zen 4 and later). Also kernforge's decode itself on the
 baseline's cache (q bf16, group 4), and on the page-size, HND and fp8 caches, so the load-only
-figures have the real kernel beside them.
+figures have the real kernel beside them; and the kernel on 16 MB of KV (in the L3), the rate its
+arithmetic allows.
 
     .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1 minute
 """
@@ -126,6 +127,9 @@ def main() -> int:
         }.items()
     }
     base = caches["nhd16"]
+    # 16 MB of KV, half the L3: decode's rate with no DRAM in the way
+    hot = PagedCache(args.batch, 256, 16, "NHD", torch.bfloat16, g)
+    hot_fp8 = PagedCache(args.batch, 512, 16, "NHD", torch.uint8, g)
     ordered = copy.copy(base)  # the same cache, each request's pages consecutive
     ordered.indices = torch.arange(base.indices.numel(), dtype=torch.int32)
     t = args.threads
@@ -154,6 +158,8 @@ def main() -> int:
         "kernforge decode, page 256": (decode_call(caches["nhd256"], g), base.bytes),
         "kernforge decode, HND": (decode_call(caches["hnd16"], g), base.bytes),
         "kernforge decode, fp8 KV": (decode_call(caches["fp8"], g), caches["fp8"].bytes),
+        "kernforge decode, KV in L3 (16 MB): its arithmetic's rate": (decode_call(hot, g), hot.bytes),
+        "kernforge decode, fp8 KV in L3 (16 MB)": (decode_call(hot_fp8, g), hot_fp8.bytes),
     }
     big = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
     references = {
