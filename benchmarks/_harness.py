@@ -342,6 +342,14 @@ def bf16_peak(threads: int = THREADS) -> tuple[float, str] | None:
     return max(run(20_000_000 if tier == "avx512" else 2_000_000, threads) for _ in range(3)), unit
 
 
+def bf16_peak_or_roof(threads: int, roof: dict, roof_path) -> tuple[float, str]:
+    """:func:`bf16_peak` where a probe runs, else roof.json's figure; with where it came from."""
+    measured = bf16_peak(threads)
+    if measured:
+        return measured[0], f"{measured[1]}, measured now"
+    return roof[str(threads)]["bf16_gflops"], f"{Path(roof_path).name}'s bf16 peak"
+
+
 # --------------------------------------------------------------------------- machine state
 
 

@@ -207,8 +207,7 @@ def main() -> int:
     stock = build_model(args.checkpoint, args.layers)
     stock.generation_config.eos_token_id = None  # random weights: every requested token is generated
     config = stock.config
-    measured_peak = H.bf16_peak(args.threads)
-    peak_gflops = measured_peak[0] if measured_peak else roof[str(args.threads)]["bf16_gflops"]
+    peak_gflops, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
     limit = bounds(config, args, peak_gflops, H.streaming_rate())
     info = H.print_header(
         "bench_e2e: transformers Llama, stock vs kernforge (bf16, int8)",
@@ -217,9 +216,8 @@ def main() -> int:
             "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
             f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}"
             + (f" ({args.checkpoint})" if args.checkpoint else ", random weights"),
-            "bounds": f"bf16 peak {limit['peak_gflops']:.0f} GFLOP/s ("
-            + (f"{measured_peak[1]}, measured now" if measured_peak else f"{roof_path}")
-            + f"), weight streaming {limit['dram_gbs']:.1f} GB/s (kernforge's M=1 GEMM, 256 MiB, now)",
+            "bounds": f"bf16 peak {limit['peak_gflops']:.0f} GFLOP/s ({peak_source}), weight streaming "
+            f"{limit['dram_gbs']:.1f} GB/s (kernforge's M=1 GEMM, 256 MiB, now)",
             "cases": f"TTFT {args.prompt} tokens (median of {args.reps}); TPOT over {args.new} tokens at batch 1 "
             f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
         },

@@ -207,8 +207,7 @@ def main() -> int:
     stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
     threads_roof = roof[str(args.threads)]
     dram_r = stream["DRAM"]["r"] if stream else threads_roof["DRAM_r"]
-    measured_peak = H.bf16_peak(args.threads)
-    peak = measured_peak[0] if measured_peak else threads_roof["bf16_gflops"]
+    peak, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
     compiled, compile_mode = _compiled_linear(args)
     info = H.print_header(
         "bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)",
@@ -216,9 +215,7 @@ def main() -> int:
         {
             "roof": f"{roof_path.name}: bf16 peak {threads_roof['bf16_gflops']:.0f} GFLOP/s, DRAM read "
             f"{threads_roof['DRAM_r']:.1f} GB/s",
-            "% bf16 peak against": f"{peak:.0f} GFLOP/s ("
-            + (f"{measured_peak[1]}, measured now" if measured_peak else f"{roof_path.name}'s bf16 peak")
-            + ")",
+            "% bf16 peak against": f"{peak:.0f} GFLOP/s ({peak_source})",
             "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
             "torch.compile": compile_mode,
         },

@@ -38,14 +38,15 @@ class PagedCache:
         pages_per_request = tokens // page
         num_pages = batch * pages_per_request
         shape = (num_pages, 2, page, HEADS, HEAD_DIM) if layout == "NHD" else (num_pages, 2, HEADS, page, HEAD_DIM)
-        self.cache = torch.randint(0, 0x7F, shape, dtype=torch.uint8, generator=g)  # finite e4m3 values
         if dtype == torch.bfloat16:
             self.cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+        else:  # fp8 bytes: finite e4m3 values
+            self.cache = torch.randint(0, 0x7F, shape, dtype=torch.uint8, generator=g)
         self.indices = torch.randperm(num_pages, generator=g).to(torch.int32)
         self.indptr = torch.arange(0, num_pages + 1, pages_per_request, dtype=torch.int32)
         self.batch, self.tokens, self.page, self.layout = batch, tokens, page, layout
-        self.row_bytes = HEAD_DIM * self.cache.element_size()
         elem = self.cache.element_size()
+        self.row_bytes = HEAD_DIM * elem
         stride = [s * elem for s in self.cache.stride()]
         self.stride_page = stride[0]
         self.stride_token, self.stride_head = (stride[2], stride[3]) if layout == "NHD" else (stride[3], stride[2])

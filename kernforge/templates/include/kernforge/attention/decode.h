@@ -217,9 +217,10 @@ class DecodeKernel {
   // hardware prefetcher; without these fetches the kernel reads its KV at half the rate. Spread
   // out, they overlap the arithmetic: issued as one burst per block, or fetching every other line
   // and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md). They go
-  // to L2 only (prefetcht1): into L1 each one holds one of the core's few L1 miss buffers, and a
-  // load-only walk of NHD pages head by head read 1.5-1.7x slower that way on Zen 4 (this kernel
-  // 1.4x slower; benchmarks/bench_paged_read.py, RESULTS.md issue 22).
+  // to L2 only (prefetcht1): into L1, a load-only walk of NHD pages head by head read 1.5-1.7x
+  // slower on Zen 4 and this kernel 1.4x slower (benchmarks/bench_paged_read.py, RESULTS.md issue
+  // 22); presumably each L1 prefetch holds one of the core's few L1 miss buffers (not counted:
+  // no PMU in that guest).
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
