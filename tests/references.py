@@ -69,6 +69,15 @@ def linear_reference(x, w, bias=None):
     return ref if bias is None else ref + bias.float()
 
 
+def per_token_quant_reference(x):
+    """sgl-kernel's per-token int8 quantization of ``x [..., K]`` in float32: ``(q uint8 = round(x *
+    127 / amax) + 128, scale = amax / 127)``, amax at least 1e-7, rounding half to even."""
+    xf = x.float()
+    absmax = xf.abs().amax(-1, keepdim=True).clamp_min(1e-7)
+    q = torch.round(xf * (torch.full_like(absmax, 127.0) / absmax)).to(torch.int32) + 128
+    return q.to(torch.uint8), (absmax / 127).squeeze(-1)
+
+
 def int8_accumulate_reference(a_q, w):
     """The exact integer sums of the int8 GEMM, ``(a_q - 128) @ w.T``, in float64 (every partial sum
     is an integer below 2^53): a_q uint8 with zero point 128, w int8 [N, K]."""

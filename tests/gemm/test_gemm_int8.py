@@ -27,18 +27,11 @@ from kernforge.ops.gemm.int8 import (
 )
 
 from op_helpers import seeded
-from references import int8_accumulate_reference, int8_linear_reference
+from references import int8_accumulate_reference, int8_linear_reference, per_token_quant_reference
 
 ROWS = [1, 2, 7, 33, 256]
 NK = [(1, 1), (15, 17), (17, 15), (1, 4095), (1000, 1030)]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}  # rtol; atol scales with |ref|
-
-
-def _reference_quant(x):
-    xf = x.float()
-    absmax = xf.abs().amax(-1, keepdim=True).clamp_min(1e-7)
-    q = torch.round(xf * (torch.full_like(absmax, 127.0) / absmax)).to(torch.int32) + 128
-    return q.to(torch.uint8), (absmax / 127).squeeze(-1)
 
 
 def _weight(n, k, key=()):
@@ -66,7 +59,7 @@ def _assert_matches(actual, expected, dtype):
 def test_per_token_quant_is_bit_exact(tier, m, k):
     x = _activation(m, k)
     q, scale = per_token_quant_int8(x)
-    ref_q, ref_scale = _reference_quant(x)
+    ref_q, ref_scale = per_token_quant_reference(x)
     assert q.dtype is torch.uint8 and scale.dtype is torch.float32 and scale.shape == (m,)
     assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
 
@@ -76,7 +69,7 @@ def test_per_token_quant_takes_fp32_and_fp16(dtype):
     x = _activation(5, 100, dtype)
     x[1] = 0  # an all-zero row: scale 1e-7 / 127, every value at the zero point
     q, scale = per_token_quant_int8(x)
-    ref_q, ref_scale = _reference_quant(x)
+    ref_q, ref_scale = per_token_quant_reference(x)
     assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale) and torch.all(q[1] == 128)
 
 

@@ -33,6 +33,7 @@ from kernforge import torch_library as tl
 from kernforge.ops.attention import decode, prefill
 from kernforge.ops.gemm import bf16 as gemm
 from kernforge.ops.gemm import int8 as gemm_int8
+from kernforge.ops.moe import experts as moe_experts
 
 from op_helpers import randn, seeded
 
@@ -68,7 +69,13 @@ WRITES = {
     "weight_packed_linear": set(),
     "weight_packed_linear_out": {"out"},
     "int8_scaled_mm_with_quant": set(),
+    "fused_experts": set(),
+    "fused_experts_out": {"out"},
     "top_k_top_p_sampling_from_logits": set(),
+    "topk_softmax": set(),
+    "topk_sigmoid": set(),
+    "grouped_topk": set(),
+    "biased_grouped_topk": set(),
     "attention_run": set(),
     "attention_run_return_lse": set(),
 }
@@ -237,6 +244,32 @@ def _int8_case(g):
     )
 
 
+def _experts_case(g, int8=False, out=False):
+    """fused_experts on 9 tokens, 8 experts of H 40 and I 24 (a gated w1 in two parts), k 2."""
+    if int8:
+        w1, w2 = (
+            torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for shape in ((8, 48, 40), (8, 40, 24))
+        )
+        w1 = moe_experts.pack_experts_int8(w1, randn((8, 48), g).abs() * 1e-3, gated=True)
+        w2 = moe_experts.pack_experts_int8(w2, randn((8, 40), g).abs() * 1e-3)
+    else:
+        w1 = moe_experts.pack_experts(bf16((8, 48, 40), g, 0.1), gated=True)
+        w2 = moe_experts.pack_experts(bf16((8, 40, 24), g, 0.1))
+    weights, ids = torch.topk(randn((9, 8), g).softmax(-1), 2)
+    tensors = [bf16((9, 40), g)]
+    for packed in (w1, w2):
+        tensors += [packed.packed, getattr(packed, "compensation", None), getattr(packed, "scale", None)]
+        tensors += [packed.n, packed.k]
+    tensors += [weights, ids.to(torch.int32)]
+
+    def python(x, *args, out=None):
+        return kernforge.fused_experts(x, w1, w2, args[-2], args[-1], use_int8_w8a8=int8, out=out)
+
+    if out:
+        return Case(tuple(tensors), _writes_out(python), {"out": torch.empty(9, 40, dtype=BF16)})
+    return Case(tuple(tensors), python)
+
+
 def _sampling_case(g):
     logits = randn((4, 1000), g, 3.0)
     return Case(
@@ -251,6 +284,15 @@ def _sampling_case(g):
             logits, top_k, top_p, seed=seed, offset=offset, return_valid=True
         ),
     )
+
+
+def _routing_case(op, g, grouped=False, biased=False):
+    """5 tokens of 64 experts (bf16 gating, a column slice), k = 6; grouped: 8 groups, 3 kept, a
+    fused shared expert and a scaling factor."""
+    gating = bf16((5, 70), g)[:, :64]
+    head = (bf16((5, 16), g), gating) + ((randn((64,), g, 0.1),) if biased else ())
+    tail = (8, 3, 1, 2.5) if grouped else ()
+    return Case((*head, 6, True, *tail), op)
 
 
 KV_LENS, QO_LENS = [20, 7], [3, 5]
@@ -351,7 +393,14 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "weight_packed_linear": lambda g, ws: _linear_case(g),
     "weight_packed_linear_out": lambda g, ws: _linear_out_case(g),
     "int8_scaled_mm_with_quant": lambda g, ws: _int8_case(g),
+    "fused_experts": lambda g, ws: _experts_case(g),
+    "fused_experts[int8]": lambda g, ws: _experts_case(g, int8=True),
+    "fused_experts_out": lambda g, ws: _experts_case(g, out=True),
     "top_k_top_p_sampling_from_logits": lambda g, ws: _sampling_case(g),
+    "topk_softmax": lambda g, ws: _routing_case(kernforge.topk_softmax, g),
+    "topk_sigmoid": lambda g, ws: _routing_case(kernforge.topk_sigmoid, g),
+    "grouped_topk": lambda g, ws: _routing_case(kernforge.grouped_topk, g, grouped=True),
+    "biased_grouped_topk": lambda g, ws: _routing_case(kernforge.biased_grouped_topk, g, grouped=True, biased=True),
     "attention_run[decode]": lambda g, ws: _decode_case(g, ws, kernforge.BatchDecodeWithPagedKVCacheWrapper),
     "attention_run[prefill]": lambda g, ws: _prefill_case(g, ws),
     "attention_run[ragged]": lambda g, ws: _ragged_case(g, ws),
@@ -665,6 +714,7 @@ _TORCH_TYPES = {
     "int": "int",
     "int | None": "Optional[int]",
     "float": "float",
+    "float | None": "Optional[float]",
     "bool": "bool",
     "str": "str",
 }

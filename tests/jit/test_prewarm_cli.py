@@ -25,6 +25,7 @@ import kernforge
 from kernforge import cli, tune
 from kernforge.cache import disk
 from kernforge.jit import core, isa, render, tuning
+from kernforge.model_spec import ModelSpec
 from kernforge.ops.attention import prefill
 
 from conftest import TEST_TEMPLATES, TESTS_DIR, clean_env
@@ -635,3 +636,34 @@ def test_every_kernel_with_candidates_has_a_tuner_on_the_cli(cache, monkeypatch,
     assert "bf16 m=1 (bucket 1) n=64 k=32" in capsys.readouterr().out
     assert cli.main(["tune", "prefill", "--head-dim", "16", "--group", "1", "--length", "8"]) == 0
     assert "prefill bf16/bf16 head_dim 16/16 group 1" in capsys.readouterr().out
+
+
+QWEN3_MOE = {  # Qwen3-30B-A3B's shape: dense intermediate_size besides the experts' own
+    **LLAMA,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "head_dim": 128,
+}
+
+
+def test_manifest_from_moe_configs_builds_routing_and_the_experts():
+    kernels = prewarm.manifest_from_model_config(QWEN3_MOE)["kernels"]
+    assert {"op": "topk_softmax", "dtype": "bfloat16"} in kernels
+    assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "bf16"}} in kernels
+    int8 = prewarm.manifest_from_model_config(QWEN3_MOE, quant="int8")["kernels"]
+    assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "int8"}} in int8
+    assert not [k for k in prewarm.manifest_from_model_config(LLAMA)["kernels"] if "moe" in json.dumps(k)]
+    spec = ModelSpec.from_config(QWEN3_MOE)
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (128, 8, 768)
+    assert spec.linear_shapes()["router"] == [128, 2048]
+    # Mixtral counts num_local_experts and sizes its experts with intermediate_size
+    mixtral = ModelSpec.from_config({**LLAMA, "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size) == (8, LLAMA["intermediate_size"])
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 exceeds the 8 experts"):
+        ModelSpec.from_config({**LLAMA, "num_local_experts": 8, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelSpec.from_config({**LLAMA, "num_local_experts": 8})

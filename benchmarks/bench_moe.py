@@ -1,0 +1,241 @@
+"""Fused MoE experts: kernforge vs transformers' expert loop vs vLLM's CPU fused MoE, one run.
+
+Shapes (--model): qwen3-30b-a3b (128 experts, H 2048, I 768, k 8) and olmoe (64 experts, H 2048,
+I 1024, k 8); T tokens per call (--tokens: 1 and 16 are decode steps, 128 and 1024 prefill chunks);
+bf16 activations and weights, 2 threads. Routing is uniform at random (topk over random scores, the
+k weights a softmax), as a trained router spreads tokens.
+
+Paths compared per case (round-robin in one run, _harness.compare)
+    kf        kernforge.fused_experts on pack_experts() weights, out= preallocated
+    kf alloc  the same, allocating its output
+    eager     transformers 5.24's expert loop (Qwen3MoeExperts.forward, what a MoE model runs in
+              transformers by default): per expert hit, F.linear on the gathered rows, act * up,
+              F.linear, times the weight, index_add_ (bf16 throughout)
+    vllm      vLLM's CPU MoE kernel (torch.ops._C.cpu_fused_moe, what its CPU engine runs for an
+              unquantized MoE layer) on its own prepacked weights (prepack_moe_weight), isa "amx"
+              where the CPU has AMX tiles, else "vec". Only vLLM's kernel library is loaded: run
+              under .venv-vllm (`make vllm`) or pass --vllm DIR, else the column is skipped.
+
+Cold weights: each call routes by the next of 16 routings drawn up front, so consecutive calls read
+other experts (the whole layer's 0.6-1.2 GB of expert weights is far larger than the L3), as a
+decode step reads each layer's experts once; every path cycles through the same routings.
+
+Figures
+    GB/s      bytes of the distinct experts' weights a call reads (experts hit x 3 x H x I x 2) /
+              time; % stream: against kernforge's M=1 GEMM streaming a 256 MiB weight, measured
+              at the start and the end of this run (the better of the two is the reference)
+    GFLOP/s   2 x T x k x 3 x H x I / time; % peak: against this CPU's bf16 peak measured in the
+              run (_harness.bf16_peak) or roof.json's
+    x kf      the path's median time / kernforge's (out=): above 1, kernforge is faster
+
+Usage: python benchmarks/bench_moe.py [--quick] [--model qwen3-30b-a3b olmoe]
+       [--tokens 1 16 128 1024] [--vllm DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernforge  # noqa: E402
+from kernforge.ops.moe.experts import pack_experts  # noqa: E402
+
+import _harness as H  # noqa: E402
+
+MODELS = {  # experts, hidden, intermediate, k
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "olmoe": (64, 2048, 1024, 8),
+}
+ROUTINGS = 16
+COSINE_MIN = 0.999
+
+
+def eager_experts(x, w1, w2, topk_weights, topk_ids):
+    """transformers 5.24's Qwen3MoeExperts.forward, as written there."""
+    out = torch.zeros_like(x)
+    experts = w1.shape[0]
+    with torch.no_grad():
+        mask = F.one_hot(topk_ids.long(), num_classes=experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert in hit:
+        expert = expert[0]
+        if expert == experts:
+            continue
+        slot, token = torch.where(mask[expert])
+        gate, up = F.linear(x[token], w1[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def routings(tokens: int, experts: int, k: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    found = []
+    for _ in range(ROUTINGS):
+        scores, ids = torch.topk(torch.rand(tokens, experts, generator=g), k, dim=-1)
+        found.append((scores.softmax(-1), ids.to(torch.int32)))
+    return found
+
+
+def cycling(call: Callable[[torch.Tensor, torch.Tensor], object], routes) -> Callable[[], object]:
+    nxt = itertools.cycle(routes).__next__
+    return lambda: call(*nxt())
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+class VllmMoe:
+    """vLLM's cpu_fused_moe on one layer's weights, prepacked its way."""
+
+    def __init__(self, ops, w1: torch.Tensor, w2: torch.Tensor):
+        self.ops = ops
+        self.isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # as vLLM's CPU MoE experts pick it
+        self.w1, self.w2 = (self._prepacked(w) for w in (w1, w2))
+
+    def _prepacked(self, w: torch.Tensor) -> torch.Tensor:
+        packed = torch.empty_like(w)
+        self.ops.prepack_moe_weight(w, packed, self.isa)
+        return packed
+
+    def __call__(self, x, topk_weights, topk_ids, out):
+        self.ops.cpu_fused_moe(out, x, self.w1, self.w2, None, None, topk_weights, topk_ids, False, "silu", self.isa)
+        return out
+
+
+def bench_case(model: str, tokens: int, weights, vllm, args, limits) -> dict:
+    experts, hidden, inter, k = MODELS[model]
+    w1, w2, p1, p2, vllm_moe = weights
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    routes = routings(tokens, experts, k, g)
+    out = torch.empty_like(x)
+    fns = {
+        "kf": cycling(lambda w, ids: kernforge.fused_experts(x, p1, p2, w, ids, out=out), routes),
+        "kf alloc": cycling(lambda w, ids: kernforge.fused_experts(x, p1, p2, w, ids), routes),
+        "eager": cycling(lambda w, ids: eager_experts(x, w1, w2, w, ids), routes),
+    }
+    vllm_out = torch.empty_like(x)
+    if vllm_moe is not None:
+        fns["vllm"] = cycling(lambda w, ids: vllm_moe(x, w, ids, vllm_out), routes)
+    want = eager_experts(x, w1, w2, *routes[0]).float()
+    checks = {"kf": cosine(kernforge.fused_experts(x, p1, p2, *routes[0]).float(), want)}
+    if vllm_moe is not None:
+        checks["vllm"] = cosine(vllm_moe(x, *routes[0], vllm_out).float(), want)
+    timings, other = H.timed(fns, args)
+    hit = sum(len(torch.unique(ids)) for _, ids in routes) / len(routes)
+    nbytes = hit * 3 * hidden * inter * 2
+    flops = 2 * tokens * k * 3 * hidden * inter
+    base = timings["kf"].median_ns
+    return {
+        "model": model,
+        "tokens": tokens,
+        "experts_hit": hit,
+        "bytes": nbytes,
+        "flops": flops,
+        "background": other,
+        "checks": checks,
+        "paths": {
+            name: {
+                "us": t.us,
+                "spread": t.spread(),
+                "GB/s": nbytes / t.median_ns,
+                "GFLOP/s": flops / t.median_ns,
+                "x kf": t.median_ns / base,
+            }
+            for name, t in timings.items()
+        },
+    }
+
+
+def load_weights(model: str, vllm_ops):
+    experts, hidden, inter, _ = MODELS[model]
+    g = torch.Generator().manual_seed(experts * hidden + inter)
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
+    vllm_moe = VllmMoe(vllm_ops, w1, w2) if vllm_ops is not None else None
+    return w1, w2, pack_experts(w1, gated=True), pack_experts(w2), vllm_moe
+
+
+def report(records: list[dict], limits: dict) -> None:
+    stream, peak = limits["stream"], limits["peak"]
+    rows = []
+    for rec in records:
+        for name, p in rec["paths"].items():
+            rows.append(
+                [
+                    rec["model"],
+                    rec["tokens"],
+                    f"{rec['experts_hit']:.0f}",
+                    name,
+                    H.fmt(p["us"], 0),
+                    H.fmt(p["GB/s"]),
+                    H.fmt(100 * p["GB/s"] / stream, 0, "%"),
+                    H.fmt(p["GFLOP/s"]),
+                    H.fmt(100 * p["GFLOP/s"] / peak, 0, "%"),
+                    H.fmt(p["x kf"], 2),
+                    H.fmt(rec["checks"].get(name.split()[0]), 5) if name.split()[0] in rec["checks"] else "",
+                ]
+            )
+    print(
+        H.table(
+            ["model", "T", "experts", "path", "us", "GB/s", "% stream", "GFLOP/s", "% peak", "x kf", "cos vs eager"],
+            rows,
+            "lrrlrrrrrrr",
+        )
+    )
+
+
+def main() -> None:
+    p = H.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-30b-a3b"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024])
+    p.add_argument("--vllm", metavar="DIR", help="folder holding vllm/_C*.so (else the installed vllm)")
+    p.add_argument("--budget", type=float, default=2.0, help="seconds per path and case")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-samples", type=int, default=5)
+    p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--retry-wait", type=float, default=20.0)
+    p.add_argument("--max-bg", type=float, default=0.15)
+    args = p.parse_args()
+    if args.quick:
+        args.tokens, args.budget, args.rounds = [1, 128], 0.3, 1
+    H.setup_threads(args.threads)
+    if args.wait_quiet:
+        H.wait_for_quiet(args.wait_quiet)
+    vllm = H.vllm_kernels(args.vllm, ("cpu_fused_moe", "prepack_moe_weight"))
+    roof, roof_path = H.load_roof()
+    peak, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
+    stream_start = H.streaming_rate(budget_s=0.3 if args.quick else 1.0)
+    H.print_header(
+        "Fused MoE experts: kernforge vs transformers' loop vs vLLM",
+        args,
+        {
+            "vllm": f"{vllm[2]} ({vllm[1]})" if isinstance(vllm, tuple) else vllm,
+            "bf16 peak": f"{peak:.0f} GFLOP/s ({peak_source})",
+            "M=1 GEMM streaming rate at start": f"{stream_start:.1f} GB/s",
+        },
+    )
+    records = []
+    for model in args.model:
+        weights = load_weights(model, vllm[0] if isinstance(vllm, tuple) else None)
+        for tokens in args.tokens:
+            records.append(bench_case(model, tokens, weights, vllm, args, None))
+            print(f"  done {model} T={tokens}", file=sys.stderr, flush=True)
+        del weights
+    stream_end = H.streaming_rate(budget_s=0.3 if args.quick else 1.0)
+    limits = {"stream": max(stream_start, stream_end), "peak": peak}
+    print(f"M=1 GEMM streaming rate: {stream_start:.1f} GB/s at start, {stream_end:.1f} at end\n")
+    report(records, limits)
+    H.write_json(args.json, {"limits": limits, "records": records})
+
+
+if __name__ == "__main__":
+    main()

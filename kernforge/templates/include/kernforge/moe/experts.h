@@ -1,0 +1,344 @@
+// Fused mixture-of-experts MLP: out[t] = sum_j w[t, j] * W2_e (silu(W1g_e x_t) * W1u_e x_t), e = ids[t, j],
+// on the GEMM micro-kernels, in three steps and two parallel passes:
+//
+// 1. group_by_expert: the T x k (token, slot) pairs sorted by expert, tokens in order within each
+//    expert (a counting sort), with their routing weights. Out-of-range ids are reported here,
+//    before anything is written.
+// 2. Gate/up pass: tasks of (expert, block of its rows, NR columns of I). A task gathers its rows
+//    of x (once per thread for consecutive tasks of the same rows), multiplies them by the gate and
+//    the up columns over H, and stores silu(gate) * up into the intermediate [T * k, I] (in sorted
+//    order, so each expert's rows are contiguous for the next pass).
+// 3. Down pass: tasks of (NR columns of H, a chunk of tokens). A task walks every expert with rows
+//    in its chunk, multiplies them by the expert's NR columns of W2 and adds w * tile into an fp32
+//    accumulator of its chunk x NR, then stores it: the k expert outputs of a token are summed in
+//    registers and cache, never written out, and each output element is rounded once. Tasks own
+//    disjoint output columns, so no two threads write the same element.
+//
+// Both passes split the weights' N across threads: the decode case (a few rows per expert) keeps
+// every thread on its own weight panels; the prefill case (many rows per expert) reuses each panel
+// over a whole block of rows from L1 (the K block) and L2.
+//
+// What multiplies a block of rows by a few packed columns is a Product policy, one per weight kind:
+// * Bf16Weights: bf16 weights in gemm/linear.h's panels of VNNI-2 pairs, rows of x as they are
+//   (gemm/micro_kernel.h; AMX tiles on the amx tier for blocks of 5 rows or more);
+// * Int8Weights: w8a8, sgl-kernel's int8 MoE: int8 weights with per-column scales in gemm/
+//   int8_kernel.h's panels of VNNI-4 groups; x and the intermediate quantized per row (uint8 + 128,
+//   fp32 scale) before each pass, exact int32 products dequantized into the fp32 tile.
+// Weights are prepacked per expert by kernforge.ops.moe.pack_experts / pack_experts_int8: w1
+// [E][parts][panels][K words][panel_width], its gate and up halves as two parts each padded to whole
+// panels (parts = 1 where I is a multiple of the panel width: the same bytes); w2 [E][1][panels(H)]...
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "kernforge/activation.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
+#include "kernforge/gemm/amx_kernel.h"
+#include "kernforge/gemm/int8_kernel.h"
+#include "kernforge/gemm/micro_kernel.h"
+#include "kernforge/gemm/tasks.h"
+
+namespace kf::moe {
+
+// One stacked weight [E, n, k], packed per expert in `parts` parts of n / parts columns, each padded
+// to whole panels of panel_width columns, K in words of per_word values; for int8 weights, the
+// per-column zero-point compensation and scale, [E][parts][padded columns].
+struct PackedExperts {
+  const uint32_t* words;
+  int64_t n, k, parts, panel_width, per_word;
+  const int32_t* compensation = nullptr;
+  const float* scale = nullptr;
+
+  int64_t part_columns() const { return (n / parts + panel_width - 1) / panel_width * panel_width; }
+  int64_t k_words() const { return (k + per_word - 1) / per_word; }
+  int64_t part_index(int64_t expert, int64_t part) const { return expert * parts + part; }
+  // The words of column n0 of a part: panel n0 / panel_width, offset n0 % panel_width in each K word row.
+  const uint32_t* column(int64_t expert, int64_t part, int64_t n0) const {
+    return words + part_index(expert, part) * part_columns() * k_words() +
+           (n0 / panel_width) * k_words() * panel_width + n0 % panel_width;
+  }
+};
+
+constexpr int64_t kRowBlock = 64;     // rows of a task's block: its fp32 tiles (2 x 64 x NR) stay in L1
+constexpr int64_t kDepthBlock = 256;  // bf16 K per block: a micro-kernel call's B block (256 x NR) stays in L1
+// Multiply-adds per thread before a second thread pays off (as gemm/linear.h).
+constexpr int64_t kMinMacsPerThread = 1 << 17;
+
+// ----------------------------------------------------------------------------- products
+
+// bf16 weights: tile[rows x NR] = a[rows x k] . the packed columns, a in the activations' type.
+template <class T>
+class Bf16Weights {
+ public:
+  using A = T;
+  static constexpr int kMR = gemm::DefaultTile<T>::kMR, kNR = gemm::DefaultTile<T>::kNR;
+  static constexpr bool kQuantized = false;
+
+  void operator()(float* tile, int64_t rows, const A* a, int64_t lda, const float*, const PackedExperts& w,
+                  int64_t expert, int64_t part, int64_t n0) {
+    const uint32_t* b = w.column(expert, part, n0);
+    const int64_t k = w.k, ldb = w.panel_width;
+#if KF_HAS_AMX
+    if constexpr (kTiles) {
+      if (tiles_permitted_ && rows >= gemm::amx::kMinRows) {
+        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
+          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
+          tiles_.shape_for(count);
+          gemm::amx::block<gemm::amx::Bf16Product>(a + r0 * lda, lda, b, ldb, k, count, tile + r0 * kNR, kNR, tails_);
+        }
+        return;
+      }
+    }
+#endif
+    std::fill_n(tile, rows * kNR, 0.0f);
+    gemm::accumulate_tile<kMR>(rows, k, kDepthBlock, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
+      gemm::micro_kernel_rows<kMR, kNR>(count, a + r0 * lda + k0, lda, b + k0 / 2 * ldb, ldb, depth, tile + r0 * kNR,
+                                        kNR);
+    });
+  }
+
+ private:
+#if KF_HAS_AMX
+  static constexpr bool kTiles = std::is_same_v<T, bf16> && kNR == gemm::amx::kBlockColumns;
+  bool tiles_permitted_ = kTiles && gemm::amx::tiles_permitted();
+  gemm::amx::Tiles tiles_;
+  gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails_;
+#endif
+};
+
+// int8 weights (w8a8): a is uint8 (int8 + 128) with per-row scales; the exact int32 product less the
+// compensation, times the row's and the column's scales, into the fp32 tile.
+class Int8Weights {
+ public:
+  using A = uint8_t;
+  static constexpr int kMR = gemm::int8::DefaultTile::kMR, kNR = gemm::int8::DefaultTile::kNR;
+  static constexpr bool kQuantized = true;
+
+  void operator()(float* tile, int64_t rows, const A* a, int64_t lda, const float* a_scale, const PackedExperts& w,
+                  int64_t expert, int64_t part, int64_t n0) {
+    accumulate(rows, a, lda, w.column(expert, part, n0), w.panel_width, w.k);
+    const int64_t column0 = w.part_index(expert, part) * w.part_columns() + n0;
+    const int32_t* compensation = w.compensation + column0;
+    const float* scale = w.scale + column0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < kNR; ++j)
+        tile[r * kNR + j] = float(sums_[r * kNR + j] - compensation[j]) * a_scale[r] * scale[j];
+  }
+
+ private:
+  void accumulate(int64_t rows, const A* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k) {
+#if KF_HAS_AMX
+    if constexpr (kNR % gemm::amx::kBlockColumns == 0) {
+      if (tiles_permitted_ && rows >= gemm::amx::kMinRows) {
+        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
+          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
+          tiles_.shape_for(count);
+          for (int j0 = 0; j0 < kNR; j0 += gemm::amx::kBlockColumns)
+            gemm::amx::block<gemm::amx::U8S8Product>(a + r0 * lda, lda, b + j0, ldb, k, count, sums_ + r0 * kNR + j0,
+                                                     kNR, tails_);
+        }
+        return;
+      }
+    }
+#endif
+    std::fill_n(sums_, rows * kNR, 0);
+    gemm::accumulate_tile<kMR>(
+        rows, k, gemm::int8::kDepthBlock, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
+          gemm::int8::micro_kernel_rows<kMR, kNR>(count, a + r0 * lda + k0, lda, b + k0 / gemm::int8::kGroup * ldb, ldb,
+                                                  depth, sums_ + r0 * kNR, kNR);
+        });
+  }
+
+  alignas(64) int32_t sums_[kRowBlock * kNR];  // one row block's int32 sums
+#if KF_HAS_AMX
+  bool tiles_permitted_ = gemm::amx::tiles_permitted();
+  gemm::amx::Tiles tiles_;
+  gemm::amx::TailBuffers<gemm::amx::U8S8Product> tails_;
+#endif
+};
+
+// ----------------------------------------------------------------------------- routing plan
+
+// The routed (token, slot) pairs grouped by expert: expert e's rows are [begin[e], begin[e + 1]),
+// in token order; row r is token[r]'s pair of weight weight[r].
+struct ExpertRows {
+  std::vector<int64_t> begin;
+  std::vector<int32_t> token;
+  std::vector<float> weight;
+  std::vector<int32_t> active;  // the experts with rows, in order
+};
+
+// Groups ids [tokens x k] (weights alongside) by expert. Returns the index of the first id outside
+// [0, experts), or -1.
+inline int64_t group_by_expert(const int32_t* ids, const float* weights, int64_t tokens, int64_t k, int64_t experts,
+                               ExpertRows& rows) {
+  const int64_t pairs = tokens * k;
+  rows.begin.assign(experts + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (ids[i] < 0 || ids[i] >= experts) return i;
+    ++rows.begin[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows.begin[e + 1] > 0) rows.active.push_back(int32_t(e));
+    rows.begin[e + 1] += rows.begin[e];
+  }
+  rows.token.resize(pairs);
+  rows.weight.resize(pairs);
+  std::vector<int64_t> next(rows.begin.begin(), rows.begin.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) {  // stable: tokens in order within each expert
+    const int64_t r = next[ids[i]]++;
+    rows.token[r] = int32_t(i / k);
+    rows.weight[r] = weights[i];
+  }
+  return -1;
+}
+
+// ----------------------------------------------------------------------------- the passes
+
+// Rows of A the way a Product reads them: `a` lda elements apart, with per-row scales where quantized.
+template <class A>
+struct Rows {
+  const A* a;
+  int64_t lda;
+  const float* scale;  // null unless quantized
+};
+
+// Pass 2: act[r, :] = silu(x[token[r]] . W1g^T) * (x[token[r]] . W1u^T) for every sorted row r.
+template <class Product, class T>
+void gate_up_pass(T* act, Rows<typename Product::A> x, int64_t hidden, int64_t inter, const PackedExperts& w1,
+                  const ExpertRows& rows, int64_t num_threads) {
+  using A = typename Product::A;
+  constexpr int kNR = Product::kNR;
+  struct RowBlock {
+    int32_t expert;
+    int64_t row0, rows;
+  };
+  std::vector<RowBlock> blocks;
+  for (const int32_t e : rows.active)
+    for (int64_t r = rows.begin[e]; r < rows.begin[e + 1]; r += kRowBlock)
+      blocks.push_back({e, r, std::min(kRowBlock, rows.begin[e + 1] - r)});
+  const int64_t column_blocks = (inter + kNR - 1) / kNR, tasks = int64_t(blocks.size()) * column_blocks;
+  const int64_t macs = int64_t(rows.token.size()) * 2 * inter * hidden;
+  const int64_t threads = useful_threads(num_threads, tasks, macs, kMinMacsPerThread);
+  // the gate and up halves: parts 0 and 1, or columns [0, I) and [I, 2I) of one part
+  const bool one_part = w1.parts == 1;
+  parallel_blocks(tasks, threads, [&](int64_t, int64_t begin, int64_t end) {
+    std::unique_ptr<A[]> a(new A[kRowBlock * hidden]);  // this thread's gathered rows of x
+    alignas(64) float a_scale[kRowBlock];
+    int64_t gathered = -1;
+    alignas(64) float gate[kRowBlock * kNR], up[kRowBlock * kNR];
+    std::unique_ptr<Product> product(new Product());  // its tile state and scratch, per thread
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block_index = task / column_blocks, n0 = task % column_blocks * kNR;
+      const RowBlock& block = blocks[block_index];
+      if (gathered != block_index) {  // consecutive tasks share a row block: gather it once
+        for (int64_t r = 0; r < block.rows; ++r) {
+          const int64_t token = rows.token[block.row0 + r];
+          std::copy_n(x.a + token * x.lda, hidden, a.get() + r * hidden);
+          if constexpr (Product::kQuantized) a_scale[r] = x.scale[token];
+        }
+        gathered = block_index;
+      }
+      (*product)(gate, block.rows, a.get(), hidden, a_scale, w1, block.expert, 0, n0);
+      (*product)(up, block.rows, a.get(), hidden, a_scale, w1, block.expert, one_part ? 0 : 1,
+                 one_part ? inter + n0 : n0);
+      const int64_t columns = std::min<int64_t>(kNR, inter - n0);
+      for (int64_t r = 0; r < block.rows; ++r) {
+        T* out = act + (block.row0 + r) * inter + n0;
+        for (int64_t j = 0; j < columns; j += VecF::kWidth) {
+          const VecF g = VecF::load(gate + r * kNR + j), u = VecF::load(up + r * kNR + j);
+          (Silu::apply(g) * u).store(out + j, columns - j);
+        }
+      }
+    }
+  });
+}
+
+// Pass 3: out[t, :] = sum over t's sorted rows r of weight[r] * (act[r] . W2_e^T), e the row's expert.
+template <class Product, class T>
+void down_pass(T* out, int64_t ldo, Rows<typename Product::A> act, int64_t tokens, int64_t hidden, int64_t inter,
+               const PackedExperts& w2, const ExpertRows& rows, int64_t num_threads) {
+  constexpr int kNR = Product::kNR;
+  const int64_t column_blocks = (hidden + kNR - 1) / kNR;
+  const int64_t macs = int64_t(rows.token.size()) * inter * hidden;
+  // Tokens are split too only where column blocks run short of threads: each chunk reads W2 again.
+  const int64_t want = useful_threads(num_threads, column_blocks * tokens, macs, kMinMacsPerThread);
+  const int64_t chunks = std::min(tokens, (2 * want + column_blocks - 1) / column_blocks);
+  const int64_t chunk_tokens = (tokens + chunks - 1) / chunks;
+  const int64_t tasks = column_blocks * chunks;
+  parallel_blocks(tasks, std::min(want, tasks), [&](int64_t, int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> acc(new float[chunk_tokens * kNR]);
+    alignas(64) float tile[kRowBlock * kNR];
+    std::unique_ptr<Product> product(new Product());
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task % column_blocks * kNR, t0 = task / column_blocks * chunk_tokens;
+      const int64_t t1 = std::min(tokens, t0 + chunk_tokens);
+      std::fill_n(acc.get(), (t1 - t0) * kNR, 0.0f);
+      for (const int32_t e : rows.active) {
+        // e's rows of tokens [t0, t1): contiguous, since each expert's rows are in token order
+        const int32_t* first = rows.token.data() + rows.begin[e];
+        const int32_t* last = rows.token.data() + rows.begin[e + 1];
+        const int64_t lo = std::lower_bound(first, last, int32_t(t0)) - rows.token.data();
+        const int64_t hi = std::lower_bound(first, last, int32_t(t1)) - rows.token.data();
+        for (int64_t r0 = lo; r0 < hi; r0 += kRowBlock) {
+          const int64_t count = std::min(kRowBlock, hi - r0);
+          (*product)(tile, count, act.a + r0 * act.lda, act.lda, act.scale == nullptr ? nullptr : act.scale + r0, w2, e,
+                     0, n0);
+          for (int64_t r = 0; r < count; ++r) {
+            float* sum = acc.get() + (rows.token[r0 + r] - t0) * kNR;
+            const VecF weight = VecF::broadcast(rows.weight[r0 + r]);
+            for (int j = 0; j < kNR; j += VecF::kWidth)
+              fma(weight, VecF::load(tile + r * kNR + j), VecF::load(sum + j)).store(sum + j);
+          }
+        }
+      }
+      gemm::store_tile<kNR>(out + t0 * ldo + n0, ldo, acc.get(), static_cast<const float*>(nullptr), t1 - t0,
+                            std::min<int64_t>(kNR, hidden - n0));
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------- the op
+
+enum Status : int64_t { kOk = 0 };  // else 1 + the index of the first expert id out of range
+
+// Rows of `source` as the Product reads them: as they are, or quantized per row into q and scale.
+template <class Product, class T>
+Rows<typename Product::A> product_rows(const T* source, int64_t ld, int64_t rows, int64_t k,
+                                       std::unique_ptr<uint8_t[]>& q, std::unique_ptr<float[]>& scale,
+                                       int64_t num_threads) {
+  if constexpr (Product::kQuantized) {
+    q.reset(new uint8_t[std::max<int64_t>(1, rows * k)]);
+    scale.reset(new float[std::max<int64_t>(1, rows)]);
+    gemm::int8::quantize_rows(q.get(), k, scale.get(), source, ld, rows, k, num_threads);
+    return {q.get(), k, scale.get()};
+  } else {
+    return {source, ld, nullptr};
+  }
+}
+
+template <class Product, class T>
+int64_t fused_experts(T* out, int64_t ldo, const T* x, int64_t ldx, int64_t tokens, int64_t hidden, int64_t inter,
+                      const PackedExperts& w1, const PackedExperts& w2, int64_t experts, const float* topk_weights,
+                      const int32_t* topk_ids, int64_t k, int64_t num_threads) {
+  ExpertRows rows;
+  const int64_t bad = group_by_expert(topk_ids, topk_weights, tokens, k, experts, rows);
+  if (bad >= 0) return 1 + bad;
+  if (tokens == 0 || hidden == 0) return kOk;
+  const int64_t routed = tokens * k;
+  std::unique_ptr<uint8_t[]> q;
+  std::unique_ptr<float[]> scale;
+  std::unique_ptr<T[]> act(new T[std::max<int64_t>(1, routed * inter)]);
+  gate_up_pass<Product>(act.get(), product_rows<Product>(x, ldx, tokens, hidden, q, scale, num_threads), hidden, inter,
+                        w1, rows, num_threads);
+  down_pass<Product>(out, ldo, product_rows<Product>(act.get(), inter, routed, inter, q, scale, num_threads), tokens,
+                     hidden, inter, w2, rows, num_threads);
+  return kOk;
+}
+
+}  // namespace kf::moe
