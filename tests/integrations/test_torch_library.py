@@ -244,9 +244,13 @@ def _int8_case(g):
     )
 
 
-def _experts_case(g, int8=False, out=False):
+def _experts_case(g, int8=False, fp8=False, out=False):
     """fused_experts on 9 tokens, 8 experts of H 40 and I 24 (a gated w1 in two parts), k 2."""
-    if int8:
+    if fp8:
+        w1, w2 = (randn(shape, g, 8.0).to(torch.float8_e4m3fn) for shape in ((8, 48, 40), (8, 40, 24)))
+        w1 = moe_experts.pack_experts_fp8(w1, randn((8, 3, 3), g).abs() * 1e-2, (16, 16), gated=True)
+        w2 = moe_experts.pack_experts_fp8(w2, randn((8, 3, 2), g).abs() * 1e-2, (16, 16))
+    elif int8:
         w1, w2 = (
             torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for shape in ((8, 48, 40), (8, 40, 24))
         )
@@ -258,12 +262,17 @@ def _experts_case(g, int8=False, out=False):
     weights, ids = torch.topk(randn((9, 8), g).softmax(-1), 2)
     tensors = [bf16((9, 40), g)]
     for packed in (w1, w2):
-        tensors += [packed.packed, getattr(packed, "compensation", None), getattr(packed, "scale", None)]
+        words = packed.packed.view(torch.uint8) if fp8 else packed.packed  # fp8 as its bytes
+        tensors += [words, getattr(packed, "compensation", None), getattr(packed, "scale", None)]
         tensors += [packed.n, packed.k]
     tensors += [weights, ids.to(torch.int32)]
+    if fp8:
+        tensors += list(w1.block_size)
 
     def python(x, *args, out=None):
-        return kernforge.fused_experts(x, w1, w2, args[-2], args[-1], use_int8_w8a8=int8, out=out)
+        ids = args[-3] if fp8 else args[-1]  # (then the block size follows)
+        weights = args[-4] if fp8 else args[-2]
+        return kernforge.fused_experts(x, w1, w2, weights, ids, use_int8_w8a8=int8, use_fp8_w8a16=fp8, out=out)
 
     if out:
         return Case(tuple(tensors), _writes_out(python), {"out": torch.empty(9, 40, dtype=BF16)})
@@ -395,6 +404,7 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "int8_scaled_mm_with_quant": lambda g, ws: _int8_case(g),
     "fused_experts": lambda g, ws: _experts_case(g),
     "fused_experts[int8]": lambda g, ws: _experts_case(g, int8=True),
+    "fused_experts[fp8]": lambda g, ws: _experts_case(g, fp8=True),
     "fused_experts_out": lambda g, ws: _experts_case(g, out=True),
     "top_k_top_p_sampling_from_logits": lambda g, ws: _sampling_case(g),
     "topk_softmax": lambda g, ws: _routing_case(kernforge.topk_softmax, g),

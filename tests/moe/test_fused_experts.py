@@ -12,10 +12,18 @@ import torch
 import torch.nn.functional as F
 
 import kernforge
-from kernforge.ops.moe.experts import PANEL_WIDTH, PackedExperts, PackedInt8Experts, pack_experts, pack_experts_int8
+from kernforge.ops.moe.experts import (
+    PANEL_WIDTH,
+    PackedExperts,
+    PackedFp8Experts,
+    PackedInt8Experts,
+    pack_experts,
+    pack_experts_fp8,
+    pack_experts_int8,
+)
 
 from op_helpers import seeded
-from references import int8_linear_reference, per_token_quant_reference
+from references import fp8_block_dequantize, int8_linear_reference, per_token_quant_reference
 
 TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}  # x the output's max
 
@@ -152,7 +160,7 @@ def test_int8_w8a8_matches_the_reference_that_quantizes_alike(tier, tokens, hidd
     expected = int8_reference(x, w1, s1, w2, s2, topk_weights, topk_ids)
     scale = expected.abs().max().item()
     assert (out.float() - expected).abs().max().item() <= 1.6e-2 * scale
-    raw = kernforge.fused_experts(x, w1, w2, topk_weights, topk_ids, True, True, s1, s2)  # sgl-kernel's order
+    raw = kernforge.fused_experts(x, w1, w2, topk_weights, topk_ids, False, True, False, s1, s2)  # sgl-kernel's order
     assert torch.equal(raw, out)
 
 
@@ -165,7 +173,7 @@ def test_int8_packing_is_saved_and_checked(tmp_path):
     assert isinstance(loaded, PackedInt8Experts) and torch.equal(loaded.compensation, packed.compensation)
     x = torch.randn(3, 64, generator=g).bfloat16()
     weights, ids = route(3, 4, 2, g)
-    with pytest.raises(TypeError, match="use_int8_w8a8=False takes the other kind"):
+    with pytest.raises(TypeError, match="bf16 weights \\(no quantization flag\\) takes PackedExperts"):
         kernforge.fused_experts(x, loaded, pack_experts_int8(w2, s2), weights, ids)
     with pytest.raises(ValueError, match="needs w1_scale"):
         kernforge.fused_experts(x, w1, w2, weights, ids, use_int8_w8a8=True, w2_scale=s2)
@@ -176,6 +184,69 @@ def test_int8_packing_is_saved_and_checked(tmp_path):
     bad = PackedInt8Experts(packed.packed, packed.compensation[:, :, :8], packed.scale, 4, 128, 64, 2)
     with pytest.raises(ValueError, match="w1.compensation must be"):
         kernforge.fused_experts(x, bad, w2, weights, ids, use_int8_w8a8=True, w2_scale=s2)
+
+
+def make_fp8_weights(experts, hidden, inter, block, g):
+    """e4m3fn weights (no NaN codes) and fp32 block scales sized so that activations keep their scale."""
+
+    def stack(n, k):
+        w = (torch.randn(experts, n, k, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = (torch.rand(experts, -(-n // block[0]), -(-k // block[1]), generator=g) + 0.5) / (64 * k**0.5)
+        return w, scale
+
+    return (*stack(2 * inter, hidden), *stack(hidden, inter))
+
+
+FP8_CASES = [  # tokens, hidden, inter, experts, k, block: blocks straddling gate and up, partial blocks
+    (1, 256, 128, 8, 2, (128, 128)),
+    (7, 200, 96, 16, 4, (64, 64)),
+    (40, 130, 70, 8, 2, (32, 48)),
+    (100, 64, 64, 4, 1, (128, 128)),
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k,block", FP8_CASES)
+def test_fp8_block_weights_match_the_dequantized_loop(tier, tokens, hidden, inter, experts, k, block):
+    g = seeded("fused_experts_fp8", tokens, hidden, inter, experts, k, block)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w1, s1, w2, s2 = make_fp8_weights(experts, hidden, inter, block, g)
+    topk_weights, topk_ids = route(tokens, experts, k, g)
+    p1, p2 = pack_experts_fp8(w1, s1, block, gated=True), pack_experts_fp8(w2, s2, block)
+    out = kernforge.fused_experts(x, p1, p2, topk_weights, topk_ids, use_fp8_w8a16=True)
+    dequantized = [
+        torch.stack([fp8_block_dequantize(w[e], s[e], block) for e in range(experts)]) for w, s in ((w1, s1), (w2, s2))
+    ]
+    check(out, x, *dequantized, topk_weights, topk_ids)
+    raw = kernforge.fused_experts(x, w1, w2, topk_weights, topk_ids, False, False, True, s1, s2, list(block))
+    assert torch.equal(raw, out)
+
+
+def test_fp8_packing_is_saved_and_checked(tmp_path):
+    g = seeded("fused_experts_fp8_io")
+    w1, s1, w2, s2 = make_fp8_weights(4, 64, 64, (32, 32), g)
+    packed = pack_experts_fp8(w1, s1, (32, 32), gated=True)
+    torch.save(packed, tmp_path / "w1.pt")
+    loaded = torch.load(tmp_path / "w1.pt")
+    assert isinstance(loaded, PackedFp8Experts) and loaded.block_size == (32, 32)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    weights, ids = route(3, 4, 2, g)
+    w2p = pack_experts_fp8(w2, s2, (32, 32))
+    expected = kernforge.fused_experts(x, packed, w2p, weights, ids, use_fp8_w8a16=True)
+    assert torch.equal(kernforge.fused_experts(x, loaded, w2p, weights, ids, use_fp8_w8a16=True), expected)
+    with pytest.raises(ValueError, match="differs from the \\[32, 32\\] w1 was packed with"):
+        kernforge.fused_experts(x, loaded, w2p, weights, ids, use_fp8_w8a16=True, block_size=[128, 128])
+    with pytest.raises(ValueError, match="w1 and w2 were packed with different block sizes"):
+        kernforge.fused_experts(
+            x, loaded, pack_experts_fp8(w2, s2[:, :1, :1], (64, 64)), weights, ids, use_fp8_w8a16=True
+        )
+    with pytest.raises(ValueError, match="exclude each other"):
+        kernforge.fused_experts(x, loaded, w2p, weights, ids, use_int8_w8a8=True, use_fp8_w8a16=True)
+    with pytest.raises(ValueError, match="w_scale must be \\[4, 4, 2\\]"):
+        pack_experts_fp8(w1, s1[:, :, :1].expand(4, 4, 2)[:, :, :1], (32, 32))
+    nan = w1.clone()
+    nan.view(torch.uint8)[0, 0, 0] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        pack_experts_fp8(nan, s1, (32, 32))
 
 
 def test_raw_and_packed_weights_agree_bit_for_bit_and_one_part_packing_serves_aligned_inter():

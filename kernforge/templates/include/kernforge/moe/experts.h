@@ -21,12 +21,14 @@
 // What multiplies a block of rows by a few packed columns is a Product policy, one per weight kind:
 // * Bf16Weights: bf16 weights in gemm/linear.h's panels of VNNI-2 pairs, rows of x as they are
 //   (gemm/micro_kernel.h; AMX tiles on the amx tier for blocks of 5 rows or more);
+// * Fp8Weights: w8a16, e4m3 weights with block scales (DeepSeek-V3) in gemm/fp8_kernel.h's panels,
+//   converted in registers;
 // * Int8Weights: w8a8, sgl-kernel's int8 MoE: int8 weights with per-column scales in gemm/
 //   int8_kernel.h's panels of VNNI-4 groups; x and the intermediate quantized per row (uint8 + 128,
 //   fp32 scale) before each pass, exact int32 products dequantized into the fp32 tile.
-// Weights are prepacked per expert by kernforge.ops.moe.pack_experts / pack_experts_int8: w1
-// [E][parts][panels][K words][panel_width], its gate and up halves as two parts each padded to whole
-// panels (parts = 1 where I is a multiple of the panel width: the same bytes); w2 [E][1][panels(H)]...
+// Weights are prepacked per expert by kernforge.ops.moe.pack_experts(_int8, _fp8) in the GEMMs'
+// layouts: [E][parts][panels][K words][panel_width] (w1's gate and up halves as two parts, each padded
+// to whole panels; one part where I is a multiple of the panel width: the same bytes).
 #pragma once
 
 #include <algorithm>
@@ -39,6 +41,7 @@
 #include "kernforge/core/parallel.h"
 #include "kernforge/core/vec.h"
 #include "kernforge/gemm/amx_kernel.h"
+#include "kernforge/gemm/fp8_kernel.h"
 #include "kernforge/gemm/int8_kernel.h"
 #include "kernforge/gemm/micro_kernel.h"
 #include "kernforge/gemm/tasks.h"
@@ -47,12 +50,14 @@ namespace kf::moe {
 
 // One stacked weight [E, n, k], packed per expert in `parts` parts of n / parts columns, each padded
 // to whole panels of panel_width columns, K in words of per_word values; for int8 weights, the
-// per-column zero-point compensation and scale, [E][parts][padded columns].
+// per-column zero-point compensation and scale, [E][parts][padded columns]; for fp8 weights, the
+// block scales [E][ceil(n / block_n)][ceil(k / block_k)] (per_word 1: the words are K rows of bytes).
 struct PackedExperts {
   const uint32_t* words;
   int64_t n, k, parts, panel_width, per_word;
   const int32_t* compensation = nullptr;
   const float* scale = nullptr;
+  int64_t block_n = 0, block_k = 0;
 
   int64_t part_columns() const { return (n / parts + panel_width - 1) / panel_width * panel_width; }
   int64_t k_words() const { return (k + per_word - 1) / per_word; }
@@ -160,6 +165,38 @@ class Int8Weights {
   gemm::amx::Tiles tiles_;
   gemm::amx::TailBuffers<gemm::amx::U8S8Product> tails_;
 #endif
+};
+
+// fp8 e4m3 weights with block scales (w8a16, DeepSeek-V3's checkpoints): converted in registers where
+// they are used (gemm/fp8_kernel.h: each weight byte read once per row block, half bf16's traffic),
+// each K block's sums times its columns' block scales added into the fp32 tile. (The fp8 GEMM
+// converts per K block instead from 96 rows on; a task here has at most kRowBlock rows.)
+template <class T>
+class Fp8Weights {
+ public:
+  using A = T;
+  static constexpr int kMR = gemm::fp8::DefaultTile::kMR, kNR = gemm::fp8::DefaultTile::kNR;
+  static constexpr bool kQuantized = false;
+
+  void operator()(float* tile, int64_t rows, const A* a, int64_t lda, const float*, const PackedExperts& w,
+                  int64_t expert, int64_t part, int64_t n0) {
+    const int64_t k = w.k, width = w.panel_width, part_n = w.n / w.parts;
+    const auto* part_bytes =
+        reinterpret_cast<const fp8_e4m3*>(w.words) + w.part_index(expert, part) * w.part_columns() * k;
+    const fp8_e4m3* b = part_bytes + (n0 / width) * k * width + n0 % width;  // K rows of `width` bytes
+    const int64_t k_blocks = (k + w.block_k - 1) / w.block_k, n_blocks = (w.n + w.block_n - 1) / w.block_n;
+    // The columns' rows of the whole [n, k] weight, which the block scales are indexed by.
+    gemm::fp8::ColumnScales<kNR> scales(w.scale + expert * n_blocks * k_blocks, w.block_n, k_blocks, part * part_n + n0,
+                                        std::min<int64_t>(kNR, part_n - n0));
+    std::fill_n(tile, rows * kNR, 0.0f);
+    const float* block_scale = nullptr;
+    int64_t block = -1;
+    gemm::accumulate_tile<kMR>(rows, k, w.block_k, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
+      if (k0 / w.block_k != block) block_scale = scales.of_block(block = k0 / w.block_k);
+      gemm::fp8::micro_kernel_rows<kMR, kNR>(count, a + r0 * lda + k0, lda, b + k0 * width, width, block_scale, depth,
+                                             tile + r0 * kNR, kNR);
+    });
+  }
 };
 
 // ----------------------------------------------------------------------------- routing plan
