@@ -71,6 +71,8 @@ WRITES = {
     "int8_scaled_mm_with_quant": set(),
     "fused_experts": set(),
     "fused_experts_out": {"out"},
+    "shared_expert": set(),
+    "shared_expert_out": {"out"},
     "top_k_top_p_sampling_from_logits": set(),
     "topk_softmax": set(),
     "topk_sigmoid": set(),
@@ -279,6 +281,21 @@ def _experts_case(g, int8=False, fp8=False, out=False):
     return Case(tuple(tensors), python)
 
 
+def _shared_expert_case(g, out=False):
+    """shared_expert on 9 tokens (H 40, I 24) plus 2.5 times a routed output."""
+    w1 = moe_experts.pack_experts(bf16((1, 48, 40), g, 0.1), gated=True)
+    w2 = moe_experts.pack_experts(bf16((1, 40, 24), g, 0.1))
+    routed = bf16((9, 40), g)
+    tensors = (bf16((9, 40), g), w1.packed, None, None, 48, 40, w2.packed, None, None, 40, 24, routed, 2.5)
+
+    def python(x, *args, out=None):
+        return kernforge.shared_expert(x, w1, w2, routed, 2.5, out=out)
+
+    if out:
+        return Case(tensors, _writes_out(python), {"out": torch.empty(9, 40, dtype=BF16)})
+    return Case(tensors, python)
+
+
 def _sampling_case(g):
     logits = randn((4, 1000), g, 3.0)
     return Case(
@@ -406,6 +423,8 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "fused_experts[int8]": lambda g, ws: _experts_case(g, int8=True),
     "fused_experts[fp8]": lambda g, ws: _experts_case(g, fp8=True),
     "fused_experts_out": lambda g, ws: _experts_case(g, out=True),
+    "shared_expert": lambda g, ws: _shared_expert_case(g),
+    "shared_expert_out": lambda g, ws: _shared_expert_case(g, out=True),
     "top_k_top_p_sampling_from_logits": lambda g, ws: _sampling_case(g),
     "topk_softmax": lambda g, ws: _routing_case(kernforge.topk_softmax, g),
     "topk_sigmoid": lambda g, ws: _routing_case(kernforge.topk_sigmoid, g),

@@ -338,3 +338,59 @@ def test_pack_experts_checks_its_weight():
         pack_experts(torch.zeros(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="even N"):
         pack_experts(torch.zeros(2, 5, 4, dtype=torch.bfloat16), gated=True)
+
+
+# --------------------------------------------------------------------------- shared_expert
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 7, 70])
+def test_shared_expert_adds_the_scaled_routed_output_in_one_pass(tier, kind, tokens):
+    g = seeded("shared_expert", kind, tokens)
+    hidden, inter, scale = 96, 80, 2.5
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    routed = torch.randn(tokens, hidden, generator=g).bfloat16()
+    every_token = (torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.int32))
+    if kind == "bf16":
+        w1, w2 = make_weights(1, hidden, inter, g)
+        mlp = reference(x, w1, w2, *every_token)
+        packed = (pack_experts(w1, gated=True), pack_experts(w2))
+        raw, flags = (w1[0], w2[0]), {}
+    elif kind == "int8":
+        w1, s1, w2, s2 = make_int8_weights(1, hidden, inter, g)
+        mlp = int8_reference(x, w1, s1, w2, s2, *every_token)
+        packed = (pack_experts_int8(w1, s1, gated=True), pack_experts_int8(w2, s2))
+        raw, flags = (w1[0], w2[0]), {"use_int8_w8a8": True, "w1_scale": s1[0], "w2_scale": s2[0]}
+    else:
+        w1, s1, w2, s2 = make_fp8_weights(1, hidden, inter, (32, 32), g)
+        dequantized = [fp8_block_dequantize(w[0], s[0], (32, 32))[None] for w, s in ((w1, s1), (w2, s2))]
+        mlp = reference(x, *dequantized, *every_token)
+        packed = (pack_experts_fp8(w1, s1, (32, 32), gated=True), pack_experts_fp8(w2, s2, (32, 32)))
+        raw, flags = (
+            (w1[0], w2[0]),
+            {"use_fp8_w8a16": True, "w1_scale": s1[0], "w2_scale": s2[0], "block_size": [32, 32]},
+        )
+    quantized = {k: v for k, v in flags.items() if k.startswith("use_")}
+    out = kernforge.shared_expert(x, *packed, routed, scale, **quantized)
+    expected = mlp + scale * routed.float()
+    assert (out.float() - expected).abs().max().item() <= 1.6e-2 * expected.abs().max().item()
+    assert torch.equal(kernforge.shared_expert(x, *raw, routed, scale, **flags), out)
+    alone = kernforge.shared_expert(x, *packed, **quantized)  # no routed output: the expert alone
+    assert (alone.float() - mlp).abs().max().item() <= 1.6e-2 * mlp.abs().max().item()
+    inplace = routed.clone()
+    assert kernforge.shared_expert(x, *packed, inplace, scale, inplace=False, out=inplace, **quantized) is inplace
+    assert torch.equal(inplace, out)  # out may be fused_experts_out itself
+
+
+def test_shared_expert_checks_its_arguments():
+    g = seeded("shared_expert_errors")
+    x = torch.randn(4, 32, generator=g).bfloat16()
+    w1, w2 = make_weights(1, 32, 16, g)
+    with pytest.raises(ValueError, match="together"):
+        kernforge.shared_expert(x, w1[0], w2[0], x)
+    with pytest.raises(ValueError, match="fused_experts_out must match hidden_states"):
+        kernforge.shared_expert(x, w1[0], w2[0], x[:2], 1.0)
+    with pytest.raises(ValueError, match="holds 2 experts; a shared expert is one"):
+        kernforge.shared_expert(x, pack_experts(torch.cat([w1, w1]), gated=True), w2[0])
+    with pytest.raises(ValueError, match="w2 must be 2-D"):
+        kernforge.shared_expert(x, w1[0], w2[0, 0])

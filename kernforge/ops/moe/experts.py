@@ -59,7 +59,8 @@ EXPERTS = Module(
             "int64_t w1_packed, int64_t w1_parts, int64_t w1_compensation, int64_t w1_scale, int64_t w2_packed, "
             "int64_t w2_compensation, int64_t w2_scale, int64_t block_n, int64_t block_k, int64_t panel_width, "
             "int64_t experts, "
-            "int64_t topk_weights, int64_t topk_ids, int64_t topk, int64_t num_threads",
+            "int64_t topk_weights, int64_t topk_ids, int64_t topk, int64_t residual, int64_t ld_residual, "
+            "double residual_scale, int64_t num_threads",
             returns="int64_t",
         )
     ],
@@ -312,18 +313,20 @@ def _to_schema(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, use
     return (*arguments, topk_weights, topk_ids, *block), hidden_states if inplace else out
 
 
+def _rebuilt(packed, compensation, scale, n, k, block_n, block_k):
+    """Packed experts from a custom op's tensors and ints."""
+    experts, parts = int(packed.shape[0]), int(packed.shape[1])
+    if block_n:  # fp8, as its bytes
+        return PackedFp8Experts(packed.view(torch.float8_e4m3fn), scale, (block_n, block_k), experts, n, k, parts)
+    if compensation is not None:
+        return PackedInt8Experts(packed, compensation, scale, experts, n, k, parts)
+    return PackedExperts(packed, experts, n, k, parts)
+
+
 def _from_schema(hidden_states, w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n, w2_k,
                  topk_weights, topk_ids, block_n=0, block_k=0, out=None):  # fmt: skip
-    def rebuilt(packed, compensation, scale, n, k):
-        experts, parts = int(packed.shape[0]), int(packed.shape[1])
-        if block_n:  # fp8, as its bytes
-            return PackedFp8Experts(packed.view(torch.float8_e4m3fn), scale, (block_n, block_k), experts, n, k, parts)
-        if compensation is not None:
-            return PackedInt8Experts(packed, compensation, scale, experts, n, k, parts)
-        return PackedExperts(packed, experts, n, k, parts)
-
-    w1 = rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k)
-    w2 = rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k)
+    w1 = _rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k, block_n, block_k)
+    w2 = _rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k, block_n, block_k)
     kind = _kind_of(w1)
     return fused_experts(
         hidden_states,
@@ -349,10 +352,58 @@ _TRACED = Traced(
 )
 
 
-def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids) -> int:
+def _shared_to_schema(hidden_states, w1, w2, fused_experts_out=None, routed_scaling_factor=None, inplace=False,
+                      use_int8_w8a8=False, use_fp8_w8a16=False, w1_scale=None, w2_scale=None, block_size=None,
+                      a1_scale=None, a2_scale=None, out=None):  # fmt: skip
+    (w1, w1_scale), (w2, w2_scale) = _single_expert(w1, "w1", w1_scale), _single_expert(w2, "w2", w2_scale)
+    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
+    arguments, out = _to_schema(hidden_states, w1, w2, None, None, inplace, _kind_of(w1) == "int8",
+                                _kind_of(w1) == "fp8", out=out)  # fmt: skip
+    *weights, _, _, block_n, block_k = arguments
+    return (*weights, fused_experts_out, routed_scaling_factor, block_n, block_k), out
+
+
+def _shared_from_schema(
+    hidden_states,
+    w1,
+    w1_compensation,
+    w1_scale,
+    w1_n,
+    w1_k,
+    w2,
+    w2_compensation,
+    w2_scale,
+    w2_n,
+    w2_k,
+    fused_experts_out,
+    routed_scaling_factor,
+    block_n=0,
+    block_k=0,
+    out=None,
+):
+    w1 = _rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k, block_n, block_k)
+    w2 = _rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k, block_n, block_k)
+    kind = _kind_of(w1)
+    return shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
+                         use_int8_w8a8=kind == "int8", use_fp8_w8a16=kind == "fp8", out=out)  # fmt: skip
+
+
+_SHARED_TRACED = Traced(
+    "Tensor",
+    fake=lambda hidden_states, *args, **kwargs: torch.empty_like(hidden_states),
+    with_out=True,
+    arguments="Tensor hidden_states, Tensor w1, Tensor? w1_compensation, Tensor? w1_scale, int w1_n, int w1_k, "
+    "Tensor w2, Tensor? w2_compensation, Tensor? w2_scale, int w2_n, int w2_k, Tensor? fused_experts_out, "
+    "float? routed_scaling_factor, int block_n=0, int block_k=0",
+    from_schema=_shared_from_schema,
+    to_schema=_shared_to_schema,
+)
+
+
+def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids, residual=None, residual_scale=0.0) -> int:
     """The module's entry on checked arguments (rows with unit stride, fp32 weights, int32 ids, w1
-    and w2 packed alike); returns its status: 0, else 1 + the flat index of the first expert id out of
-    range."""
+    and w2 packed alike; out += residual_scale * residual where given); returns its status: 0, else
+    1 + the flat index of the first expert id out of range."""
     kind = _kind_of(w1)
 
     def addresses(packed):  # packed words, compensation, scale
@@ -381,6 +432,9 @@ def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids) -> int:
         topk_weights.data_ptr(),
         topk_ids.data_ptr(),
         topk_ids.shape[1],
+        0 if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        residual_scale,
         num_threads(),
     )
 
@@ -411,6 +465,58 @@ def _packed_pair(w1, w2, use_int8_w8a8=False, use_fp8_w8a16=False, w1_scale=None
 _QUANTIZED_VARIANTS: dict[str, dict] = {"int8": {}, "fp8": {}}
 
 
+def _variant(op, hidden_states, kind: str):
+    """The module variant for ``hidden_states``' dtype (checked here) and the weights' kind."""
+    variant = variant_for_input(op.kernels, hidden_states, "hidden_states")
+    if kind == "bf16":
+        return variant
+    variants = _QUANTIZED_VARIANTS[kind]
+    found = variants.get(hidden_states.dtype)
+    if found is None:
+        found = variants[hidden_states.dtype] = EXPERTS.variant(dtype=DTYPE_NAMES[hidden_states.dtype], weights=kind)
+    return found
+
+
+def _experts(op, hidden_states, w1, w2, topk_weights, topk_ids, inplace, out, residual=None, residual_scale=0.0):
+    """What fused_experts and shared_expert share, from their packed weights on: the checks, the
+    output, the kernel call."""
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
+    tokens, hidden = map(int, hidden_states.shape)
+    kind = _kind_of(w1)
+    variant = _variant(op, hidden_states, kind)
+    inter = w2.k
+    if (w1.experts, w1.n, w1.k) != (w2.experts, 2 * inter, hidden) or w2.n != hidden:
+        raise ValueError(
+            f"w1 [{w1.experts}, {w1.n}, {w1.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] must be [E, 2I, H] and "
+            f"[E, H, I] with H = {hidden} (hidden_states' last dimension)"
+        )
+    width = _KINDS[kind][3]
+    if w1.parts == 1 and inter % width:
+        raise ValueError(
+            f"w1 was packed in one part, but I = {inter} is not a multiple of {width}: pack it with gated=True"
+        )
+    topk_weights, topk_ids = _checked_routing(topk_weights, topk_ids, tokens, w1.experts)
+    if inplace:
+        if out is not None and out is not hidden_states:
+            raise ValueError("give either inplace=True or out, not both")
+        out = hidden_states
+    if out is None:
+        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+    else:
+        checked_out(out, hidden_states.shape, hidden_states)
+    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+    status = run_kernel(variant.kernel(), out, x, w1, w2, topk_weights, topk_ids, residual, residual_scale)
+    if status:
+        bad = status - 1
+        k = topk_ids.shape[1]
+        raise ValueError(
+            f"topk_ids[{bad // k}, {bad % k}] = {int(topk_ids.view(-1)[bad])} is not an expert id "
+            f"in [0, {w1.experts}); nothing was written"
+        )
+    return out
+
+
 @kernel_op(EXPERTS, traced=_TRACED, weights="bf16")
 def fused_experts(
     hidden_states: torch.Tensor,
@@ -438,47 +544,63 @@ def fused_experts(
     ``block_size = [bn, bk]``, 128 x 128 by default). ``a1_scale``/``a2_scale`` (static activation
     scales) must be None. ``inplace=True`` writes the result into ``hidden_states``; ``out`` is a
     buffer to write."""
-    variant = variant_for_input(fused_experts.kernels, hidden_states, "hidden_states")
-    if hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
-    tokens, hidden = map(int, hidden_states.shape)
     w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
-    kind = _kind_of(w1)
-    inter = w2.k
-    if (w1.experts, w1.n, w1.k) != (w2.experts, 2 * inter, hidden) or w2.n != hidden:
-        raise ValueError(
-            f"w1 [{w1.experts}, {w1.n}, {w1.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] must be [E, 2I, H] and "
-            f"[E, H, I] with H = {hidden} (hidden_states' last dimension)"
-        )
-    width = _KINDS[kind][3]
-    if w1.parts == 1 and inter % width:
-        raise ValueError(
-            f"w1 was packed in one part, but I = {inter} is not a multiple of {width}: pack it with gated=True"
-        )
-    topk_weights, topk_ids = _checked_routing(topk_weights, topk_ids, tokens, w1.experts)
-    if inplace:
-        if out is not None and out is not hidden_states:
-            raise ValueError("give either inplace=True or out, not both")
-        out = hidden_states
-    if out is None:
-        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-    else:
-        checked_out(out, hidden_states.shape, hidden_states)
-    if kind != "bf16":
-        variants = _QUANTIZED_VARIANTS[kind]
-        variant = variants.get(hidden_states.dtype) or variants.setdefault(
-            hidden_states.dtype, EXPERTS.variant(dtype=DTYPE_NAMES[hidden_states.dtype], weights=kind)
-        )
-    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-    status = run_kernel(variant.kernel(), out, x, w1, w2, topk_weights, topk_ids)
-    if status:
-        bad = status - 1
-        k = topk_ids.shape[1]
-        raise ValueError(
-            f"topk_ids[{bad // k}, {bad % k}] = {int(topk_ids.view(-1)[bad])} is not an expert id "
-            f"in [0, {w1.experts}); nothing was written"
-        )
-    return out
+    return _experts(fused_experts, hidden_states, w1, w2, topk_weights, topk_ids, inplace, out)
+
+
+def _single_expert(w, name: str, scale):
+    """A shared expert's 2-D weight (or its scales) as a stack of one; packed ones as they are."""
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return w[None], None if scale is None else scale.reshape(1, *scale.shape)
+    if isinstance(w, torch.Tensor):
+        raise ValueError(f"{name} must be 2-D (one shared expert), got shape {tuple(w.shape)}")
+    if type(w) in _PACKED_CLASSES and w.experts != 1:
+        raise ValueError(f"{name} holds {w.experts} experts; a shared expert is one (pack w[None])")
+    return w, scale
+
+
+@kernel_op(EXPERTS, traced=_SHARED_TRACED, weights="bf16")
+def shared_expert(
+    hidden_states: torch.Tensor,
+    w1: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
+    w2: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
+    fused_experts_out: torch.Tensor | None = None,
+    routed_scaling_factor: float | None = None,
+    inplace: bool = False,
+    use_int8_w8a8: bool = False,
+    use_fp8_w8a16: bool = False,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: list[int] | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sgl-kernel's ``shared_expert_cpu``: DeepSeek's always-on expert ``W2 (silu(W1g x) * W1u x)``
+    on every token of ``hidden_states [T, H]``, plus ``routed_scaling_factor * fused_experts_out``
+    (the routed experts' output, ``[T, H]``) in the same pass, rounded once. ``w1 [2I, H]``,
+    ``w2 [H, I]`` (raw, with ``w1_scale``/``w2_scale`` as for :func:`fused_experts` less the expert
+    dimension, or packed as a stack of one: ``pack_experts(w1[None], gated=True)``); the
+    quantization flags, ``inplace`` and ``out`` as for :func:`fused_experts`."""
+    if (fused_experts_out is None) != (routed_scaling_factor is None):
+        raise ValueError("give fused_experts_out and routed_scaling_factor together (the output adds their product)")
+    if fused_experts_out is not None:
+        check_cpu_tensor(fused_experts_out, "fused_experts_out")
+        if fused_experts_out.dtype is not hidden_states.dtype or fused_experts_out.shape != hidden_states.shape:
+            raise ValueError(
+                f"fused_experts_out must match hidden_states ({hidden_states.dtype}, {tuple(hidden_states.shape)}), "
+                f"got {fused_experts_out.dtype}, {tuple(fused_experts_out.shape)}"
+            )
+        if fused_experts_out.stride(-1) != 1:
+            fused_experts_out = fused_experts_out.contiguous()
+    (w1, w1_scale), (w2, w2_scale) = _single_expert(w1, "w1", w1_scale), _single_expert(w2, "w2", w2_scale)
+    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
+    tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else 0
+    every_token = torch.zeros(tokens, 1, dtype=torch.int32)
+    scale = 0.0 if routed_scaling_factor is None else float(routed_scaling_factor)
+    return _experts(
+        shared_expert, hidden_states, w1, w2, torch.ones(tokens, 1), every_token, inplace, out, fused_experts_out, scale
+    )
 
 
 @model_kernels

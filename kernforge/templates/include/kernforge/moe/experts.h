@@ -296,10 +296,29 @@ void gate_up_pass(T* act, Rows<typename Product::A> x, int64_t hidden, int64_t i
   });
 }
 
-// Pass 3: out[t, :] = sum over t's sorted rows r of weight[r] * (act[r] . W2_e^T), e the row's expert.
+// What the down pass's sums start from: zero, or scale * values[t, :] (the shared expert adds the
+// routed experts' output, scaled, in the same pass: sgl-kernel's shared_expert_cpu).
+template <class T>
+struct Residual {
+  const T* values = nullptr;
+  int64_t ld = 0;
+  float scale = 0.0f;
+
+  // acc[t - t0][0 .. NR) for tokens [t0, t1), columns [n0, n0 + columns) (the rest 0).
+  void start(float* acc, int NR, int64_t t0, int64_t t1, int64_t n0, int64_t columns) const {
+    std::fill_n(acc, (t1 - t0) * NR, 0.0f);
+    if (values == nullptr) return;
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < columns; j += VecF::kWidth)
+        (VecF::load(values + t * ld + n0 + j, columns - j) * VecF::broadcast(scale)).store(acc + (t - t0) * NR + j);
+  }
+};
+
+// Pass 3: out[t, :] = sum over t's sorted rows r of weight[r] * (act[r] . W2_e^T), e the row's expert,
+// plus the residual.
 template <class Product, class T>
 void down_pass(T* out, int64_t ldo, Rows<typename Product::A> act, int64_t tokens, int64_t hidden, int64_t inter,
-               const PackedExperts& w2, const ExpertRows& rows, int64_t num_threads) {
+               const PackedExperts& w2, const ExpertRows& rows, const Residual<T>& residual, int64_t num_threads) {
   constexpr int kNR = Product::kNR;
   const int64_t column_blocks = (hidden + kNR - 1) / kNR;
   const int64_t macs = int64_t(rows.token.size()) * inter * hidden;
@@ -315,7 +334,7 @@ void down_pass(T* out, int64_t ldo, Rows<typename Product::A> act, int64_t token
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n0 = task % column_blocks * kNR, t0 = task / column_blocks * chunk_tokens;
       const int64_t t1 = std::min(tokens, t0 + chunk_tokens);
-      std::fill_n(acc.get(), (t1 - t0) * kNR, 0.0f);
+      residual.start(acc.get(), kNR, t0, t1, n0, std::min<int64_t>(kNR, hidden - n0));
       for (const int32_t e : rows.active) {
         // e's rows of tokens [t0, t1): contiguous, since each expert's rows are in token order
         const int32_t* first = rows.token.data() + rows.begin[e];
@@ -362,7 +381,7 @@ Rows<typename Product::A> product_rows(const T* source, int64_t ld, int64_t rows
 template <class Product, class T>
 int64_t fused_experts(T* out, int64_t ldo, const T* x, int64_t ldx, int64_t tokens, int64_t hidden, int64_t inter,
                       const PackedExperts& w1, const PackedExperts& w2, int64_t experts, const float* topk_weights,
-                      const int32_t* topk_ids, int64_t k, int64_t num_threads) {
+                      const int32_t* topk_ids, int64_t k, const Residual<T>& residual, int64_t num_threads) {
   ExpertRows rows;
   const int64_t bad = group_by_expert(topk_ids, topk_weights, tokens, k, experts, rows);
   if (bad >= 0) return 1 + bad;
@@ -374,7 +393,7 @@ int64_t fused_experts(T* out, int64_t ldo, const T* x, int64_t ldx, int64_t toke
   gate_up_pass<Product>(act.get(), product_rows<Product>(x, ldx, tokens, hidden, q, scale, num_threads), hidden, inter,
                         w1, rows, num_threads);
   down_pass<Product>(out, ldo, product_rows<Product>(act.get(), inter, routed, inter, q, scale, num_threads), tokens,
-                     hidden, inter, w2, rows, num_threads);
+                     hidden, inter, w2, rows, residual, num_threads);
   return kOk;
 }
 
