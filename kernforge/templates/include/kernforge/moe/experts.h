@@ -74,6 +74,31 @@ constexpr int64_t kDepthBlock = 256;  // bf16 K per block: a micro-kernel call's
 // Multiply-adds per thread before a second thread pays off (as gemm/linear.h).
 constexpr int64_t kMinMacsPerThread = 1 << 17;
 
+// Memory a call reuses from the previous one on the same thread (OpenMP's workers persist): a buffer
+// allocated per call is fresh memory that page-faults as it is first written (the intermediate of
+// 1024 tokens is 12 MB: 3000 faults), a reused one is mapped already. Each (type, slot) grows to the
+// largest request its thread has seen.
+template <class T, int kSlot>
+T* reused_buffer(int64_t count) {
+  struct Buffer {
+    std::unique_ptr<T[]> data;
+    int64_t size = 0;
+  };
+  static thread_local Buffer buffer;
+  if (buffer.size < count) {
+    buffer.data.reset();  // the old one first: the two need not fit at once
+    buffer.data.reset(new T[count]);
+    buffer.size = count;
+  }
+  return buffer.data.get();
+}
+enum BufferSlot { kIntermediate, kQuantized, kRowScales, kGathered, kAccumulator };
+
+// Gathered rows are this many bytes longer than a row of x: at a row stride that is a multiple of
+// 4 KB (H = 2048 bf16) every row of a block falls in the same L1 set, and the tile unit, which reads
+// 16 rows per load, waits on the conflicts.
+constexpr int64_t kRowPadBytes = 64;
+
 // ----------------------------------------------------------------------------- products
 
 // bf16 weights: tile[rows x NR] = a[rows x k] . the packed columns, a in the activations' type.
@@ -216,6 +241,7 @@ inline int64_t group_by_expert(const int32_t* ids, const float* weights, int64_t
                                ExpertRows& rows) {
   const int64_t pairs = tokens * k;
   rows.begin.assign(experts + 1, 0);
+  rows.active.clear();
   for (int64_t i = 0; i < pairs; ++i) {
     if (ids[i] < 0 || ids[i] >= experts) return i;
     ++rows.begin[ids[i] + 1];
@@ -265,7 +291,8 @@ void gate_up_pass(T* act, Rows<typename Product::A> x, int64_t hidden, int64_t i
   // the gate and up halves: parts 0 and 1, or columns [0, I) and [I, 2I) of one part
   const bool one_part = w1.parts == 1;
   parallel_blocks(tasks, threads, [&](int64_t, int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> a(new A[kRowBlock * hidden]);  // this thread's gathered rows of x
+    const int64_t lda = hidden + kRowPadBytes / int64_t(sizeof(A));
+    A* a = reused_buffer<A, kGathered>(kRowBlock * lda);  // this thread's gathered rows of x
     alignas(64) float a_scale[kRowBlock];
     int64_t gathered = -1;
     alignas(64) float gate[kRowBlock * kNR], up[kRowBlock * kNR];
@@ -276,14 +303,13 @@ void gate_up_pass(T* act, Rows<typename Product::A> x, int64_t hidden, int64_t i
       if (gathered != block_index) {  // consecutive tasks share a row block: gather it once
         for (int64_t r = 0; r < block.rows; ++r) {
           const int64_t token = rows.token[block.row0 + r];
-          std::copy_n(x.a + token * x.lda, hidden, a.get() + r * hidden);
+          std::copy_n(x.a + token * x.lda, hidden, a + r * lda);
           if constexpr (Product::kQuantized) a_scale[r] = x.scale[token];
         }
         gathered = block_index;
       }
-      (*product)(gate, block.rows, a.get(), hidden, a_scale, w1, block.expert, 0, n0);
-      (*product)(up, block.rows, a.get(), hidden, a_scale, w1, block.expert, one_part ? 0 : 1,
-                 one_part ? inter + n0 : n0);
+      (*product)(gate, block.rows, a, lda, a_scale, w1, block.expert, 0, n0);
+      (*product)(up, block.rows, a, lda, a_scale, w1, block.expert, one_part ? 0 : 1, one_part ? inter + n0 : n0);
       const int64_t columns = std::min<int64_t>(kNR, inter - n0);
       for (int64_t r = 0; r < block.rows; ++r) {
         T* out = act + (block.row0 + r) * inter + n0;
@@ -328,13 +354,13 @@ void down_pass(T* out, int64_t ldo, Rows<typename Product::A> act, int64_t token
   const int64_t chunk_tokens = (tokens + chunks - 1) / chunks;
   const int64_t tasks = column_blocks * chunks;
   parallel_blocks(tasks, std::min(want, tasks), [&](int64_t, int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> acc(new float[chunk_tokens * kNR]);
+    float* acc = reused_buffer<float, kAccumulator>(chunk_tokens * kNR);
     alignas(64) float tile[kRowBlock * kNR];
     std::unique_ptr<Product> product(new Product());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n0 = task % column_blocks * kNR, t0 = task / column_blocks * chunk_tokens;
       const int64_t t1 = std::min(tokens, t0 + chunk_tokens);
-      residual.start(acc.get(), kNR, t0, t1, n0, std::min<int64_t>(kNR, hidden - n0));
+      residual.start(acc, kNR, t0, t1, n0, std::min<int64_t>(kNR, hidden - n0));
       for (const int32_t e : rows.active) {
         // e's rows of tokens [t0, t1): contiguous, since each expert's rows are in token order
         const int32_t* first = rows.token.data() + rows.begin[e];
@@ -346,14 +372,14 @@ void down_pass(T* out, int64_t ldo, Rows<typename Product::A> act, int64_t token
           (*product)(tile, count, act.a + r0 * act.lda, act.lda, act.scale == nullptr ? nullptr : act.scale + r0, w2, e,
                      0, n0);
           for (int64_t r = 0; r < count; ++r) {
-            float* sum = acc.get() + (rows.token[r0 + r] - t0) * kNR;
+            float* sum = acc + (rows.token[r0 + r] - t0) * kNR;
             const VecF weight = VecF::broadcast(rows.weight[r0 + r]);
             for (int j = 0; j < kNR; j += VecF::kWidth)
               fma(weight, VecF::load(tile + r * kNR + j), VecF::load(sum + j)).store(sum + j);
           }
         }
       }
-      gemm::store_tile<kNR>(out + t0 * ldo + n0, ldo, acc.get(), static_cast<const float*>(nullptr), t1 - t0,
+      gemm::store_tile<kNR>(out + t0 * ldo + n0, ldo, acc, static_cast<const float*>(nullptr), t1 - t0,
                             std::min<int64_t>(kNR, hidden - n0));
     }
   });
@@ -365,14 +391,12 @@ enum Status : int64_t { kOk = 0 };  // else 1 + the index of the first expert id
 
 // Rows of `source` as the Product reads them: as they are, or quantized per row into q and scale.
 template <class Product, class T>
-Rows<typename Product::A> product_rows(const T* source, int64_t ld, int64_t rows, int64_t k,
-                                       std::unique_ptr<uint8_t[]>& q, std::unique_ptr<float[]>& scale,
-                                       int64_t num_threads) {
-  if constexpr (Product::kQuantized) {
-    q.reset(new uint8_t[std::max<int64_t>(1, rows * k)]);
-    scale.reset(new float[std::max<int64_t>(1, rows)]);
-    gemm::int8::quantize_rows(q.get(), k, scale.get(), source, ld, rows, k, num_threads);
-    return {q.get(), k, scale.get()};
+Rows<typename Product::A> product_rows(const T* source, int64_t ld, int64_t rows, int64_t k, int64_t num_threads) {
+  if constexpr (Product::kQuantized) {  // (the calling thread's buffers: x's, then the intermediate's)
+    uint8_t* q = reused_buffer<uint8_t, kQuantized>(std::max<int64_t>(1, rows * k));
+    float* scale = reused_buffer<float, kRowScales>(std::max<int64_t>(1, rows));
+    gemm::int8::quantize_rows(q, k, scale, source, ld, rows, k, num_threads);
+    return {q, k, scale};
   } else {
     return {source, ld, nullptr};
   }
@@ -382,18 +406,16 @@ template <class Product, class T>
 int64_t fused_experts(T* out, int64_t ldo, const T* x, int64_t ldx, int64_t tokens, int64_t hidden, int64_t inter,
                       const PackedExperts& w1, const PackedExperts& w2, int64_t experts, const float* topk_weights,
                       const int32_t* topk_ids, int64_t k, const Residual<T>& residual, int64_t num_threads) {
-  ExpertRows rows;
+  static thread_local ExpertRows rows;  // (its vectors keep their memory from call to call)
   const int64_t bad = group_by_expert(topk_ids, topk_weights, tokens, k, experts, rows);
   if (bad >= 0) return 1 + bad;
   if (tokens == 0 || hidden == 0) return kOk;
   const int64_t routed = tokens * k;
-  std::unique_ptr<uint8_t[]> q;
-  std::unique_ptr<float[]> scale;
-  std::unique_ptr<T[]> act(new T[std::max<int64_t>(1, routed * inter)]);
-  gate_up_pass<Product>(act.get(), product_rows<Product>(x, ldx, tokens, hidden, q, scale, num_threads), hidden, inter,
-                        w1, rows, num_threads);
-  down_pass<Product>(out, ldo, product_rows<Product>(act.get(), inter, routed, inter, q, scale, num_threads), tokens,
-                     hidden, inter, w2, rows, residual, num_threads);
+  T* act = reused_buffer<T, kIntermediate>(std::max<int64_t>(1, routed * inter));
+  gate_up_pass<Product>(act, product_rows<Product>(x, ldx, tokens, hidden, num_threads), hidden, inter, w1, rows,
+                        num_threads);
+  down_pass<Product>(out, ldo, product_rows<Product>(act, inter, routed, inter, num_threads), tokens, hidden, inter, w2,
+                     rows, residual, num_threads);
   return kOk;
 }
 
