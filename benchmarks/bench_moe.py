@@ -1,13 +1,19 @@
 """Fused MoE experts: kernforge vs transformers' expert loop vs vLLM's CPU fused MoE, one run.
 
-Shapes (--model): qwen3-30b-a3b (128 experts, H 2048, I 768, k 8) and olmoe (64 experts, H 2048,
-I 1024, k 8); T tokens per call (--tokens: 1 and 16 are decode steps, 128 and 1024 prefill chunks);
-bf16 activations and weights, 2 threads. Routing is uniform at random (topk over random scores, the
-k weights a softmax), as a trained router spreads tokens.
+Shapes (--model): qwen3-30b-a3b (128 experts, H 2048, I 768, k 8), olmoe (64 experts, H 2048,
+I 1024, k 8) and deepseek-v3 (H 7168, I 2048, k 8 of 256 experts in 8 groups, top-4 groups; 32 of
+its experts are held in memory, fp8 and bf16 copies together would not fit this machine: a call
+reads the same bytes as V3's, 8 experts of 44 M weights, routed by biased_grouped_topk over the 32
+in 8 groups); T tokens per call (--tokens: 1 and 8 are decode steps, 128 and 1024 prefill chunks);
+bf16 activations, 2 threads. Routing is uniform at random (top-k of random scores, the k weights a
+softmax), as a trained router spreads tokens.
 
 Paths compared per case (round-robin in one run, _harness.compare)
-    kf        kernforge.fused_experts on pack_experts() weights, out= preallocated
+    kf        kernforge.fused_experts on pack_experts() bf16 weights, out= preallocated
     kf alloc  the same, allocating its output
+    kf int8   int8 w8a8 weights (pack_experts_int8: per-channel scales, activations quantized per
+              token in the call), out= preallocated (--quant int8)
+    kf fp8    e4m3 weights with 128 x 128 block scales (pack_experts_fp8), out= (--quant fp8)
     eager     transformers 5.24's expert loop (Qwen3MoeExperts.forward, what a MoE model runs in
               transformers by default): per expert hit, F.linear on the gathered rows, act * up,
               F.linear, times the weight, index_add_ (bf16 throughout)
@@ -17,19 +23,22 @@ Paths compared per case (round-robin in one run, _harness.compare)
               under .venv-vllm (`make vllm`) or pass --vllm DIR, else the column is skipped.
 
 Cold weights: each call routes by the next of 16 routings drawn up front, so consecutive calls read
-other experts (the whole layer's 0.6-1.2 GB of expert weights is far larger than the L3), as a
-decode step reads each layer's experts once; every path cycles through the same routings.
+other experts (a layer's expert weights are far larger than the L3), as a decode step reads each
+layer's experts once; every path cycles through the same routings.
 
 Figures
-    GB/s      bytes of the distinct experts' weights a call reads (experts hit x 3 x H x I x 2) /
-              time; % stream: against kernforge's M=1 GEMM streaming a 256 MiB weight, measured
-              at the start and the end of this run (the better of the two is the reference)
+    GB/s      bytes of the distinct experts' weights a call reads (experts hit x 3 x H x I x bytes
+              per weight: 2 bf16, 1 int8 and fp8) / time; % stream: against kernforge's M=1 GEMM
+              streaming a 256 MiB weight, measured at the start and the end of this run (the
+              better of the two is the reference)
     GFLOP/s   2 x T x k x 3 x H x I / time; % peak: against this CPU's bf16 peak measured in the
               run (_harness.bf16_peak) or roof.json's
-    x kf      the path's median time / kernforge's (out=): above 1, kernforge is faster
+    x kf      the path's median time / kernforge's bf16 (out=) time: above 1, kernforge bf16 is faster
+    cos       output cosine vs the eager loop on the same bf16 weights (the quantized paths: vs the
+              loop on their dequantized weights)
 
-Usage: python benchmarks/bench_moe.py [--quick] [--model qwen3-30b-a3b olmoe]
-       [--tokens 1 16 128 1024] [--vllm DIR] [--json out.json]
+Usage: python benchmarks/bench_moe.py [--quick] [--model qwen3-30b-a3b olmoe deepseek-v3]
+       [--tokens 1 8 128 1024] [--quant int8 fp8] [--vllm DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,14 +54,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernforge  # noqa: E402
-from kernforge.ops.moe.experts import pack_experts  # noqa: E402
+from kernforge.ops.moe.experts import pack_experts, pack_experts_fp8, pack_experts_int8  # noqa: E402
 
 import _harness as H  # noqa: E402
 
-MODELS = {  # experts, hidden, intermediate, k
+MODELS = {  # experts (held in memory), hidden, intermediate, k
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "olmoe": (64, 2048, 1024, 8),
+    "deepseek-v3": (32, 7168, 2048, 8),
 }
+GROUPED = {"deepseek-v3": (8, 4)}  # groups, groups kept: biased_grouped_topk
+FP8_BLOCK = (128, 128)
 ROUTINGS = 16
 COSINE_MIN = 0.999
 
@@ -75,12 +87,38 @@ def eager_experts(x, w1, w2, topk_weights, topk_ids):
     return out
 
 
-def routings(tokens: int, experts: int, k: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def routings(model: str, tokens: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ROUTINGS random routings of ``tokens`` tokens: top-k of random scores (kernforge's routing
+    ops, the model's rule), the k weights a softmax."""
+    experts, _, _, k = MODELS[model]
     found = []
     for _ in range(ROUTINGS):
-        scores, ids = torch.topk(torch.rand(tokens, experts, generator=g), k, dim=-1)
-        found.append((scores.softmax(-1), ids.to(torch.int32)))
+        logits = torch.randn(tokens, experts, generator=g)
+        if model in GROUPED:
+            groups, kept = GROUPED[model]
+            _, ids = kernforge.biased_grouped_topk(logits, logits, torch.zeros(experts), k, True, groups, kept)
+        else:
+            _, ids = kernforge.topk_softmax(logits, logits, k, False)
+        found.append((torch.rand(tokens, k, generator=g).softmax(-1), ids))
     return found
+
+
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric int8 of ``w [E, N, K]``: (q, scale [E, N], the dequantized bf16)."""
+    scale = w.float().abs().amax(-1).clamp_min(1e-8) / 127
+    q = torch.round(w.float() / scale[..., None]).to(torch.int8)
+    return q, scale, (q.float() * scale[..., None]).bfloat16()
+
+
+def fp8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """e4m3fn with 128 x 128 block scales of ``w [E, N, K]``: (q, scale [E, N/128, K/128], dequantized)."""
+    experts, n, k = w.shape
+    bn, bk = FP8_BLOCK
+    blocks = w.float().reshape(experts, n // bn, bn, k // bk, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-8) / 448
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    dequantized = (q.float() * scale[:, :, None, :, None]).reshape(experts, n, k).bfloat16()
+    return q.reshape(experts, n, k), scale, dequantized
 
 
 def cycling(call: Callable[[torch.Tensor, torch.Tensor], object], routes) -> Callable[[], object]:
@@ -110,58 +148,84 @@ class VllmMoe:
         return out
 
 
-def bench_case(model: str, tokens: int, weights, vllm, args, limits) -> dict:
+class Layer:
+    """One MoE layer's weights as every path takes them, built once per model."""
+
+    def __init__(self, model: str, quants: list[str], vllm_ops):
+        experts, hidden, inter, _ = MODELS[model]
+        g = torch.Generator().manual_seed(experts * hidden + inter)
+        self.w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+        self.w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
+        self.packed = {"kf": (pack_experts(self.w1, gated=True), pack_experts(self.w2), {})}
+        self.dequantized = {}  # path -> (w1, w2) its reference loop runs on
+        for quant in quants:
+            make, pack, flag = QUANTS[quant]
+            (q1, s1, d1), (q2, s2, d2) = make(self.w1), make(self.w2)
+            self.packed[f"kf {quant}"] = (pack(q1, s1, gated=True), pack(q2, s2), {flag: True})
+            self.dequantized[f"kf {quant}"] = (d1, d2)
+        self.vllm = VllmMoe(vllm_ops, self.w1, self.w2) if vllm_ops is not None else None
+
+
+QUANTS = {  # --quant: weights, packer, fused_experts' flag; bytes per weight
+    "int8": (int8_weights, pack_experts_int8, "use_int8_w8a8"),
+    "fp8": (fp8_weights, lambda w, s, gated=False: pack_experts_fp8(w, s, FP8_BLOCK, gated), "use_fp8_w8a16"),
+}
+
+
+def bench_case(model: str, tokens: int, layer: Layer, args) -> dict:
     experts, hidden, inter, k = MODELS[model]
-    w1, w2, p1, p2, vllm_moe = weights
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
-    routes = routings(tokens, experts, k, g)
+    routes = routings(model, tokens, g)
     out = torch.empty_like(x)
-    fns = {
-        "kf": cycling(lambda w, ids: kernforge.fused_experts(x, p1, p2, w, ids, out=out), routes),
-        "kf alloc": cycling(lambda w, ids: kernforge.fused_experts(x, p1, p2, w, ids), routes),
-        "eager": cycling(lambda w, ids: eager_experts(x, w1, w2, w, ids), routes),
-    }
+
+    def kf(path, allocate=False):
+        p1, p2, flags = layer.packed[path]
+        return cycling(
+            lambda w, ids: kernforge.fused_experts(x, p1, p2, w, ids, **flags, out=None if allocate else out), routes
+        )
+
+    fns = {"kf": kf("kf"), "kf alloc": kf("kf", allocate=True)}
+    fns.update({path: kf(path) for path in layer.packed if path != "kf"})
+    if not args.no_eager:
+        fns["eager"] = cycling(lambda w, ids: eager_experts(x, layer.w1, layer.w2, w, ids), routes)
     vllm_out = torch.empty_like(x)
-    if vllm_moe is not None:
-        fns["vllm"] = cycling(lambda w, ids: vllm_moe(x, w, ids, vllm_out), routes)
-    want = eager_experts(x, w1, w2, *routes[0]).float()
-    checks = {"kf": cosine(kernforge.fused_experts(x, p1, p2, *routes[0]).float(), want)}
-    if vllm_moe is not None:
-        checks["vllm"] = cosine(vllm_moe(x, *routes[0], vllm_out).float(), want)
+    if layer.vllm is not None:
+        fns["vllm"] = cycling(lambda w, ids: layer.vllm(x, w, ids, vllm_out), routes)
+    checks = {}
+    for path, (p1, p2, flags) in layer.packed.items():
+        reference = layer.dequantized.get(path, (layer.w1, layer.w2))
+        want = eager_experts(x, *reference, *routes[0]).float()
+        checks[path] = cosine(kernforge.fused_experts(x, p1, p2, *routes[0], **flags).float(), want)
+    if layer.vllm is not None:
+        checks["vllm"] = cosine(
+            layer.vllm(x, *routes[0], vllm_out).float(), eager_experts(x, layer.w1, layer.w2, *routes[0]).float()
+        )
     timings, other = H.timed(fns, args)
     hit = sum(len(torch.unique(ids)) for _, ids in routes) / len(routes)
-    nbytes = hit * 3 * hidden * inter * 2
+    weights = hit * 3 * hidden * inter
     flops = 2 * tokens * k * 3 * hidden * inter
     base = timings["kf"].median_ns
+    paths = {}
+    for name, t in timings.items():
+        nbytes = weights * (1 if name in ("kf int8", "kf fp8") else 2)
+        paths[name] = {
+            "us": t.us,
+            "spread": t.spread(),
+            "bytes": nbytes,
+            "GB/s": nbytes / t.median_ns,
+            "GFLOP/s": flops / t.median_ns,
+            "x kf": t.median_ns / base,
+        }
     return {
         "model": model,
         "tokens": tokens,
         "experts_hit": hit,
-        "bytes": nbytes,
         "flops": flops,
         "background": other,
         "checks": checks,
-        "paths": {
-            name: {
-                "us": t.us,
-                "spread": t.spread(),
-                "GB/s": nbytes / t.median_ns,
-                "GFLOP/s": flops / t.median_ns,
-                "x kf": t.median_ns / base,
-            }
-            for name, t in timings.items()
-        },
+        "paths": paths,
     }
-
-
-def load_weights(model: str, vllm_ops):
-    experts, hidden, inter, _ = MODELS[model]
-    g = torch.Generator().manual_seed(experts * hidden + inter)
-    w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
-    vllm_moe = VllmMoe(vllm_ops, w1, w2) if vllm_ops is not None else None
-    return w1, w2, pack_experts(w1, gated=True), pack_experts(w2), vllm_moe
 
 
 def report(records: list[dict], limits: dict) -> None:
@@ -181,12 +245,14 @@ def report(records: list[dict], limits: dict) -> None:
                     H.fmt(p["GFLOP/s"]),
                     H.fmt(100 * p["GFLOP/s"] / peak, 0, "%"),
                     H.fmt(p["x kf"], 2),
-                    H.fmt(rec["checks"].get(name.split()[0]), 5) if name.split()[0] in rec["checks"] else "",
+                    H.fmt(rec["checks"].get(name if name in rec["checks"] else name.split()[0]), 5)
+                    if name != "eager"
+                    else "",
                 ]
             )
     print(
         H.table(
-            ["model", "T", "experts", "path", "us", "GB/s", "% stream", "GFLOP/s", "% peak", "x kf", "cos vs eager"],
+            ["model", "T", "experts", "path", "us", "GB/s", "% stream", "GFLOP/s", "% peak", "x kf", "cos"],
             rows,
             "lrrlrrrrrrr",
         )
@@ -196,7 +262,9 @@ def report(records: list[dict], limits: dict) -> None:
 def main() -> None:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-30b-a3b"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 128, 1024])
+    p.add_argument("--quant", nargs="*", choices=sorted(QUANTS), default=["int8", "fp8"])
+    p.add_argument("--no-eager", action="store_true", help="skip transformers' loop (slow at large T)")
     p.add_argument("--vllm", metavar="DIR", help="folder holding vllm/_C*.so (else the installed vllm)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds per path and case")
     p.add_argument("--rounds", type=int, default=3)
@@ -225,11 +293,11 @@ def main() -> None:
     )
     records = []
     for model in args.model:
-        weights = load_weights(model, vllm[0] if isinstance(vllm, tuple) else None)
+        layer = Layer(model, args.quant, vllm[0] if isinstance(vllm, tuple) and model not in GROUPED else None)
         for tokens in args.tokens:
-            records.append(bench_case(model, tokens, weights, vllm, args, None))
+            records.append(bench_case(model, tokens, layer, args))
             print(f"  done {model} T={tokens}", file=sys.stderr, flush=True)
-        del weights
+        del layer
     stream_end = H.streaming_rate(budget_s=0.3 if args.quick else 1.0)
     limits = {"stream": max(stream_start, stream_end), "peak": peak}
     print(f"M=1 GEMM streaming rate: {stream_start:.1f} GB/s at start, {stream_end:.1f} at end\n")
