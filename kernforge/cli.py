@@ -117,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="with --model-config: also build decode for this KV cache dtype, e.g. float8_e4m3fn",
     )
-    p.add_argument("--quant", choices=["int8"], help="with --model-config: also build the int8 w8a8 GEMM")
+    p.add_argument(
+        "--quant",
+        choices=["int8", "fp8_block"],
+        help="with --model-config: also build the int8 w8a8 (or fp8 block-scaled) GEMM and MoE experts",
+    )
     p.add_argument("--op", action="append", help="an op to build (repeatable)")
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")
     p.add_argument("--module", help="a kernel module to build (name or package.module:ATTR), with --param NAME=VALUE")

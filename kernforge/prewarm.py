@@ -26,7 +26,8 @@ o, the fused gate|up, down and lm_head, as kernforge's transformers integration
 runs them) select the GEMM variants dispatch picks for them at every row bucket
 (the tuned configuration where one is recorded, else the default), and are what
 ``tune_model_linears`` (``prewarm --model-config ... --tune``) hands to the GEMM
-tuner. With ``quant="int8"`` the w8a8 GEMM is built too.
+tuner. With ``quant="int8"`` the w8a8 GEMM is built too, with ``quant="fp8_block"`` the fp8
+block-scaled one (and a MoE model's experts in the same kind).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ from kernforge.ops._registry import MODEL_KERNELS
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
 
+# What a model's linears (and MoE experts) may be quantized to: None (bf16), int8 w8a8, fp8 block-scaled.
+QUANTS = (None, "int8", "fp8_block")
+
+
 def manifest_from_model_config(
     config: dict | str | Path, kv_cache_dtypes: tuple[str, ...] = (), quant: str | None = None
 ) -> dict:
@@ -57,8 +62,8 @@ def manifest_from_model_config(
     ``"float8_e4m3fn"``); the linear layers' GEMMs for the model's dtype, and with ``quant="int8"``
     the w8a8 GEMM as well."""
     spec = ModelSpec.from_config(config)
-    if quant not in (None, "int8"):
-        raise ValueError(f"quant must be None or 'int8', got {quant!r}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be None, 'int8' or 'fp8_block', got {quant!r}")
     return {
         "model": {
             "hidden_size": spec.hidden_size,

@@ -656,6 +656,9 @@ def test_manifest_from_moe_configs_builds_routing_and_the_experts():
     assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "bf16"}} in kernels
     int8 = prewarm.manifest_from_model_config(QWEN3_MOE, quant="int8")["kernels"]
     assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "int8"}} in int8
+    fp8 = prewarm.manifest_from_model_config(QWEN3_MOE, quant="fp8_block")["kernels"]
+    assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "fp8"}} in fp8
+    assert {"module": "gemm_fp8", "params": {"dtype": "bf16"}} in fp8
     assert not [k for k in prewarm.manifest_from_model_config(LLAMA)["kernels"] if "moe" in json.dumps(k)]
     spec = ModelSpec.from_config(QWEN3_MOE)
     assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (128, 8, 768)

@@ -1,6 +1,8 @@
 """Hugging Face transformers on kernforge: ``optimize(model)`` makes a Llama-family causal LM
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) run its
-decoder on kernforge's kernels, without forking transformers' model code::
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) or a
+sparse mixture of experts (``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``, ``MixtralForCausalLM``,
+``OlmoeForCausalLM``) run its decoder on kernforge's kernels, without forking transformers' model
+code::
 
     from kernforge.integrations import transformers as kft
 
@@ -23,6 +25,16 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
 * RMSNorms: kernforge's ``rmsnorm`` (the decoder layers' residual adds are transformers');
 * MLP: one packed gate|up linear, ``silu_and_mul`` (or the GELU gated kernel the config names)
   and the down linear;
+* sparse MoE blocks (the layers that have one; Qwen2/3-MoE's ``mlp_only_layers`` and
+  ``decoder_sparse_step`` leave dense MLPs, which take the MLP path): the router's logits through a
+  :class:`kernforge.nn.Linear` in the model's dtype, ``topk_softmax`` with the model's own rule
+  (renormalized top-k weights when ``norm_topk_prob``; always for Mixtral), and the experts in one
+  ``fused_experts`` call on weights packed once (bf16, or quantized as ``quant`` says, as the
+  linears are); Qwen2-MoE's shared expert runs as an MLP above, scaled by the sigmoid of its gate.
+  Experts gated by another activation than SiLU keep the stock block;
+* attention variants: biased q/k/v (Qwen2, Qwen2-MoE), sliding windows (per layer as the model
+  sets them), Qwen3's per-head q/k RMSNorms, OLMoE's q/k RMSNorms over the whole projection and
+  its ``clip_qkv`` clamp;
 * every ``nn.Linear``, ``lm_head`` included, becomes a :class:`kernforge.nn.Linear` (bf16 prepacked,
   or w8a8 with ``quant="int8"``; ``lm_head`` stays bf16 unless ``quant_lm_head=True``);
 * sampling: :func:`generate`, a small loop over the same cache with transformers' arguments, samples
@@ -63,7 +75,20 @@ _compat.warn_if_untested(transformers.__version__)
 
 __all__ = ["KVCacheFullError", "PagedCache", "UnsupportedModelError", "generate", "new_cache", "optimize"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model_type -> the causal LM class optimize() takes
+SUPPORTED_MODELS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_MODELS)
+# Mixtral's router renormalizes its top-k weights unconditionally; the others follow norm_topk_prob.
+ALWAYS_RENORMALIZE = ("mixtral",)
 # RoPE types whose frequencies are fixed at init (inv_freq), so one cos/sin cache serves every length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,12 +113,14 @@ def optimize(
     page_size: int = 16,
     quant_lm_head: bool = False,
 ) -> nn.Module:
-    """Make ``model`` (a Llama-family ``*ForCausalLM``) run on kernforge, in place; returns it.
+    """Make ``model`` (a Llama-family or MoE ``*ForCausalLM``, :data:`SUPPORTED_MODELS`) run on
+    kernforge, in place; returns it.
 
     ``kv_cache_pages`` pages of ``page_size`` tokens are the model's KV memory, shared by every
     live :class:`PagedCache` (each batch of a ``generate`` call holds its sequences' pages until
-    it ends). ``quant="int8"`` makes the decoder's linears w8a8 (per-channel int8 weights,
-    per-token int8 activations); ``lm_head`` follows only with ``quant_lm_head=True``.
+    it ends). ``quant="int8"`` makes the decoder's linears and MoE experts w8a8 (per-channel int8
+    weights, per-token int8 activations; MoE routers stay bf16); ``lm_head`` follows only with
+    ``quant_lm_head=True``.
     """
     if getattr(model, "_kernforge", None) is not None:
         raise ValueError("this model is already optimized by kernforge")
@@ -132,10 +159,10 @@ def _checked_model(model):
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head") or not hasattr(model, "model"):
+        supported = ", ".join(f"{name} ({kind})" for kind, name in SUPPORTED_MODELS.items())
         raise UnsupportedModelError(
-            f"kernforge.integrations.transformers.optimize supports Llama-family causal LMs (model_type "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-            f"Qwen3ForCausalLM); got {type(model).__name__} (model_type {model_type!r})"
+            f"kernforge.integrations.transformers.optimize supports Llama-family and MoE causal LMs: "
+            f"{supported}; got {type(model).__name__} (model_type {model_type!r})"
         )
     decoder = model.model
     for name in ("layers", "rotary_emb", "norm", "embed_tokens"):
@@ -176,7 +203,12 @@ def _attention_spec(config, decoder, dtype) -> AttentionSpec:
 
 def _window_left(attn, config) -> int:
     """FlashInfer's window_left (keys kept besides the query's own) of a layer; -1: none."""
-    window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    elif getattr(config, "layer_types", None):  # Qwen2-MoE sets sliding_window on its sliding layers only
+        window = config.sliding_window if config.layer_types[attn.layer_idx] == "sliding_attention" else None
+    else:
+        window = getattr(config, "sliding_window", None)
     return window - 1 if window else -1
 
 
@@ -200,7 +232,7 @@ def _check_kernels(config, spec: AttentionSpec, quant: str | None) -> None:
         raise KernelNotCachedError(
             f"KERNFORGE_JIT=0 and {len(missing)} kernels this model needs are not cached: {'; '.join(missing)}. "
             "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>"
-            + (" --quant int8" if quant else "")
+            + (f" --quant {quant}" if quant else "")
         )
 
 
@@ -212,23 +244,81 @@ def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if type(getattr(attn, name, None)) is not nn.Linear:
             raise UnsupportedModelError(f"{type(attn).__name__} has no nn.Linear {name}: not a Llama-family attention")
-    layer.self_attn = _modules.Attention(attn, dtype, quant, spec.num_qo_heads, spec.num_kv_heads)
+    _check_qk_norms(attn, spec)
+    clip_qkv = getattr(config, "clip_qkv", None)
+    layer.self_attn = _modules.Attention(attn, dtype, quant, spec.num_qo_heads, spec.num_kv_heads, clip_qkv)
     activation = getattr(config, "hidden_act", "silu")
-    mlp = layer.mlp
+    if _is_sparse_moe(layer.mlp):
+        layer.mlp = _replaced_moe(layer.mlp, config, activation, dtype, quant, stock)
+    else:
+        layer.mlp = _replaced_mlp(layer.mlp, activation, dtype, quant, stock)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+
+
+def _check_qk_norms(attn, spec: AttentionSpec) -> None:
+    """q/k RMSNorms run per head (Qwen3) or over the whole projection (OLMoE): nothing else."""
+    for name, heads in (("q_norm", spec.num_qo_heads), ("k_norm", spec.num_kv_heads)):
+        norm = getattr(attn, name, None)
+        width = getattr(norm, "weight", None)
+        if norm is not None and (width is None or width.numel() not in (spec.head_dim, heads * spec.head_dim)):
+            raise UnsupportedModelError(
+                f"{type(attn).__name__}.{name} normalizes groups of {None if width is None else width.numel()}; "
+                f"kernforge runs q/k norms per head ({spec.head_dim}) or over the projection ({heads * spec.head_dim})"
+            )
+
+
+def _replaced_mlp(mlp, activation: str, dtype, quant, stock: list) -> nn.Module:
+    """A dense MLP on kernforge: GatedMLP, or its own forward over kernforge linears."""
     if activation in _kernels.GATED_ACTIVATIONS and all(
         type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")
     ):
-        layer.mlp = _modules.GatedMLP(mlp, activation, dtype, quant)
-    else:
-        stock.append(
-            f"mlp ({type(mlp).__name__}, hidden_act {activation!r}: no kernforge gated kernel; its linears "
-            "run on kernforge.nn.Linear)"
+        return _modules.GatedMLP(mlp, activation, dtype, quant)
+    stock.append(
+        f"mlp ({type(mlp).__name__}, hidden_act {activation!r}: no kernforge gated kernel; its linears "
+        "run on kernforge.nn.Linear)"
+    )
+    for name, child in mlp.named_children():
+        if type(child) is nn.Linear:
+            setattr(mlp, name, Linear.from_linear(child, dtype=dtype, quant=quant))
+    return mlp
+
+
+def _is_sparse_moe(mlp) -> bool:
+    """A sparse MoE block: transformers 5's have a router ``gate`` and the ``experts``."""
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _replaced_moe(block, config, activation: str, dtype, quant, stock: list) -> nn.Module:
+    """A sparse MoE block on kernforge (SparseMoE), or left stock when its experts' activation is not SiLU."""
+    _check_moe_block(block)
+    if activation not in _kernels.EXPERT_ACTIVATIONS:
+        stock.append(f"mlp ({type(block).__name__}, hidden_act {activation!r}: fused_experts gates with SiLU only)")
+        return block
+    renormalize = config.model_type in ALWAYS_RENORMALIZE or bool(block.gate.norm_topk_prob)
+    return _modules.SparseMoE(block, renormalize, activation, dtype, quant)
+
+
+def _check_moe_block(block) -> None:
+    """The layout SparseMoE reads: a top-k router with a bare weight and stacked expert weights."""
+    router, experts = block.gate, block.experts
+    laid_out = (
+        all(_stacked(getattr(experts, name, None)) for name in ("gate_up_proj", "down_proj"))
+        and isinstance(getattr(router, "weight", None), torch.Tensor)
+        and hasattr(router, "top_k")
+        and getattr(router, "bias", None) is None
+        and (not hasattr(block, "shared_expert") or type(getattr(block, "shared_expert_gate", None)) is nn.Linear)
+    )
+    if not laid_out:
+        raise UnsupportedModelError(
+            f"{type(block).__name__} is not laid out as transformers 5.x's sparse MoE blocks (a bias-free "
+            "top-k router gate.weight [E, H] with gate.top_k, experts.gate_up_proj [E, 2I, H] and "
+            "experts.down_proj [E, H, I], an nn.Linear shared_expert_gate with any shared_expert)"
         )
-        for name, child in mlp.named_children():
-            if type(child) is nn.Linear:
-                setattr(mlp, name, Linear.from_linear(child, dtype=dtype, quant=quant))
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+
+
+def _stacked(weight) -> bool:
+    return isinstance(weight, torch.Tensor) and weight.dim() == 3
 
 
 def _warn_stock_modules(model, stock: list) -> None:
@@ -267,6 +357,11 @@ def _paged_cache_hook(runtime: _Runtime, argument: str):
     transformers' names for it and goes on under ``argument``, the one the decoder takes."""
 
     def hook(module, args, kwargs):
+        if kwargs.get("output_router_logits"):  # transformers records them from the routers optimize() replaced
+            raise NotImplementedError(
+                "a kernforge-optimized model does not record router logits (output_router_logits, for training's "
+                "auxiliary loss): pass output_router_logits=False"
+            )
         cache = _compat.take_cache(kwargs)
         if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
             cache = PagedCache(runtime.spec, runtime.pool)

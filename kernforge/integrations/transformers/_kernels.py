@@ -16,16 +16,20 @@ from kernforge.torch_library import (
     BatchPrefillWithPagedKVCacheWrapper,
     append_paged_kv_cache,
     apply_rope_with_cos_sin_cache_inplace,
+    fused_experts,
     gelu_and_mul,
     gelu_tanh_and_mul,
     rmsnorm,
     silu_and_mul,
     top_k_top_p_sampling_from_logits,
+    topk_softmax,
 )
 
 # Hugging Face ``hidden_act`` -> the gated kernel of ``act(gate) * up`` (the model spec names it).
 _GATED_OPS = {op.__name__: op for op in (silu_and_mul, gelu_and_mul, gelu_tanh_and_mul)}
 GATED_ACTIVATIONS = {activation: _GATED_OPS[op] for activation, op in GATED_OP_BY_ACTIVATION.items()}
+# The ``hidden_act`` values fused_experts runs: it gates with SiLU only.
+EXPERT_ACTIVATIONS = tuple(activation for activation, op in GATED_OP_BY_ACTIVATION.items() if op == "silu_and_mul")
 
 
 def attention_run(wrapper, query, paged_kv_cache):
@@ -36,11 +40,14 @@ def attention_run(wrapper, query, paged_kv_cache):
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
+    "EXPERT_ACTIVATIONS",
     "GATED_ACTIVATIONS",
     "append_paged_kv_cache",
     "apply_rope_with_cos_sin_cache_inplace",
     "attention_run",
+    "fused_experts",
     "get_batch_indices_positions",
     "rmsnorm",
     "top_k_top_p_sampling_from_logits",
+    "topk_softmax",
 ]

@@ -1,5 +1,6 @@
-"""The modules that replace a Llama-family decoder's stock ones, and the attention and mask
-functions registered with transformers' ``AttentionInterface`` / ``AttentionMaskInterface``.
+"""The modules that replace a Llama-family (or sparse mixture-of-experts) decoder's stock ones, and
+the attention and mask functions registered with transformers' ``AttentionInterface`` /
+``AttentionMaskInterface``.
 
 The decoder layers' own ``forward`` (residual adds included) and the model's loop stay
 transformers' code: only their submodules change. The rotary embedding module runs once per
@@ -20,7 +21,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kernforge.integrations.transformers import _kernels as kf
 from kernforge.integrations.transformers._cache import PagedCache
 from kernforge.model_spec import PACKED_LINEARS
-from kernforge.nn import Linear
+from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
+from kernforge.nn.linear import FP8_BLOCK
+from kernforge.ops.moe.experts import pack_experts, pack_experts_fp8, pack_experts_int8
 
 ATTN_IMPLEMENTATION = "kernforge"
 
@@ -64,6 +67,64 @@ class GatedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
+
+
+class SparseMoE(nn.Module):
+    """A sparse mixture-of-experts block on kernforge: the router's logits through a kernforge
+    Linear, softmax top-k routing (``topk_softmax``), and every token's experts in one
+    ``fused_experts`` call on weights packed once here: bf16, or quantized as ``quant`` quantizes
+    the linears (int8 w8a8 per channel, fp8 per 128 x 128 block), each expert apart. Qwen2-MoE's
+    shared expert, a :class:`GatedMLP` scaled per token by the sigmoid of its own one-output gate,
+    is added to the result."""
+
+    def __init__(self, block: nn.Module, renormalize: bool, activation: str, dtype: torch.dtype, quant: str | None):
+        super().__init__()
+        router, experts = block.gate, block.experts
+        self.top_k, self.renormalize, self.quant = int(router.top_k), bool(renormalize), quant
+        # The router and the shared expert's gate stay unquantized (quantized MoE checkpoints keep
+        # them so too): their outputs choose and weigh the experts, for a sliver of the weights.
+        self.gate = Linear.from_linear(_linear(router.weight), dtype=dtype)
+        # Packed weights (dataclasses of tensors, as fused_experts takes them), not parameters.
+        self.w1 = _packed_experts(experts.gate_up_proj, quant, gated=True)
+        self.w2 = _packed_experts(experts.down_proj, quant)
+        shared = getattr(block, "shared_expert", None)
+        self.shared_expert = None if shared is None else GatedMLP(shared, activation, dtype, quant)
+        self.shared_expert_gate = None if shared is None else Linear.from_linear(block.shared_expert_gate, dtype=dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, ids = kf.topk_softmax(x, self.gate(x), self.top_k, self.renormalize)
+        out = kf.fused_experts(
+            x,
+            self.w1,
+            self.w2,
+            weights,
+            ids,
+            use_int8_w8a8=self.quant == "int8",
+            use_fp8_w8a16=self.quant == "fp8_block",
+        )
+        if self.shared_expert is not None:
+            out.addcmul_(torch.sigmoid(self.shared_expert_gate(x)), self.shared_expert(x))
+        return out.view(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.w2.experts}, top_k={self.top_k}, hidden={self.w2.n}, intermediate={self.w2.k}, "
+            f"renormalize={self.renormalize}, quant={self.quant}"
+        )
+
+
+def _packed_experts(w: torch.Tensor, quant: str | None, gated: bool = False):
+    """Stacked expert weights ``[E, N, K]`` packed for fused_experts, quantized as kernforge.nn.Linear
+    quantizes a weight (``quant``), one expert at a time (no fp32 copy of the whole stack)."""
+    w = w.detach()
+    if quant is None:
+        return pack_experts(w.to(torch.bfloat16).contiguous(), gated=gated)
+    quantize = quantize_weight_int8 if quant == "int8" else quantize_weight_fp8_block
+    weights, scales = zip(*(quantize(expert) for expert in w))
+    if quant == "int8":
+        return pack_experts_int8(torch.stack(weights), torch.stack(scales), gated=gated)
+    return pack_experts_fp8(torch.stack(weights), torch.stack(scales), FP8_BLOCK, gated=gated)
 
 
 @dataclass(frozen=True)
@@ -113,11 +174,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """A Llama-family attention block on kernforge: one packed q|k|v linear, the optional per-head
-    q/k RMSNorm (Qwen3), RoPE in place on the packed output, the paged cache's append, attention
-    through the registered ``"kernforge"`` attention function, and the output linear."""
+    """A Llama-family attention block on kernforge: one packed q|k|v linear, the optional q/k
+    RMSNorms (per head as Qwen3's, or over the whole projection as OLMoE's: each norm's width says
+    which), OLMoE's optional clamp of q, k and v to ``[-clip_qkv, clip_qkv]`` after them, RoPE in
+    place on the packed output, the paged cache's append, attention through the registered
+    ``"kernforge"`` attention function, and the output linear."""
 
-    def __init__(self, attn: nn.Module, dtype: torch.dtype, quant: str | None, num_qo_heads: int, num_kv_heads: int):
+    def __init__(
+        self,
+        attn: nn.Module,
+        dtype: torch.dtype,
+        quant: str | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        clip_qkv: float | None = None,
+    ):
         super().__init__()
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
@@ -126,6 +197,7 @@ class Attention(nn.Module):
         has_qk_norm = getattr(attn, "q_norm", None) is not None
         self.q_norm = RMSNorm.from_module(attn.q_norm, dtype) if has_qk_norm else None
         self.k_norm = RMSNorm.from_module(attn.k_norm, dtype) if has_qk_norm else None
+        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
 
     def forward(
         self,
@@ -148,8 +220,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden_states).view(tokens, (heads + 2 * kv_heads) * head_dim)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
         if self.q_norm is not None:
-            q = self.q_norm(q.view(tokens, heads, head_dim)).view(tokens, heads * head_dim)
-            k = self.k_norm(k.view(tokens, kv_heads, head_dim)).view(tokens, kv_heads * head_dim)
+            q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
+        if self.clip_qkv is not None:
+            for t in (q, k, v):
+                t.clamp_(-self.clip_qkv, self.clip_qkv)
         kf.apply_rope_with_cos_sin_cache_inplace(
             position_embeddings.positions, q, k, head_dim, position_embeddings.cos_sin_cache, is_neox=True
         )
@@ -214,6 +288,22 @@ def _checked_cache(cache) -> PagedCache:
     return cache
 
 
+def _normed(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``x [tokens, width]`` through ``norm`` in groups of the norm's width: per head (Qwen3's q/k
+    norms) or the whole row (OLMoE's)."""
+    tokens, width = x.shape
+    return norm(x.view(tokens, -1, norm.weight.numel())).view(tokens, width)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An ``nn.Linear`` over ``weight [out, in]`` and ``bias`` (no copies), for Linear.from_linear."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer
+
+
 def _packed(module: nn.Module, name: str) -> nn.Linear:
     """``module``'s linears that the model spec packs as ``name`` (PACKED_LINEARS), as one."""
     return _concatenated(*(getattr(module, part) for part in PACKED_LINEARS[name]))
@@ -222,9 +312,5 @@ def _packed(module: nn.Module, name: str) -> nn.Linear:
 def _concatenated(*layers: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` whose output is the layers' outputs side by side."""
     weight = torch.cat([layer.weight.detach() for layer in layers], dim=0)
-    biases = [layer.bias for layer in layers]
-    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None, device="meta")
-    merged.weight = nn.Parameter(weight, requires_grad=False)
-    if biases[0] is not None:
-        merged.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-    return merged
+    bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+    return _linear(weight, bias)

@@ -37,8 +37,8 @@ import torch
 
 from kernforge.jit import isa
 from kernforge.jit.module import DType, Entry, Module
-from kernforge.ops._common import num_threads
-from kernforge.ops._registry import export, kernel_op
+from kernforge.ops._common import dtype_name, num_threads
+from kernforge.ops._registry import export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import (
     STATUS,
     check_cpu_tensor,
@@ -228,3 +228,9 @@ def _panel_width(packed: PackedFp8Weight) -> int:
             f"layout), got {width!r}"
         )
     return width
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    """The fp8 block-scaled GEMM in the model's dtype, for quant="fp8_block"."""
+    return [{"module": "gemm_fp8", "params": {"dtype": dtype_name(spec.dtype)}}] if quant == "fp8_block" else []
