@@ -2,7 +2,12 @@
 benchmark (``vllm bench throughput``'s code: ``vllm.benchmarks.throughput``), issue 18.
 
 Model: Llama-3.2-1B's shape with random weights (``kernforge.integrations.random_llama``), bf16,
-vLLM's defaults otherwise (torch.compile, chunked prefill, block size 128; no prefix caching).
+vLLM's defaults otherwise (torch.compile, chunked prefill, block size 128; no prefix caching). With
+``--moe``: Qwen3-30B-A3B's shape (hidden 2048, 128 experts of 768 with 8 per token, renormalized; 32
+query / 4 KV heads of 128; its vocabulary of 151936) with 4 of its 48 decoder layers unless
+``--layers`` says otherwise, random weights, so the MoE layers run vLLM's ``cpu_fused_moe`` in the
+stock column and kernforge's ``fused_experts`` with the plugin (each run's log says which experts
+class vLLM chose; it is printed and checked).
 Each round starts a fresh engine per column, stock then kernforge, alternating (this VM's DRAM
 bandwidth moves over minutes); every figure is a median over rounds. Environment as vLLM's CPU
 docs recommend, the same for both columns: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``,
@@ -20,10 +25,14 @@ Bound (measured in this run): prefill FLOPs (2 x decoder and lm_head weights x p
 causal attention) at the machine's measured bf16 GEMM rate (the faster of kernforge's packed GEMM
 and torch's oneDNN at M=N=K=4096), plus each decode step's bytes (every weight once, the KV of
 every running sequence) at the weight-streaming rate (kernforge's M=1 GEMM on a 256 MiB weight,
-larger than the L3).
+larger than the L3). For the MoE model a token's FLOPs count its k experts (and the router), and a
+decode step of B sequences reads the experts B tokens choose, E (1 - (1 - k/E)^B) per layer under
+uniform routing.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # 2 rounds (about 15 minutes)
     .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --moe           # Qwen3-30B-A3B's shape, 4 layers
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the same model, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --serve --rounds 1 --columns stock=0 kf=
 """
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +51,7 @@ from pathlib import Path
 import torch
 
 import kernforge
-from kernforge.integrations.random_llama import SHAPES, make_model_dir
+from kernforge.integrations.random_llama import SHAPES, is_moe, make_model_dir
 from kernforge.integrations.vllm.server import openai_server
 
 import _harness as H
@@ -57,11 +67,29 @@ BENCH = (
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+# model shape -> its max_position_embeddings (vLLM serves --max-model-len of it)
+MAX_POSITION = {"llama-3.2-1b": 131072, "qwen3-30b-a3b": 40960}
+MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48: its 4-layer experts are 4.8 GB of bf16, the whole model 6 GB
 
 
 def plugin_active(log: str) -> bool:
     """Whether a vLLM process's log says kernforge's plugin replaced something."""
     return "kernforge" in log and "runs vLLM's" in log and "runs vLLM's nothing" not in log
+
+
+def moe_experts(log: str) -> str | None:
+    """The MoE experts class vLLM's oracle chose, from a process's log (None: no MoE layer)."""
+    found = re.search(r"Using (\w+) MoE backend", log)
+    return found.group(1) if found else None
+
+
+def check_engine(column: str, parts: str, result: dict) -> None:
+    """The plugin is on exactly where KERNFORGE_VLLM says (and runs the MoE layers where it should)."""
+    assert result["plugin_active"] == (parts != "0"), f"{column}: the plugin's state is not KERNFORGE_VLLM's"
+    experts = result["moe_experts"]
+    if experts is not None:
+        wanted = parts in ("", "1") or "moe" in parts.split(",")
+        assert (experts == "KernforgeCPUUnquantizedExperts") == wanted, f"{column}: MoE layers on {experts}"
 
 
 def engine_environment(parts: str, threads: int) -> dict:
@@ -91,6 +119,7 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
         result = json.loads(out.read_text())
         result["wall_s"] = time.monotonic() - started
         result["plugin_active"] = plugin_active(run.stdout + run.stderr)
+        result["moe_experts"] = moe_experts(run.stdout + run.stderr)
         return result
 
 
@@ -110,7 +139,8 @@ def vllm_serve(model: Path, parts: str, args) -> dict:
         if run.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed (KERNFORGE_VLLM={parts}):\n{run.stderr[-4000:]}")
         result = json.loads((Path(tmp) / "serve.json").read_text())
-        result["plugin_active"] = plugin_active((Path(tmp) / "server.log").read_text())
+        log = (Path(tmp) / "server.log").read_text()
+        result["plugin_active"], result["moe_experts"] = plugin_active(log), moe_experts(log)
         return result
 
 
@@ -119,7 +149,7 @@ def serve_main(model: Path, columns: dict, args) -> None:
     for round_ in range(args.rounds):
         for column, parts in columns.items():
             result = vllm_serve(model, parts, args)
-            assert result["plugin_active"] == (parts != "0"), f"{column}: the plugin's state is not KERNFORGE_VLLM's"
+            check_engine(column, parts, result)
             results.setdefault(column, []).append(result)
             print(
                 f"round {round_ + 1} {column:12s} " + " ".join(f"{m} {result[m]:.1f}" for m in SERVE_METRICS),
@@ -170,16 +200,25 @@ def measured_rates(threads: int) -> dict:
 
 def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
     """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate."""
-    hidden, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     heads, kv_heads, head_dim, vocab = (
         shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
     )
-    decoder = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter)
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    if "num_experts" in shape:  # a MoE layer: the router, and k of E experts per token
+        experts, topk = shape["num_experts"], shape["num_experts_per_tok"]
+        expert = 3 * hidden * shape["moe_intermediate_size"]
+        per_token = layers * (attention + hidden * experts + topk * expert)  # weights a token multiplies by
+        # weights a decode step of `prompts` sequences reads: the experts their tokens choose
+        touched = experts * (1 - (1 - topk / experts) ** prompts)
+        per_step = layers * (attention + hidden * experts + touched * expert)
+    else:
+        per_token = per_step = layers * (attention + 3 * hidden * shape["intermediate_size"])
     lm_head = hidden * vocab
-    prefill = prompts * (2 * decoder * input_len + 2 * layers * heads * head_dim * input_len**2 + 2 * lm_head)
+    prefill = prompts * (2 * per_token * input_len + 2 * layers * heads * head_dim * input_len**2 + 2 * lm_head)
     kv_per_token = layers * 2 * kv_heads * head_dim * 2
     decode_bytes = sum(
-        2 * (decoder + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1)
+        2 * (per_step + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1)
     )
     return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
 
@@ -191,7 +230,12 @@ def main() -> None:
     parser.add_argument("--input", type=int, default=1024)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; --quick 4)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help=f"decoder layers (default: the model's; --quick 4; --moe {MOE_LAYERS})"
+    )
+    parser.add_argument(
+        "--moe", action="store_true", help="Qwen3-30B-A3B's shape (a mixture of experts) instead of Llama-3.2-1B's"
+    )
     parser.add_argument("--model-cache", default=str(Path.home() / ".cache" / "kernforge-bench"))
     parser.add_argument(
         "--columns",
@@ -205,16 +249,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
-    shape = dict(SHAPES["llama-3.2-1b"], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    shape_name = "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
+    if args.moe and not args.layers:
+        args.layers = MOE_LAYERS
+    shape = dict(SHAPES[shape_name], **({"num_hidden_layers": args.layers} if args.layers else {}))
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
     H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
     model = make_model_dir(
-        Path(args.model_cache) / f"llama-3.2-1b-{shape['num_hidden_layers']}l",
-        "llama-3.2-1b",
-        max_position=131072,  # Llama 3.2 (vLLM serves --max-model-len of it)
+        Path(args.model_cache) / f"{shape_name}-{shape['num_hidden_layers']}l",
+        shape_name,
+        max_position=MAX_POSITION[shape_name],
         layers=args.layers,
     )
+    print(f"model: {shape_name} shape, {shape['num_hidden_layers']} layers, random weights ({model})", flush=True)
     subprocess.run(
         [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")],
         check=True,
@@ -231,13 +279,12 @@ def main() -> None:
         for case, (prompts, input_len, output_len) in cases.items():
             for column, parts in columns.items():
                 result = vllm_throughput(model, parts, prompts, input_len, output_len, args)
-                assert result["plugin_active"] == (parts != "0"), (
-                    f"{column}: the plugin's state is not KERNFORGE_VLLM's"
-                )
+                check_engine(column, parts, result)
                 runs.setdefault((case, column), []).append(result)
+                experts = f" (MoE: {result['moe_experts']})" if is_moe(shape_name) else ""
                 print(
                     f"round {round_ + 1} {case:8s} {column:12s} {result['elapsed_time']:7.2f} s "
-                    f"{result['tokens_per_second']:7.1f} tok/s",
+                    f"{result['tokens_per_second']:7.1f} tok/s{experts}",
                     flush=True,
                 )
     rows, summary = [], {}

@@ -1,6 +1,8 @@
-"""A Llama model directory with random weights and a small tokenizer, for trying and testing kernforge
-in a serving engine without a model hub: ``python -m kernforge.integrations.random_llama DIR
-[--shape llama-3.2-1b|tiny]``; then ``vllm serve DIR``. Needs transformers.
+"""A Llama (or Qwen3-MoE) model directory with random weights and a small tokenizer, for trying and
+testing kernforge in a serving engine without a model hub: ``python -m
+kernforge.integrations.random_llama DIR [--shape llama-3.2-1b|tiny|qwen3-30b-a3b|tiny-moe]
+[--layers N]``; then ``vllm serve DIR``. Needs transformers. A shape with ``num_experts`` is a
+``Qwen3MoeForCausalLM`` (:func:`is_moe`), the others a ``LlamaForCausalLM``.
 
 The tokenizer (built with the ``tokenizers`` library) has one word per token id, ``w0`` ... so
 any text of such words round-trips, and every id the model can sample decodes.
@@ -52,7 +54,47 @@ SHAPES = {
         tie_word_embeddings=False,
         initializer_range=0.2,  # peaked next-token distributions: few near-ties between two runs' greedy picks
     ),
+    # Qwen3-30B-A3B's shape (random weights; 48 layers in the real model, the benchmarks take fewer):
+    # 128 experts of 768, 8 per token, renormalized
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,  # the dense MLP of mlp_only_layers (none here)
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # the tiny Llama's size as a Qwen3-MoE: 8 experts of 96, 2 per token, q/k norms
+    "tiny-moe": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # as the tiny Llama's
+    ),
 }
+
+
+def is_moe(shape: str) -> bool:
+    """Whether ``shape`` is a mixture of experts (a Qwen3-MoE) rather than a Llama."""
+    return "num_experts" in SHAPES[shape]
 
 
 def word(token_id: int) -> str:
@@ -60,24 +102,33 @@ def word(token_id: int) -> str:
 
 
 def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, **config):
-    """A bf16 ``LlamaForCausalLM`` of ``shape`` (``layers`` decoder layers if given; ``config``
-    overrides more) with weights drawn from N(0, initializer_range), norms at 1."""
+    """A bf16 ``LlamaForCausalLM`` of ``shape`` (a ``Qwen3MoeForCausalLM`` for a MoE shape; ``layers``
+    decoder layers if given; ``config`` overrides more) with weights drawn from N(0,
+    initializer_range), norms at 1."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
+
+    if is_moe(shape):
+        from transformers import Qwen3MoeConfig as config_class
+        from transformers import Qwen3MoeForCausalLM as model_class
+    else:
+        from transformers import LlamaConfig as config_class
+        from transformers import LlamaForCausalLM as model_class
 
     fields = dict(SHAPES[shape], bos_token_id=1, eos_token_id=2, dtype="bfloat16")
     fields.update({"num_hidden_layers": layers} if layers else {}, **config)
-    llama_config = LlamaConfig(**fields)
+    model_config = config_class(**fields)
     with no_init_weights():  # transformers' per-module init is slow at 1B; the weights are drawn below
-        model = LlamaForCausalLM(llama_config).to(torch.bfloat16)
+        model = model_class(model_config).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.fill_(1.0)
+            elif is_moe(shape):  # drawn in bf16: a layer's experts are 1.2 GB at 30B-A3B, an fp32 draw doubles that
+                parameter.normal_(0.0, model_config.initializer_range, generator=generator)
             else:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * llama_config.initializer_range)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * model_config.initializer_range)
     # no_init_weights also skips tying: without this, lm_head is a second copy of the embedding
     model.tie_weights()
     return model.eval()
@@ -176,9 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--max-position", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--w8a8", metavar="PATH", help="also write an int8 w8a8 copy (compressed-tensors) to PATH")
     args = parser.parse_args(argv)
-    print(make_model_dir(args.path, args.shape, args.max_position))
+    print(make_model_dir(args.path, args.shape, args.max_position, layers=args.layers))
     if args.w8a8:
         print(quantize_w8a8(args.path, args.w8a8))
 

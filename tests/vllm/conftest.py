@@ -3,6 +3,8 @@ environment has no vLLM and leaves this folder out).
 
 * ``model_dir``: a tiny random-weight Llama directory (GQA, Llama 3 RoPE scaling, a word-level
   tokenizer), built once per session.
+* ``moe_model_dir``: the same size as a Qwen3-MoE (8 experts of 96, 2 per token, renormalized; the
+  tiny Llama's tokenizer), built once per session.
 * ``vllm_config``: vLLM's config for that model, current while a test builds vLLM layers.
 """
 
@@ -16,6 +18,11 @@ from kernforge.integrations.random_llama import make_model_dir  # noqa: E402
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("vllm-model") / "tiny-llama", "tiny", max_position=2048)
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("vllm-moe-model") / "tiny-moe", "tiny-moe", max_position=2048)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 import kernforge.integrations.vllm as plugin
 from kernforge.integrations import _versions
-from kernforge.integrations.vllm import layers
+from kernforge.integrations.vllm import layers, moe
 
 from references import linear_reference
 
@@ -26,7 +26,12 @@ def registered():
 def test_register_replaces_attention_layers_and_linear_once(registered):
     assert registered[:3] == ["attention (CPU_ATTN)", "RMSNorm", "SiluAndMul"]
     assert {"RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"} <= set(registered)
-    assert registered[-2:] == ["bf16 linear layers", "int8 w8a8 linear layers (dynamic, symmetric)"]
+    assert registered[-4:] == [
+        "bf16 linear layers",
+        "int8 w8a8 linear layers (dynamic, symmetric)",
+        "unquantized MoE experts (bf16, SiLU)",
+        "MoE routing (softmax top-k, grouped top-k)",
+    ]
     assert plugin.register() == registered  # vLLM loads plugins in every process, maybe twice
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -59,7 +64,7 @@ def test_default_leaves_linear_layers_to_onednn_on_amx(monkeypatch):
     from kernforge.jit import isa
 
     monkeypatch.delenv(plugin.ENABLE_VARIABLE, raising=False)
-    expected = ("attention", "layers") if isa.selected_tier() == "amx" else plugin.PARTS
+    expected = ("attention", "layers", "moe") if isa.selected_tier() == "amx" else plugin.PARTS
     assert plugin.enabled_parts() == plugin.default_parts() == expected
     with isa.use_isa("avx512" if isa.runnable("avx512") else "generic"):
         assert plugin.default_parts() == plugin.PARTS
@@ -209,6 +214,175 @@ def test_int8_kernel_takes_only_dynamic_symmetric_layers(static, symmetric, take
     assert layers.KernforgeInt8ScaledMMLinearKernel.can_implement(config)[0] is takes
 
 
+# --------------------------------------------------------------------------- MoE layers
+
+
+def _moe_config(experts=8, topk=2, hidden=128, inter=96, dtype=torch.bfloat16, activation="silu", **fields):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+
+    return FusedMoEConfig(
+        num_experts=experts,
+        experts_per_token=topk,
+        hidden_dim=hidden,
+        intermediate_size=inter,
+        num_local_experts=experts,
+        num_logical_experts=experts,
+        activation=MoEActivation(activation),
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=dtype,
+        **fields,
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, ours",
+    [
+        ({}, True),
+        ({"dtype": torch.float32}, False),
+        ({"activation": "gelu"}, False),
+        ({"has_bias": True}, False),
+        ({"swiglu_limit": 7.0}, False),
+    ],
+    ids=["bf16-silu", "fp32", "gelu", "bias", "swiglu-limit"],
+)
+def test_moe_oracle_picks_kernforge_experts_only_for_what_they_take(registered, vllm_config, fields, ours):
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        select_unquantized_moe_backend,
+    )
+
+    backend, experts_cls = select_unquantized_moe_backend(_moe_config(**fields))
+    assert backend == UnquantizedMoeBackend.CPU
+    assert (experts_cls is moe.KernforgeCPUUnquantizedExperts) is ours  # else one of vLLM's CPU classes
+
+
+def _moe_kernel(experts_cls, config, w13, w2):
+    """vLLM's modular kernel around ``experts_cls`` and a layer holding ``w13``/``w2``, weights
+    processed as vLLM does after loading."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        make_unquantized_moe_kernel,
+    )
+
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+    kernel = make_unquantized_moe_kernel(FusedMoEQuantConfig.make(), config, UnquantizedMoeBackend.CPU, experts_cls)
+    kernel.fused_experts.process_weights_after_loading(layer)
+    return kernel, layer
+
+
+def _moe_reference(x, w13, w2, weights, ids, on_input=False):
+    """float32 per-token loop over the chosen experts (the intermediate rounded to bf16, as both
+    kernels do); ``on_input``: the router weight scales the input (rounded) instead of the output."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, weight = int(ids[t, j]), float(weights[t, j])
+            row = (x[t] * weights[t, j].to(x.dtype)).float() if on_input else x[t].float()
+            gate_up = w13[e].float() @ row
+            act = (torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]).bfloat16().float()
+            out[t] += (1.0 if on_input else weight) * (w2[e].float() @ act)
+    return out
+
+
+@pytest.mark.parametrize("tokens, topk, on_input", [(1, 2, False), (37, 2, False), (9, 1, True)])
+def test_moe_experts_match_vllms_and_a_float_reference(registered, vllm_config, tokens, topk, on_input):
+    """vLLM's modular kernel with kernforge's experts (w13/w2 packed after loading) against the same
+    kernel with vLLM's CPU experts, on the same routing; ``apply_router_weight_on_input`` (k = 1)
+    scales the input in vLLM's prepare(), the output is not weighted again."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    experts, hidden, inter = 8, 128, 96
+    config = _moe_config(experts, topk, hidden, inter)
+    w13, w2 = _rows(experts * 2 * inter, hidden, 20) * 0.1, _rows(experts * hidden, inter, 21) * 0.1
+    w13, w2 = w13.view(experts, 2 * inter, hidden), w2.view(experts, hidden, inter)
+    x = _rows(tokens, hidden, 22)
+    logits = _rows(tokens, experts, 23)
+    weights, ids = logits.float().softmax(-1).topk(topk, dim=-1)
+    weights, ids = weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+    outputs = {}
+    for cls in (moe.KernforgeCPUUnquantizedExperts, CPUUnquantizedExperts):
+        kernel, layer = _moe_kernel(cls, config, w13, w2)
+        outputs[cls] = kernel.apply(
+            x, layer.w13_weight, layer.w2_weight, weights, ids, MoEActivation.SILU, experts, None, on_input
+        )
+    ours, theirs = outputs[moe.KernforgeCPUUnquantizedExperts], outputs[CPUUnquantizedExperts]
+    assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
+    reference = _moe_reference(x, w13, w2, weights, ids, on_input)
+    torch.testing.assert_close(ours.float(), reference, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=1e-2)
+
+
+def _same_routes(got, expected, atol):
+    """Each token's experts are the same set, with the same weights (in any order)."""
+    (weights, ids), (expected_weights, expected_ids) = got, expected
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    order, expected_order = ids.sort(-1), expected_ids.sort(-1)
+    assert torch.equal(order.values, expected_order.values.to(torch.int32))
+    torch.testing.assert_close(
+        weights.gather(-1, order.indices.long()),
+        expected_weights.float().gather(-1, expected_order.indices.long()),
+        atol=atol,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_softmax_routing_matches_vllms(registered, renormalize, dtype):
+    """The experts vLLM's rule chooses, weighted as a float64 softmax does: vLLM computes its
+    weights in the logits' dtype (a bf16 ``exp(logit - logsumexp)`` is off by up to 3 %), kernforge
+    in fp32."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    logits = _rows(50, 64, 24, dtype) * 3
+    weights, ids = cpu_router._softmax_topk(logits, 8, renormalize)
+    _, expected_ids = cpu_router._softmax_topk.kernforge_original(logits, 8, renormalize)
+    probabilities = logits.double().softmax(-1)
+    expected = probabilities.gather(-1, expected_ids.long())
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    _same_routes((weights, ids), (expected, expected_ids), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scoring, biased, scale", [("softmax", False, 1.0), ("softmax", False, 2.5), ("sigmoid", True, 2.5)]
+)
+def test_moe_grouped_routing_matches_vllms(registered, scoring, biased, scale):
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    logits = _rows(50, 64, 25, torch.float32) * 3
+    bias = _rows(1, 64, 26, torch.float32)[0] * 0.5 if biased else None
+    arguments = (logits, 6, True, 8, 3, scoring, scale, bias)
+    _same_routes(cpu_router._grouped_topk(*arguments), cpu_router._grouped_topk.kernforge_original(*arguments), 1e-5)
+
+
+@pytest.mark.parametrize("scoring, biased", [("sigmoid", False), ("softmax", True)])
+def test_moe_grouped_routing_leaves_other_rules_to_vllm(registered, scoring, biased, monkeypatch):
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kernforge's grouped routing ran on a rule it does not take")
+
+    monkeypatch.setattr(moe.ops, "grouped_topk", refuse)
+    monkeypatch.setattr(moe.ops, "biased_grouped_topk", refuse)
+    logits = _rows(5, 64, 27, torch.float32)
+    bias = _rows(1, 64, 28, torch.float32)[0] if biased else None
+    arguments = (logits, 6, True, 8, 3, scoring, 1.0, bias)
+    _same_routes(cpu_router._grouped_topk(*arguments), cpu_router._grouped_topk.kernforge_original(*arguments), 0)
+
+
 # --------------------------------------------------------------------------- vLLM's internals
 
 
@@ -240,3 +414,33 @@ def test_vllm_internals_the_plugin_relies_on_are_unchanged():
     assert "_POSSIBLE_INT8_KERNELS" in inspect.getsource(linear_kernels.init_int8_linear_kernel), (
         "vLLM's int8 layers no longer pick their kernel from _POSSIBLE_INT8_KERNELS"
     )
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    original = getattr(unquantized.backend_to_kernel_cls, "kernforge_original", None)
+    assert original is not None, "moe.register_experts did not wrap backend_to_kernel_cls"
+    assert list(inspect.signature(original).parameters) == moe.BACKEND_TO_KERNEL_CLS_PARAMETERS
+    assert unquantized.backend_to_kernel_cls(unquantized.UnquantizedMoeBackend.CPU)[:1] == [
+        moe.KernforgeCPUUnquantizedExperts
+    ]
+    assert CPUUnquantizedExperts in original(unquantized.UnquantizedMoeBackend.CPU)
+    assert "backend_to_kernel_cls(backend)" in inspect.getsource(unquantized.select_unquantized_moe_backend), (
+        "the unquantized MoE oracle no longer looks backend_to_kernel_cls up at call time: the wrapper would not "
+        "reach it"
+    )
+    for name, parameters in (
+        ("_softmax_topk", moe.SOFTMAX_TOPK_PARAMETERS),
+        ("_grouped_topk", moe.GROUPED_TOPK_PARAMETERS),
+    ):
+        original = getattr(getattr(cpu_router, name), "kernforge_original", None)
+        assert original is not None, f"moe.patch_routing did not replace cpu_router.{name}"
+        assert list(inspect.signature(original).parameters) == parameters
+        assert f"{name}(" in inspect.getsource(cpu_router.CPURouter._compute_routing), (
+            f"CPURouter no longer routes through {name}"
+        )
+    # the experts' apply() relies on vLLM's prepare() scaling the input by the router weight
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import no_dp_ep
+
+    assert "a1 * topk_weights" in inspect.getsource(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular.prepare)

