@@ -202,6 +202,7 @@ FP8_CASES = [  # tokens, hidden, inter, experts, k, block: blocks straddling gat
     (7, 200, 96, 16, 4, (64, 64)),
     (40, 130, 70, 8, 2, (32, 48)),
     (100, 64, 64, 4, 1, (128, 128)),
+    (300, 96, 80, 4, 2, (64, 48)),  # 150 rows per expert: K blocks converted to bf16 pairs once per task
 ]
 
 

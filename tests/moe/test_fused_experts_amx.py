@@ -1,5 +1,5 @@
 """The AMX path of fused_experts (kernforge/moe/experts.h: row blocks of 5 rows or more in tiles, bf16
-and int8 weights).
+and int8 weights, and fp8 ones converted to bf16 pairs per K block).
 
 As for the GEMM (tests/gemm/test_gemm_amx.py), three ways: the real template built on the avx512 tier
 with the tile instructions emulated, against the float32 loop; the real amx build compiled here and
@@ -12,14 +12,15 @@ import subprocess
 
 import pytest
 import torch
-from test_fused_experts import check, int8_reference, make_int8_weights, make_weights, route
+from test_fused_experts import check, int8_reference, make_fp8_weights, make_int8_weights, make_weights, route
 
 from kernforge.cache import disk
 from kernforge.jit import core, isa
 from kernforge.jit.module import Entry, Module
-from kernforge.ops.moe.experts import EXPERTS, pack_experts, pack_experts_int8, run_kernel
+from kernforge.ops.moe.experts import EXPERTS, pack_experts, pack_experts_fp8, pack_experts_int8, run_kernel
 
 from op_helpers import seeded
+from references import fp8_block_dequantize
 
 pytestmark = pytest.mark.usefixtures("test_templates")
 
@@ -47,6 +48,11 @@ def emulated(test_templates):
 @pytest.fixture(scope="module")
 def emulated_int8(test_templates):
     return _emulated("int8")
+
+
+@pytest.fixture(scope="module")
+def emulated_fp8(test_templates):
+    return _emulated("fp8")
 
 
 def _counters(kernel) -> tuple[int, int]:
@@ -95,7 +101,7 @@ def test_emulated_int8_tiles_match_the_reference_that_quantizes_alike(emulated_i
     assert (out.float() - expected).abs().max().item() <= 1.6e-2 * expected.abs().max().item()
 
 
-@pytest.mark.parametrize("weights,product", [("bf16", "tdpbf16ps"), ("int8", "tdpbusd")])
+@pytest.mark.parametrize("weights,product", [("bf16", "tdpbf16ps"), ("int8", "tdpbusd"), ("fp8", "tdpbf16ps")])
 def test_amx_build_compiles_with_the_tile_path(cache, weights, product):
     result, _ = core.build(core.KernelSpec.make(EXPERTS, {"dtype": "bf16", "weights": weights}, "amx"), load=False)
     so = disk.Entry(cache, result.key).so
@@ -106,8 +112,23 @@ def test_amx_build_compiles_with_the_tile_path(cache, weights, product):
         assert mnemonic in code, f"the amx build of moe_experts ({weights} weights) has no {mnemonic}"
 
 
-def test_amx_build_of_the_fp8_experts_compiles(cache):
-    """fp8 weights multiply on the vector layer on every tier (converted in registers); the amx build
-    must still compile, since the ops dispatch to it on AMX machines."""
-    result, _ = core.build(core.KernelSpec.make(EXPERTS, {"dtype": "bf16", "weights": "fp8"}, "amx"), load=False)
-    assert disk.Entry(cache, result.key).so.is_file()
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [(40, 130, 64, 4, 2), (3, 64, 64, 8, 2)])
+def test_emulated_fp8_converts_k_blocks_for_the_tiles(emulated_fp8, tokens, hidden, inter, experts, k):
+    """fp8 weights: from 5 rows on, each K block is converted to bf16 pairs and multiplied in tiles."""
+    g = seeded("moe-amx-emu-fp8", tokens, hidden, inter, experts, k)
+    block = (32, 64)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w1, s1, w2, s2 = make_fp8_weights(experts, hidden, inter, block, g)
+    topk_weights, topk_ids = route(tokens, experts, k, g)
+    out = torch.empty_like(x)
+    _counters(emulated_fp8)
+    p1, p2 = pack_experts_fp8(w1, s1, block, gated=True), pack_experts_fp8(w2, s2, block)
+    assert run_kernel(emulated_fp8, out, x, p1, p2, topk_weights, topk_ids) == 0
+    faults, dots = _counters(emulated_fp8)
+    assert faults == 0
+    rows_per_expert = torch.bincount(topk_ids.view(-1).long(), minlength=experts)
+    assert (dots > 0) == bool((rows_per_expert >= 5).any())
+    dequantized = [
+        torch.stack([fp8_block_dequantize(w[e], s[e], block) for e in range(experts)]) for w, s in ((w1, s1), (w2, s2))
+    ]
+    check(out, x, *dequantized, topk_weights, topk_ids)

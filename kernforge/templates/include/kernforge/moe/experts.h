@@ -101,6 +101,56 @@ constexpr int64_t kRowPadBytes = 64;
 
 // ----------------------------------------------------------------------------- products
 
+// tile[r * ldt + j] = a[r] . B[:, j] for rows r < rows and columns j < columns (a multiple of 32), B
+// in bf16 pairs (gemm/micro_kernel.h's layout, ldb words from one pair to the next): in AMX tiles
+// (gemm/amx_kernel.h) where this build has them, the OS granted them and the block has enough rows
+// for them to pay off, else on the micro-kernels, K block by K block. The tile state lives as long as
+// the object.
+template <class T>
+class PairProduct {
+ public:
+  bool tiles_for(int64_t rows) const {
+#if KF_HAS_AMX
+    return kTiles && tiles_permitted_ && rows >= gemm::amx::kMinRows;
+#else
+    return false;
+#endif
+  }
+
+  void operator()(float* tile, int64_t ldt, int64_t rows, const T* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                  int64_t k, int64_t columns) {
+#if KF_HAS_AMX
+    if constexpr (kTiles) {
+      if (tiles_for(rows)) {
+        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
+          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
+          tiles_.shape_for(count);
+          for (int64_t j0 = 0; j0 < columns; j0 += gemm::amx::kBlockColumns)
+            gemm::amx::block<gemm::amx::Bf16Product>(a + r0 * lda, lda, b + j0, ldb, k, count, tile + r0 * ldt + j0,
+                                                     ldt, tails_);
+        }
+        return;
+      }
+    }
+#endif
+    constexpr int MR = gemm::DefaultTile<T>::kMR, NR = gemm::DefaultTile<T>::kNR;
+    for (int64_t r = 0; r < rows; ++r) std::fill_n(tile + r * ldt, columns, 0.0f);
+    gemm::accumulate_tile<MR>(rows, k, kDepthBlock, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
+      for (int64_t j0 = 0; j0 < columns; j0 += NR)
+        gemm::micro_kernel_rows<MR, NR>(count, a + r0 * lda + k0, lda, b + k0 / 2 * ldb + j0, ldb, depth,
+                                        tile + r0 * ldt + j0, ldt);
+    });
+  }
+
+ private:
+#if KF_HAS_AMX
+  static constexpr bool kTiles = std::is_same_v<T, bf16> && gemm::DefaultTile<T>::kNR == gemm::amx::kBlockColumns;
+  bool tiles_permitted_ = kTiles && gemm::amx::tiles_permitted();
+  gemm::amx::Tiles tiles_;
+  gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails_;
+#endif
+};
+
 // bf16 weights: tile[rows x NR] = a[rows x k] . the packed columns, a in the activations' type.
 template <class T>
 class Bf16Weights {
@@ -111,34 +161,11 @@ class Bf16Weights {
 
   void operator()(float* tile, int64_t rows, const A* a, int64_t lda, const float*, const PackedExperts& w,
                   int64_t expert, int64_t part, int64_t n0) {
-    const uint32_t* b = w.column(expert, part, n0);
-    const int64_t k = w.k, ldb = w.panel_width;
-#if KF_HAS_AMX
-    if constexpr (kTiles) {
-      if (tiles_permitted_ && rows >= gemm::amx::kMinRows) {
-        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
-          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
-          tiles_.shape_for(count);
-          gemm::amx::block<gemm::amx::Bf16Product>(a + r0 * lda, lda, b, ldb, k, count, tile + r0 * kNR, kNR, tails_);
-        }
-        return;
-      }
-    }
-#endif
-    std::fill_n(tile, rows * kNR, 0.0f);
-    gemm::accumulate_tile<kMR>(rows, k, kDepthBlock, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
-      gemm::micro_kernel_rows<kMR, kNR>(count, a + r0 * lda + k0, lda, b + k0 / 2 * ldb, ldb, depth, tile + r0 * kNR,
-                                        kNR);
-    });
+    product_(tile, kNR, rows, a, lda, w.column(expert, part, n0), w.panel_width, w.k, kNR);
   }
 
  private:
-#if KF_HAS_AMX
-  static constexpr bool kTiles = std::is_same_v<T, bf16> && kNR == gemm::amx::kBlockColumns;
-  bool tiles_permitted_ = kTiles && gemm::amx::tiles_permitted();
-  gemm::amx::Tiles tiles_;
-  gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails_;
-#endif
+  PairProduct<T> product_;
 };
 
 // int8 weights (w8a8): a is uint8 (int8 + 128) with per-row scales; the exact int32 product less the
@@ -192,16 +219,20 @@ class Int8Weights {
 #endif
 };
 
-// fp8 e4m3 weights with block scales (w8a16, DeepSeek-V3's checkpoints): converted in registers where
-// they are used (gemm/fp8_kernel.h: each weight byte read once per row block, half bf16's traffic),
-// each K block's sums times its columns' block scales added into the fp32 tile. (The fp8 GEMM
-// converts per K block instead from 96 rows on; a task here has at most kRowBlock rows.)
+// fp8 e4m3 weights with block scales (w8a16, DeepSeek-V3's checkpoints), each K block's sums times
+// its columns' block scales added into the fp32 tile, two ways to the same sums (gemm/fp8_kernel.h):
+// * few rows (decode): converted in registers where they are used, each weight byte read once per
+//   row block: half bf16's traffic;
+// * from kConvertFromRows rows on (or kMinRows where AMX tiles multiply), each K block of the task's
+//   columns converted once to bf16 pairs, then multiplied as bf16 weights are (PairProduct), since
+//   converting per use would cost more than the multiply.
 template <class T>
 class Fp8Weights {
  public:
   using A = T;
   static constexpr int kMR = gemm::fp8::DefaultTile::kMR, kNR = gemm::fp8::DefaultTile::kNR;
   static constexpr bool kQuantized = false;
+  static constexpr int64_t kConvertFromRows = 32;  // the vector tiers: 4 x 64 in registers costs ~1.3x bf16
 
   void operator()(float* tile, int64_t rows, const A* a, int64_t lda, const float*, const PackedExperts& w,
                   int64_t expert, int64_t part, int64_t n0) {
@@ -214,6 +245,10 @@ class Fp8Weights {
     gemm::fp8::ColumnScales<kNR> scales(w.scale + expert * n_blocks * k_blocks, w.block_n, k_blocks, part * part_n + n0,
                                         std::min<int64_t>(kNR, part_n - n0));
     std::fill_n(tile, rows * kNR, 0.0f);
+    if (rows >= (product_.tiles_for(rows) ? 1 : kConvertFromRows)) {
+      converting(tile, rows, a, lda, b, width, k, w.block_k, scales);
+      return;
+    }
     const float* block_scale = nullptr;
     int64_t block = -1;
     gemm::accumulate_tile<kMR>(rows, k, w.block_k, [&](int64_t count, int64_t r0, int64_t k0, int64_t depth) {
@@ -222,6 +257,23 @@ class Fp8Weights {
                                              tile + r0 * kNR, kNR);
     });
   }
+
+ private:
+  void converting(float* tile, int64_t rows, const A* a, int64_t lda, const fp8_e4m3* b, int64_t width, int64_t k,
+                  int64_t block_k, gemm::fp8::ColumnScales<kNR>& scales) {
+    const int64_t pair_rows = (block_k + 1) / 2;
+    if (int64_t(pairs_.size()) < pair_rows * kNR) pairs_.resize(size_t(pair_rows * kNR));
+    for (int64_t k0 = 0; k0 < k; k0 += block_k) {
+      const int64_t depth = std::min(block_k, k - k0);
+      gemm::fp8::convert_to_pairs<kNR>(b + k0 * width, width, depth, pairs_.data());
+      product_(block_tile_, kNR, rows, a + k0, lda, pairs_.data(), kNR, depth, kNR);
+      gemm::fp8::add_scaled_rows<kNR>(tile, block_tile_, scales.of_block(k0 / block_k), rows);
+    }
+  }
+
+  PairProduct<T> product_;
+  std::vector<uint32_t> pairs_;  // one K block of the task's columns as bf16 pairs
+  alignas(64) float block_tile_[kRowBlock * kNR];
 };
 
 // ----------------------------------------------------------------------------- routing plan
