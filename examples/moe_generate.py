@@ -21,48 +21,17 @@ import copy
 
 import torch
 from llama_generate import agreement, kernforge_generate, random_prompts, stock_generate, timed_generate
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-from transformers.initialization import no_init_weights
+from transformers import AutoModelForCausalLM
 
 from kernforge.integrations import transformers as kft
-
-# Qwen3-30B-A3B's shape (48 layers in the real model): 128 experts of 768, 8 per token
-QWEN3_30B_A3B = dict(
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
+from kernforge.integrations.random_llama import random_llama
 
 
 def random_qwen3_moe(layers: int, experts: int | None = None, seed: int = 0) -> torch.nn.Module:
-    """A bf16 ``Qwen3MoeForCausalLM`` of Qwen3-30B-A3B's shape with ``layers`` decoder layers (and
-    ``experts`` experts if given), weights drawn from N(0, initializer_range), norms at 1."""
-    overrides = {"num_hidden_layers": layers} | ({"num_experts": experts} if experts else {})
-    config = Qwen3MoeConfig(**QWEN3_30B_A3B | overrides, dtype="bfloat16", attn_implementation="sdpa")
-    with no_init_weights():  # transformers' per-module init is slow at this size; the weights are drawn below
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-            else:  # drawn in bf16: a layer's experts are 1.2 GB, an fp32 draw would double that
-                parameter.normal_(0.0, config.initializer_range, generator=generator)
-    return model.eval()
+    """A bf16 ``Qwen3MoeForCausalLM`` of Qwen3-30B-A3B's shape (random_llama's ``qwen3-30b-a3b``) with
+    ``layers`` decoder layers (and ``experts`` experts if given), sdpa attention."""
+    overrides = {"num_experts": experts} if experts else {}
+    return random_llama("qwen3-30b-a3b", seed, layers, attn_implementation="sdpa", **overrides)
 
 
 def build_model(checkpoint: str | None, layers: int | None, experts: int | None) -> torch.nn.Module:
