@@ -101,6 +101,23 @@ constexpr int64_t kRowPadBytes = 64;
 
 // ----------------------------------------------------------------------------- products
 
+#if KF_HAS_AMX
+// c[r * ldc + j] = a[r] . B[:, j] for rows r < rows and columns j < columns (a multiple of 32) in AMX
+// tiles, 32 x 32 blocks (gemm/amx_kernel.h): B packed as Product reads it, ldb words from one pair or
+// group row to the next; the thread's tile state and tail buffers are the caller's.
+template <class Product>
+inline void tile_blocks(typename Product::C* c, int64_t ldc, int64_t rows, const typename Product::A* a, int64_t lda,
+                        const uint32_t* b, int64_t ldb, int64_t k, int64_t columns, gemm::amx::Tiles& tiles,
+                        gemm::amx::TailBuffers<Product>& tails) {
+  for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
+    const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
+    tiles.shape_for(count);
+    for (int64_t j0 = 0; j0 < columns; j0 += gemm::amx::kBlockColumns)
+      gemm::amx::block<Product>(a + r0 * lda, lda, b + j0, ldb, k, count, c + r0 * ldc + j0, ldc, tails);
+  }
+}
+#endif
+
 // tile[r * ldt + j] = a[r] . B[:, j] for rows r < rows and columns j < columns (a multiple of 32), B
 // in bf16 pairs (gemm/micro_kernel.h's layout, ldb words from one pair to the next): in AMX tiles
 // (gemm/amx_kernel.h) where this build has them, the OS granted them and the block has enough rows
@@ -122,13 +139,7 @@ class PairProduct {
 #if KF_HAS_AMX
     if constexpr (kTiles) {
       if (tiles_for(rows)) {
-        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
-          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
-          tiles_.shape_for(count);
-          for (int64_t j0 = 0; j0 < columns; j0 += gemm::amx::kBlockColumns)
-            gemm::amx::block<gemm::amx::Bf16Product>(a + r0 * lda, lda, b + j0, ldb, k, count, tile + r0 * ldt + j0,
-                                                     ldt, tails_);
-        }
+        tile_blocks(tile, ldt, rows, a, lda, b, ldb, k, columns, tiles_, tails_);
         return;
       }
     }
@@ -192,13 +203,7 @@ class Int8Weights {
 #if KF_HAS_AMX
     if constexpr (kNR % gemm::amx::kBlockColumns == 0) {
       if (tiles_permitted_ && rows >= gemm::amx::kMinRows) {
-        for (int64_t r0 = 0; r0 < rows; r0 += gemm::amx::kBlockRows) {
-          const int count = int(std::min<int64_t>(gemm::amx::kBlockRows, rows - r0));
-          tiles_.shape_for(count);
-          for (int j0 = 0; j0 < kNR; j0 += gemm::amx::kBlockColumns)
-            gemm::amx::block<gemm::amx::U8S8Product>(a + r0 * lda, lda, b + j0, ldb, k, count, sums_ + r0 * kNR + j0,
-                                                     kNR, tails_);
-        }
+        tile_blocks(sums_, kNR, rows, a, lda, b, ldb, k, kNR, tiles_, tails_);
         return;
       }
     }
