@@ -186,14 +186,14 @@ def test_transformers_generate_runs_on_the_paged_cache(llama):
     assert torch.equal(theirs, kft.generate(ours, ids, attention_mask=mask, max_new_tokens=8))
 
 
-def padded_batch(lengths, seed: int = 7):
-    """Left-padded prompts of ``lengths``: (input_ids, attention_mask, prompts)."""
+def padded_batch(lengths, seed: int = 7, lowest_id: int = 0):
+    """Left-padded prompts of ``lengths`` (token ids from ``lowest_id`` up): (input_ids, attention_mask)."""
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(0, VOCAB, (length,), generator=generator)
+        ids[row, width - length :] = torch.randint(lowest_id, VOCAB, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
 

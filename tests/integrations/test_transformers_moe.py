@@ -20,6 +20,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
+import test_transformers_integration as llama_tests  # noqa: E402
 from transformers import (  # noqa: E402
     MixtralConfig,
     MixtralForCausalLM,
@@ -118,15 +119,8 @@ def moe(request):
 
 
 def padded_batch(lengths, seed: int = 7):
-    """Left-padded prompts of ``lengths``: (input_ids, attention_mask)."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
+    """Left-padded prompts of ``lengths`` with ids from 3 up (no special tokens): (input_ids, attention_mask)."""
+    return llama_tests.padded_batch(lengths, seed, lowest_id=3)
 
 
 @torch.no_grad()
