@@ -146,6 +146,17 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     stock = build_model(args.checkpoint, args.layers)
+    config = stock.config
+    lines = side_by_side(
+        stock, args, f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}"
+    )
+    return 1 if any("NOT a near-tie" in line for line in lines) else 0
+
+
+def side_by_side(stock, args, description: str) -> list[str]:
+    """Generate with ``stock`` and a kernforge-optimized copy of it on the same random prompts (as
+    ``args`` say: --batch, --prompt-len, --new-tokens, --quant, --threads), print the model's
+    ``description``, TTFT, TPOT and decode tokens/s of both, and the outputs' agreement (its lines)."""
     lengths = [round(128 + i * (2048 - 128) / 7) for i in range(8)] if args.batch else [args.prompt_len]
     ids, mask = random_prompts(lengths, stock.config.vocab_size)
     total = sum(lengths) + len(lengths) * args.new_tokens
@@ -159,8 +170,7 @@ def main() -> int:
     ours_out, ours_times = timed_generate(kernforge_generate(ours), ids, mask, args.new_tokens)
 
     print(
-        f"{stock.config.model_type}, {stock.config.num_hidden_layers} layers, hidden {stock.config.hidden_size}, "
-        f"prompts {lengths}, {args.new_tokens} new tokens, {args.threads} threads"
+        f"{description}, prompts {lengths}, {args.new_tokens} new tokens, {args.threads} threads"
         + (f", kernforge quant={args.quant}" if args.quant else "")
     )
     print(f"{'':18}{'stock (sdpa)':>14}{'kernforge':>14}{'speedup':>10}")
@@ -172,7 +182,7 @@ def main() -> int:
     print(f"{'decode tokens/s':18}{s_rate:14.1f}{k_rate:14.1f}{k_rate / s_rate:9.2f}x")
     lines = agreement(stock_out, ours_out, ids.shape[1])
     print("\n".join(lines))
-    return 1 if any("NOT a near-tie" in line for line in lines) else 0
+    return lines
 
 
 if __name__ == "__main__":

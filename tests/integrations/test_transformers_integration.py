@@ -526,19 +526,27 @@ def test_prewarm_from_the_model_config_leaves_nothing_to_compile(kernforge_cache
     """`python -m kernforge prewarm --model-config config.json` builds every kernel the optimized model
     runs: a fresh process with the JIT off (KERNFORGE_JIT=0: a missing kernel is an error) then
     optimizes the model and generates, prefill and decode, sampling included."""
+    config = {**SHAPE, "model_type": "llama", "hidden_act": "silu"}
+    assert_prewarm_leaves_nothing_to_compile(config, SHAPE, _FRESH_PROCESS, quant, tmp_path, kernforge_cache_dir)
+
+
+def assert_prewarm_leaves_nothing_to_compile(config, model_fields, fresh_process, quant, tmp_path, cache_dir):
+    """Pre-warm `cache_dir` from `config` (config.json's fields) with `quant`, then run the script
+    `fresh_process` (argv: json of `model_fields`, quant) in a fresh process with the JIT off: it must
+    print "generated (2, 12)" and compile nothing."""
     import json
+    import os
     import subprocess
     import sys
 
-    config = {**SHAPE, "model_type": "llama", "hidden_act": "silu"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     command = [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(path)]
     built = subprocess.run(command + (["--quant", quant] if quant else []), capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
-    env = {**__import__("os").environ, "KERNFORGE_JIT": "0", "KERNFORGE_CACHE_DIR": str(kernforge_cache_dir)}
+    env = {**os.environ, "KERNFORGE_JIT": "0", "KERNFORGE_CACHE_DIR": str(cache_dir)}
     run = subprocess.run(
-        [sys.executable, "-c", _FRESH_PROCESS, json.dumps(SHAPE), quant or ""],
+        [sys.executable, "-c", fresh_process, json.dumps(model_fields), quant or ""],
         capture_output=True,
         text=True,
         timeout=600,

@@ -381,26 +381,8 @@ def test_prewarm_from_a_moe_config_leaves_nothing_to_compile(kernforge_cache_dir
     """`python -m kernforge prewarm --model-config config.json` builds every kernel the optimized MoE
     model runs (routing, the experts of its quant, the router's and the shared expert's GEMMs): a
     fresh process with the JIT off then optimizes it and generates."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     _, config_class, shape = MODELS["qwen2_moe"]
     config = config_class(**{**SHAPE, **shape}).to_dict()
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    command = [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(path)]
-    built = subprocess.run(command + (["--quant", quant] if quant else []), capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-3000:]
-    env = {**os.environ, "KERNFORGE_JIT": "0", "KERNFORGE_CACHE_DIR": str(kernforge_cache_dir)}
-    run = subprocess.run(
-        [sys.executable, "-c", _FRESH_PROCESS, json.dumps(config), quant or ""],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
+    llama_tests.assert_prewarm_leaves_nothing_to_compile(
+        config, config, _FRESH_PROCESS, quant, tmp_path, kernforge_cache_dir
     )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "generated (2, 12)" in run.stdout
-    assert "compiling" not in run.stderr
