@@ -167,11 +167,11 @@ _INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 MAX_HEAD_DIM = 512
 
 
-def check_head_dim(name: str, value) -> int:
+def check_head_dim(name: str, value, maximum: int = MAX_HEAD_DIM) -> int:
     """Head dims are compile-time constants of the attention, RoPE and append variants: any int in
-    [1, MAX_HEAD_DIM] (kernels take the last partial vector with masked loads)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HEAD_DIM:
-        raise ValueError(f"{name} must be an int in [1, {MAX_HEAD_DIM}], got {value!r}")
+    [1, maximum] (kernels take the last partial vector with masked loads)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an int in [1, {maximum}], got {value!r}")
     return value
 
 

@@ -650,7 +650,7 @@ def plan_paged(workspace, **overrides):
         ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
         ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),
         ({"head_dim_qk": 0}, "head_dim_qk"),
-        ({"head_dim_qk": 513}, "head_dim_qk"),
+        ({"head_dim_qk": 577}, "head_dim_qk"),
         ({"head_dim_vo": 32}, "head_dim_vo"),
         ({"num_kv_heads": 3}, "divisible"),
         ({"custom_mask": torch.ones(5, dtype=torch.bool)}, "custom_mask"),

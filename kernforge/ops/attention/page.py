@@ -304,6 +304,7 @@ PAGE = Module(
                     "page_size",
                     "num_heads",
                     "head_dim",
+                    "value_dim",  # V rows' length: head_dim, except for MLA's rope part
                     "num_threads",
                 )
             ),
@@ -397,50 +398,89 @@ def append_paged_kv_cache(
     naming the argument and the entry, with the cache untouched.
     """
     cache = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-    variant = _APPEND_VARIANTS.get(cache.dtype) or _first_append_variant(cache.dtype)
-    k_page, k_token, k_head = cache.k_strides
-    v_page, v_token, v_head = cache.v_strides
-    append_key, key_n, key_h, num_tokens = _token_rows(append_key, "append_key", cache)
-    append_value, value_n, value_h, value_tokens = _token_rows(append_value, "append_value", cache)
+    key = _token_rows(append_key, "append_key", cache)
+    value = _token_rows(append_value, "append_value", cache)
+    planes = (cache.k_ptr, *cache.k_strides), (cache.v_ptr, *cache.v_strides)
+    shape = CacheShape(cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, cache.head_dim)
+    append_rows(
+        key,
+        value,
+        ("append_key", "append_value"),
+        batch_indices,
+        positions,
+        cache.dtype,
+        planes,
+        shape,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+    )
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What the append kernel needs to know of a cache besides its planes' addresses."""
+
+    num_pages: int
+    page_size: int
+    num_heads: int
+    key_dim: int  # K rows' length
+    value_dim: int  # V rows' length (MLA: the rope part, shorter than the latent)
+
+
+def append_rows(
+    key,
+    value,
+    names,
+    batch_indices,
+    positions,
+    dtype,
+    planes,
+    shape: CacheShape,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+) -> None:
+    """The append kernel over checked token rows: ``key``/``value`` are (tensor, token stride, head
+    stride, tokens); ``planes`` the K and V planes as (address, page, token, head strides). Every
+    index is checked before anything is written (errors name the arguments)."""
+    variant = _APPEND_VARIANTS.get(dtype) or _first_append_variant(dtype)
+    (key, key_n, key_h, num_tokens), (value, value_n, value_h, value_tokens) = key, value
     if value_tokens != num_tokens:
-        raise ValueError(f"append_value has {value_tokens} tokens but append_key has {num_tokens}; they must match")
+        raise ValueError(f"{names[1]} has {value_tokens} tokens but {names[0]} has {num_tokens}; they must match")
     batch_size = _batch_size(kv_last_page_len)
-    batch_indices = index_vector(batch_indices, "batch_indices", num_tokens, "append_key's tokens")
-    positions = index_vector(positions, "positions", num_tokens, "append_key's tokens")
+    tokens_name = f"{names[0]}'s tokens"
+    batch_indices = index_vector(batch_indices, "batch_indices", num_tokens, tokens_name)
+    positions = index_vector(positions, "positions", num_tokens, tokens_name)
     kv_indptr = index_vector(kv_indptr, "kv_indptr", batch_size + 1, "kv_last_page_len + 1")
     kv_indices = index_vector(kv_indices, "kv_indices", None, None)
     if num_tokens == 0:
         return
     status = variant.kernel().append(
-        append_key.data_ptr(),
+        key.data_ptr(),
         key_n,
         key_h,
-        append_value.data_ptr(),
+        value.data_ptr(),
         value_n,
         value_h,
         batch_indices.data_ptr(),
         positions.data_ptr(),
         num_tokens,
-        cache.k_ptr,
-        k_page,
-        k_token,
-        k_head,
-        cache.v_ptr,
-        v_page,
-        v_token,
-        v_head,
+        *planes[0],
+        *planes[1],
         kv_indices.data_ptr(),
         kv_indices.numel(),
         kv_indptr.data_ptr(),
         batch_size,
-        cache.num_pages,
-        cache.page_size,
-        cache.num_kv_heads,
-        cache.head_dim,
+        shape.num_pages,
+        shape.page_size,
+        shape.num_heads,
+        shape.key_dim,
+        shape.value_dim,
         num_threads(),
     )
     if status:
-        _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, cache)
+        _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, shape)
 
 
 _APPEND_VARIANTS = append_paged_kv_cache.kernels.by_dtype  # {cache dtype: variant}, filled on first use
@@ -489,7 +529,7 @@ def _batch_size(kv_last_page_len) -> int:
     raise ValueError(f"kv_last_page_len must be 1-D [batch_size], got shape {tuple(kv_last_page_len.shape)}")
 
 
-def _raise_append_error(status: int, batch_indices, positions, kv_indices, kv_indptr, cache) -> None:
+def _raise_append_error(status: int, batch_indices, positions, kv_indices, kv_indptr, cache: CacheShape) -> None:
     kind, index = status >> 32, status & 0xFFFFFFFF
     if kind == 1:
         raise ValueError(

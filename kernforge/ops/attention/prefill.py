@@ -92,7 +92,20 @@ PREFILL_PLAN = Struct(
         ("stats", _I64),
     ),
 )
-PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS)
+# MLA's rope parts in tensors of their own: the last pe_dim elements of q rows (q_pe) and of K rows
+# (k_pe, paged like K); pe_dim 0 (a new struct's zero) for every other caller.
+PE_FIELDS = (
+    ("q_pe", _I64),
+    ("q_pe_stride_token", _I64),
+    ("q_pe_stride_head", _I64),
+    ("k_pe", _I64),
+    ("k_pe_stride_page", _I64),
+    ("k_pe_stride_token", _I64),
+    ("pe_dim", _I64),
+)
+PREFILL_IO = Struct("kf_prefill_layer", LAYER_FIELDS + PE_FIELDS)
+# Wider than any per-head dim: MLA's absorbed q and K rows (latent 512 + rope 64).
+MAX_HEAD_DIM_QK = 576
 # (query rows per work item, keys per block): the tuner's candidates, the default first (on this
 # Zen 5, causal 4096 tokens, 32/8 heads, head_dim 128: 128x64 65% of the bf16 peak, 64x64 60%,
 # 64x128 58%, 32x64 55%); rows are queries x GQA group.
@@ -120,7 +133,7 @@ PREFILL = Module(
         "q_dtype": DType(),
         "kv_dtype": DType(KV_DTYPE_NAMES),
         "out_dtype": DType(),
-        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM),
+        "head_dim_qk": Int(minimum=1, maximum=MAX_HEAD_DIM_QK),
         "head_dim_vo": Int(minimum=1, maximum=MAX_HEAD_DIM),
         "tile": IntTuple(2, choices=TILES),
     },
@@ -174,7 +187,7 @@ _MIN_SPLIT_BLOCKS = 2
 
 
 def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
-    check_head_dim("head_dim_qk", head_dim_qk)
+    check_head_dim("head_dim_qk", head_dim_qk, MAX_HEAD_DIM_QK)
     check_head_dim("head_dim_vo", head_dim_vo)
 
 
@@ -249,6 +262,7 @@ class _PrefillWrapper(WorkspaceWrapper):
         tile=None,
         module: Module = PREFILL,
         disable_split_kv: bool = False,
+        renamed: dict | None = None,
     ) -> None:
         self._plan = None
         check_pos_encoding_mode(pos_encoding_mode)
@@ -314,7 +328,7 @@ class _PrefillWrapper(WorkspaceWrapper):
             counts.data_ptr(),
         )
         if error:
-            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES, {"kv_indptr": kv_name})
+            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES, {"kv_indptr": kv_name, **(renamed or {})})
         num_items, num_merges, slots = counts.tolist()
 
         mask = mask_offsets = None

@@ -128,21 +128,23 @@ constexpr int64_t kAppendMinBytesPerThread = int64_t(64) << 10;
 
 // append_paged_kv_cache: writes each token's K and V rows into its slot, after check_append
 // accepted every index (so a refused call writes nothing). Returns 0 or check_append's error.
+// K and V rows may differ in length: append_paged_mla_kv_cache's planes are the latent (key_dim
+// 512) and the rope part (value_dim 64) of one head.
 template <class T>
 int64_t append_paged_kv(PagePlane<T> k_cache, PagePlane<T> v_cache, const AppendBatch<T>& batch, const PageTable& table,
-                        int64_t batch_size, int64_t num_indices, int64_t num_pages, int64_t num_heads, int64_t head_dim,
-                        int64_t num_threads) {
+                        int64_t batch_size, int64_t num_indices, int64_t num_pages, int64_t num_heads, int64_t key_dim,
+                        int64_t value_dim, int64_t num_threads) {
   if (const int64_t error = check_append(batch, table, batch_size, num_indices, num_pages)) return error;
-  const int64_t row_bytes = head_dim * int64_t(sizeof(T));
-  const int64_t token_bytes = 2 * num_heads * row_bytes;
+  const int64_t key_bytes = key_dim * int64_t(sizeof(T)), value_bytes = value_dim * int64_t(sizeof(T));
+  const int64_t token_bytes = num_heads * (key_bytes + value_bytes);
   const int64_t threads =
       useful_threads(num_threads, batch.num_tokens, batch.num_tokens * token_bytes, kAppendMinBytesPerThread);
   parallel_for(batch.num_tokens, threads, [&](int64_t i) {
     const int64_t position = batch.positions[i];
     const int64_t page = table.page(batch.batch_indices[i], position), slot = table.slot(position);
     for (int64_t head = 0; head < num_heads; ++head) {
-      paged_kv_detail::copy_bytes(k_cache.row(page, slot, head), batch.key.row(i, head), row_bytes);
-      paged_kv_detail::copy_bytes(v_cache.row(page, slot, head), batch.value.row(i, head), row_bytes);
+      paged_kv_detail::copy_bytes(k_cache.row(page, slot, head), batch.key.row(i, head), key_bytes);
+      paged_kv_detail::copy_bytes(v_cache.row(page, slot, head), batch.value.row(i, head), value_bytes);
     }
   });
   return 0;

@@ -21,6 +21,12 @@
 // FlashInfer's tensor-core kernels do. fp16/fp32 inputs take the fp32 path so that nothing is rounded below the input
 // precision.
 //
+// MLA (kernforge/ops/mla/attention.py) runs here as one KV head whose K rows are the latent and
+// rope parts [ckv | kpe] (head_dim_qk 576) and whose V rows are the latent (the first 512 of the
+// same rows): every query head is a row of the group, so each latent row is read once for all heads.
+// Where the rope parts live in tensors of their own (io.pe_dim > 0: q_pe, kpe_cache), q rows and K
+// rows are assembled in scratch from both; adjacent views of one [.., 576] cache need no copy.
+//
 // Masks: a key block no query of the tile may see (causal, window) is never visited; a block that
 // every query sees whole takes the unmasked softmax; the others (the diagonal, the window's edge, a
 // custom mask, the request's last partial block) take the masked one. A row that sees no key at all
@@ -213,7 +219,8 @@ class PrefillKernel {
   // Output columns per micro-kernel call: NR where the padded columns allow, else one vector.
   static constexpr int kNRV = kVO % kNR == 0 ? kNR : kWidth;
   // bf16 K rows are read in place as pair words, except an odd head_dim_qk's (its last pair would
-  // read past the row): those, and fp8 rows, are copied (widened) into zero-padded scratch rows.
+  // read past the row): those, and fp8 rows, are copied (widened) into zero-padded scratch rows, as
+  // are rows split across two tensors (io.pe_dim > 0), known at run time.
   static constexpr bool kCopiesKeys = kBf16 && (!std::is_same_v<KVT, bf16> || kHeadQK % 2 != 0);
   static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
 
@@ -257,8 +264,8 @@ class PrefillKernel {
       s.k = reinterpret_cast<Compute*>(take(kDepthQK * kBlockN * sizeof(Compute)));
       s.p = reinterpret_cast<Compute*>(take(rows * kBlockN * sizeof(Compute)));
       s.v = reinterpret_cast<Compute*>(take(kBlockN * kVO * sizeof(Compute)));
-      // K rows copied before the transpose (kCopiesKeys)
-      s.convert = reinterpret_cast<Compute*>(take(kCopiesKeys ? kBlockN * kDepthQK * sizeof(Compute) : 0));
+      // K rows copied before the transpose (kCopiesKeys, or rows split in two tensors)
+      s.convert = reinterpret_cast<Compute*>(take(kBf16 ? kBlockN * kDepthQK * sizeof(Compute) : 0));
       s.s = reinterpret_cast<float*>(take(rows * kBlockN * sizeof(float)));
       s.o = reinterpret_cast<float*>(take(rows * kVO * sizeof(float)));
       s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kVO * sizeof(float) : 0));  // P . V of one block
@@ -274,21 +281,35 @@ class PrefillKernel {
     int64_t request, kv_head, query_begin, queries, rows, qo_begin, qo_len, kv_len;
   };
 
+  // Where key `token` of `request` lies in a plane of these strides, in elements.
+  int64_t token_offset(int64_t request, int64_t token, int64_t page_stride, int64_t token_stride) const {
+    const auto* indptr = reinterpret_cast<const int32_t*>(p_.kv_indptr);
+    if (p_.ragged) return (indptr[request] + token) * token_stride;
+    const auto* indices = reinterpret_cast<const int32_t*>(p_.indices);
+    const int64_t page = indices[indptr[request] + token / p_.page_size];
+    return page * page_stride + token % p_.page_size * token_stride;
+  }
+
   const KVT* key_row(const kf_prefill_layer& io, int64_t request, int64_t token, int64_t head, bool value) const {
     const int64_t base = value ? io.v : io.k;
-    const int64_t page_stride = value ? io.v_stride_page : io.k_stride_page;
-    const int64_t token_stride = value ? io.v_stride_token : io.k_stride_token;
-    const int64_t head_stride = value ? io.v_stride_head : io.k_stride_head;
-    const auto* indptr = reinterpret_cast<const int32_t*>(p_.kv_indptr);
-    int64_t offset;
-    if (p_.ragged) {
-      offset = (indptr[request] + token) * token_stride;
+    const int64_t offset = value ? token_offset(request, token, io.v_stride_page, io.v_stride_token)
+                                 : token_offset(request, token, io.k_stride_page, io.k_stride_token);
+    return reinterpret_cast<const KVT*>(base) + offset + head * (value ? io.v_stride_head : io.k_stride_head);
+  }
+
+  // The last io.pe_dim elements of key `token`'s K row, where they live in a tensor of their own.
+  const KVT* key_pe_row(const kf_prefill_layer& io, int64_t request, int64_t token) const {
+    return reinterpret_cast<const KVT*>(io.k_pe) + token_offset(request, token, io.k_pe_stride_page, io.k_pe_stride_token);
+  }
+
+  // dst[0, n) = src[0, n), converted (exactly, for every widening this kernel does).
+  template <class From, class To>
+  static void copy_converted(const From* src, int64_t n, To* dst) {
+    if constexpr (std::is_same_v<From, To>) {
+      std::memcpy(dst, src, n * sizeof(To));
     } else {
-      const auto* indices = reinterpret_cast<const int32_t*>(p_.indices);
-      const int64_t page = indices[indptr[request] + token / p_.page_size];
-      offset = page * page_stride + token % p_.page_size * token_stride;
+      for (int64_t d = 0; d < n; d += kWidth) VecF::load(src + d, n - d).store(dst + d, n - d);
     }
-    return reinterpret_cast<const KVT*>(base) + offset + head * head_stride;
   }
 
   // The AMX products of an item, where the tier has tiles and the OS granted them: the thread's tile
@@ -390,10 +411,11 @@ class PrefillKernel {
       const int64_t head = t.kv_head * p_.group + r % p_.group;
       const QT* src = q + token * io.q_stride_token + head * io.q_stride_head;
       Compute* dst = s.q + r * kDepthQK;
-      if constexpr (std::is_same_v<Compute, QT>) {
-        std::memcpy(dst, src, kHeadQK * sizeof(QT));
-      } else {
-        for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(src + d, kHeadQK - d).store(dst + d, kHeadQK - d);
+      const int64_t split = kHeadQK - io.pe_dim;  // MLA: q_nope here, q_pe from its own tensor
+      copy_converted(src, split, dst);
+      if (io.pe_dim > 0) {
+        const QT* pe = reinterpret_cast<const QT*>(io.q_pe) + token * io.q_pe_stride_token + head * io.q_pe_stride_head;
+        copy_converted(pe, io.pe_dim, dst + split);
       }
       if constexpr (kDepthQK > kHeadQK) dst[kHeadQK] = Compute{};  // the odd dim's pair: times K's zero
     }
@@ -415,7 +437,12 @@ class PrefillKernel {
           continue;
         }
         const KVT* row = key_row(io, t.request, k0 + j, t.kv_head, false);
-        for (int64_t d = 0; d < kHeadQK; ++d) s.k[d * kBlockN + j] = to_float(row[d]);
+        const int64_t split = kHeadQK - io.pe_dim;
+        for (int64_t d = 0; d < split; ++d) s.k[d * kBlockN + j] = to_float(row[d]);
+        if (io.pe_dim > 0) {
+          const KVT* pe = key_pe_row(io, t.request, k0 + j);
+          for (int64_t d = split; d < kHeadQK; ++d) s.k[d * kBlockN + j] = to_float(pe[d - split]);
+        }
       }
     }
   }
@@ -426,13 +453,14 @@ class PrefillKernel {
                             int64_t j) const {
     const KVT* row = key_row(io, t.request, token, t.kv_head, false);
     if constexpr (!kCopiesKeys) {
-      return reinterpret_cast<const uint32_t*>(row);
-    } else {
-      bf16* widened = reinterpret_cast<bf16*>(s.convert) + j * kDepthQK;
-      for (int64_t d = 0; d < kHeadQK; d += kWidth) VecF::load(row + d, kHeadQK - d).store(widened + d, kHeadQK - d);
-      if constexpr (kDepthQK > kHeadQK) widened[kHeadQK] = bf16{};
-      return reinterpret_cast<const uint32_t*>(widened);
+      if (io.pe_dim == 0) return reinterpret_cast<const uint32_t*>(row);
     }
+    bf16* widened = reinterpret_cast<bf16*>(s.convert) + j * kDepthQK;
+    const int64_t split = kHeadQK - io.pe_dim;
+    copy_converted(row, split, widened);
+    if (io.pe_dim > 0) copy_converted(key_pe_row(io, t.request, token), io.pe_dim, widened + split);
+    if constexpr (kDepthQK > kHeadQK) widened[kHeadQK] = bf16{};
+    return reinterpret_cast<const uint32_t*>(widened);
   }
 
   // words[p * kBlockN + j] = rows[j][p] for p < kDepthQK / 2, j < kBlockN (a null row reads as zeros):
