@@ -2,4 +2,4 @@
 over a paged latent cache (``attention``). Each module registers its ops when imported
 (``kernforge.ops`` imports this package), so a new part is one more name below."""
 
-from kernforge.ops.mla import attention  # noqa: F401  (registers its ops)
+from kernforge.ops.mla import attention, projections  # noqa: F401  (registers their ops)
