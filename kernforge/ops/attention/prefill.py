@@ -299,7 +299,8 @@ class _PrefillWrapper(WorkspaceWrapper):
         total_q = int(qo_indptr[-1])
         threads = num_threads()
         tiles = (total_q // queries_per_tile + batch) * num_kv_heads  # at least the tiles the batch has
-        items = torch.empty((tiles + threads) * PLAN_INTS.kItemInts, dtype=torch.int32)
+        item_capacity = 2 * (tiles + threads)  # plan_prefill's bound on the pieces of split tiles
+        items = torch.empty(item_capacity * PLAN_INTS.kItemInts, dtype=torch.int32)
         merges = torch.empty(max(tiles, 1) * PLAN_INTS.kMergeInts, dtype=torch.int32)
         kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
         counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
@@ -322,7 +323,7 @@ class _PrefillWrapper(WorkspaceWrapper):
             _MIN_SPLIT_BLOCKS,
             kv_lens.data_ptr(),
             items.data_ptr(),
-            tiles + threads,
+            item_capacity,
             merges.data_ptr(),
             max(tiles, 1),
             counts.data_ptr(),

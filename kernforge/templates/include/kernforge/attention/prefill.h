@@ -139,9 +139,11 @@ inline int64_t request_kv_len(const PrefillPlanInput& in, int64_t b) {
 }  // namespace prefill_detail
 
 // Validates the batch, writes kv_len per request, the work items (largest first) and the merges of
-// split tiles. A batch of fewer tiles than threads has each tile's keys cut into up to
-// ceil(threads / tiles) pieces of at least min_split_blocks blocks. Returns 0 or prefill_error().
-// Capacities: items >= tiles * ceil(threads / tiles) (at most tiles + threads), merges >= tiles.
+// split tiles. A tile's keys are cut into pieces of at least min_split_blocks blocks: into
+// ceil(threads / tiles) when the batch has fewer tiles than threads, and into ceil(cost / share)
+// when the tile alone costs more than a thread's share of the batch (one long request among short
+// ones, as decode's planner balances them). Returns 0 or prefill_error().
+// Capacities: items >= 2 * (tiles + threads), merges >= tiles.
 inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, PrefillItem* items, int64_t item_capacity,
                             PrefillMerge* merges, int64_t merge_capacity, PrefillPlanCounts* counts) {
   if (in.qo_indptr[0] != 0) return prefill_error(kPrefillBadQoIndptr, 0);
@@ -155,6 +157,21 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
     tiles += (qo_len + in.queries_per_tile - 1) / in.queries_per_tile * in.num_kv_heads;
   }
   const int64_t wanted_parts = tiles == 0 ? 1 : std::max<int64_t>(1, (in.num_threads + tiles - 1) / tiles);
+  // A tile's cost: query rows x keys it covers (plus a fixed overhead), as the items are ordered below.
+  const auto tile_cost = [&](int64_t qo_len, int64_t q0, int64_t begin, int64_t end) {
+    return std::min(qo_len - q0, in.queries_per_tile) * (end - begin + 16);
+  };
+  int64_t total_cost = 0;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
+    for (int64_t q0 = 0; q0 < qo_len; q0 += in.queries_per_tile) {
+      int64_t begin, end;
+      prefill_detail::tile_keys(in, qo_len, kv_lens[b], q0, begin, end);
+      total_cost += tile_cost(qo_len, q0, begin, end) * in.num_kv_heads;
+    }
+  }
+  const int64_t threads = std::max<int64_t>(in.num_threads, 1);
+  const int64_t share = std::max<int64_t>(1, (total_cost + threads - 1) / threads);
   PrefillPlanCounts c{0, 0, 0};
   for (int64_t b = 0; b < in.batch; ++b) {
     const int64_t qo_len = int64_t(in.qo_indptr[b + 1]) - in.qo_indptr[b];
@@ -162,8 +179,9 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
       int64_t begin, end;
       prefill_detail::tile_keys(in, qo_len, kv_lens[b], q0, begin, end);
       const int64_t blocks = (end - begin + in.block_n - 1) / in.block_n;
-      const int64_t parts =
-          std::max<int64_t>(1, std::min(wanted_parts, blocks / std::max<int64_t>(in.min_split_blocks, 1)));
+      const int64_t over_share = (tile_cost(qo_len, q0, begin, end) + share - 1) / share;
+      const int64_t parts = std::max<int64_t>(
+          1, std::min(std::max(wanted_parts, over_share), blocks / std::max<int64_t>(in.min_split_blocks, 1)));
       for (int64_t h = 0; h < in.num_kv_heads; ++h) {
         if (c.items + parts > item_capacity || (parts > 1 && c.merges == merge_capacity))
           return prefill_error(kPrefillTooManyItems, b);
@@ -177,10 +195,10 @@ inline int64_t plan_prefill(const PrefillPlanInput& in, int32_t* kv_lens, Prefil
       }
     }
   }
-  // Cost: query rows x keys covered. Largest first, so dynamic scheduling ends with small items.
+  // Largest first, so dynamic scheduling ends with small items.
   const auto cost = [&](const PrefillItem& it) {
     const int64_t qo_len = int64_t(in.qo_indptr[it.request + 1]) - in.qo_indptr[it.request];
-    return (std::min(qo_len - it.query_begin, in.queries_per_tile)) * (int64_t(it.kv_end) - it.kv_begin + 16);
+    return tile_cost(qo_len, it.query_begin, it.kv_begin, it.kv_end);
   };
   std::stable_sort(items, items + c.items,
                    [&](const PrefillItem& a, const PrefillItem& b) { return cost(a) > cost(b); });
@@ -299,7 +317,8 @@ class PrefillKernel {
 
   // The last io.pe_dim elements of key `token`'s K row, where they live in a tensor of their own.
   const KVT* key_pe_row(const kf_prefill_layer& io, int64_t request, int64_t token) const {
-    return reinterpret_cast<const KVT*>(io.k_pe) + token_offset(request, token, io.k_pe_stride_page, io.k_pe_stride_token);
+    return reinterpret_cast<const KVT*>(io.k_pe) +
+           token_offset(request, token, io.k_pe_stride_page, io.k_pe_stride_token);
   }
 
   // dst[0, n) = src[0, n), converted (exactly, for every widening this kernel does).
