@@ -737,13 +737,15 @@ def _amx_counters(kernel) -> dict:
         (FP8, 8, (32, 32), (64, 64)),
         (torch.bfloat16, 6, (128, 64), (64, 64)),
         (torch.bfloat16, 6, (64, 64), (33, 17)),
+        (FP8, 32, (128, 64), (576, 512)),  # MLA's absorbed rows: latent + rope, values the latent
     ],
 )
 def test_amx_path_emulated(test_templates, workspace, kv_dtype, num_qo_heads, tile, head_dims):
     """The AMX products of the prefill kernel, with the tile instructions emulated (the same
     template the amx tier compiles, built on avx512): rows per item that are not whole 32-row
     blocks (GQA 3 x 21 queries), a partial last key block, causal and windowed masks, queries that
-    see no key (qo_len > kv_len), head dims padded to whole pairs and 32-column blocks (33/17)."""
+    see no key (qo_len > kv_len), head dims padded to whole pairs and 32-column blocks (33/17), and
+    MLA's 576 / 512."""
     if not kernforge.jit.isa.runnable("avx512"):
         pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
     qo, kv = [45, 1, 70, 40], [100, 33, 70, 7]

@@ -377,6 +377,27 @@ def _ragged_case(g, workspace):
     )
 
 
+def _mla_case(g, workspace, return_lse=False):
+    from kernforge.ops.mla import attention as mla
+
+    wrapper = tl.BatchMLAPagedAttentionWrapper(workspace)
+    indptr, indices, _ = _paged_batch(g, KV_LENS)
+    wrapper.plan(
+        torch.tensor([0, 3, 8], dtype=torch.int32), indptr, indices, torch.tensor(KV_LENS, dtype=torch.int32),
+        QO_HEADS, 512, 64, PAGE_SIZE, True, 0.07, BF16, BF16,
+    )  # fmt: skip
+    latent = bf16((8, PAGE_SIZE, 576), g)
+    q = bf16((8, QO_HEADS, 576), g)
+    tensors = [q[..., :512], q[..., 512:], latent[..., :512], latent[..., 512:]]
+    return Case(
+        (tensors, wrapper._torch_library_handle, BF16, 512, None, 1.5, 0.75),
+        lambda tensors, *planned: mla.BatchMLAPagedAttentionWrapper.run(
+            wrapper, *tensors, k_scale=1.5, v_scale=0.75, return_lse=return_lse
+        ),
+        keep=wrapper,
+    )
+
+
 CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     **{
         name: (lambda op: lambda g, ws: _norm_case(op, g))(getattr(kernforge, name))
@@ -433,6 +454,8 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "attention_run[decode]": lambda g, ws: _decode_case(g, ws, kernforge.BatchDecodeWithPagedKVCacheWrapper),
     "attention_run[prefill]": lambda g, ws: _prefill_case(g, ws),
     "attention_run[ragged]": lambda g, ws: _ragged_case(g, ws),
+    "attention_run[mla]": lambda g, ws: _mla_case(g, ws),
+    "attention_run_return_lse[mla]": lambda g, ws: _mla_case(g, ws, return_lse=True),
     "attention_run_return_lse[decode]": lambda g, ws: _decode_case(
         g, ws, tl.BatchDecodeWithPagedKVCacheWrapper, return_lse=True
     ),

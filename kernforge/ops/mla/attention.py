@@ -18,8 +18,8 @@ and its first ``kv_len_arr[b]`` tokens; ``causal`` aligns the request's queries 
 is in q's dtype and LSE is base 2; a query that sees no key (an empty request) gets zeros and
 ``-inf``. ``ckv_cache`` and ``kpe_cache`` given as adjacent views of one ``[..., 576]`` buffer (as
 SGLang and vLLM hold the latent cache) are read in place; separate tensors are assembled row by
-row. fp8 (e4m3/e5m2) caches are widened to bf16 exactly in the kernel; ``k_scale`` / ``v_scale``
-(kernforge's addition, as decode's run takes them) scale the logits and the output.
+row. fp8 (e4m3/e5m2) caches are widened to bf16 exactly in the kernel; ``q_scale`` / ``k_scale`` /
+``v_scale`` (kernforge's addition, as decode's run takes them) scale the logits and the output.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import functools
 
 import torch
 
-from kernforge.ops._common import index_vector
-from kernforge.ops._registry import export
+from kernforge.ops._common import TORCH_DTYPES, dtype_name, index_vector, kv_cache_dtype
+from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export, model_kernels
 from kernforge.ops.attention._wrapper import (
     PlanStateError,
     attention_outputs,
@@ -38,7 +38,7 @@ from kernforge.ops.attention._wrapper import (
     logit_scale,
 )
 from kernforge.ops.attention.page import KV_DTYPES, CacheShape, append_rows
-from kernforge.ops.attention.prefill import _PrefillWrapper
+from kernforge.ops.attention.prefill import _PrefillWrapper, prefill_variant_params
 
 # FlashInfer's MLA plan arguments as the prefill planner's messages name them.
 _ARGUMENT_NAMES = {"paged_kv_indptr": "kv_indptr", "paged_kv_indices": "kv_indices"}
@@ -177,6 +177,7 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
         page_table=None,
         return_lse_base_on_e: bool = False,
         *,
+        q_scale=None,
         k_scale=None,
         v_scale=None,
     ):
@@ -216,12 +217,19 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
             io.q_pe, (io.q_pe_stride_token, io.q_pe_stride_head, _) = q_pe.data_ptr(), q_pe.stride()
             io.k_pe, (io.k_pe_stride_page, io.k_pe_stride_token) = cache.kpe, cache.kpe_strides
             io.pe_dim = head_dim_kpe
-        qk_scale = logit_scale(plan.sm_scale, 0.0, None, k_scale)
+        qk_scale = logit_scale(plan.sm_scale, 0.0, q_scale, k_scale)
         fill_layer(io, q, cache.ckv, ckv_strides, cache.ckv, ckv_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, io)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    # The traceable-run protocol (kernforge.torch_library): run()'s four tensors as they are.
+    def traced_tensors(self, q_nope, q_pe, ckv_cache, kpe_cache) -> list[torch.Tensor]:
+        return [q_nope, q_pe, ckv_cache, kpe_cache]
+
+    def run_arguments(self, tensors: list) -> tuple:
+        return tuple(tensors)
 
     def _joined_queries(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """``[q_nope | q_pe]`` as rows of one tensor: a view where q_pe follows q_nope in memory
@@ -345,3 +353,24 @@ def _latent_rows(t, name: str, dim: int, dtype: torch.dtype):
 
 export("BatchMLAPagedAttentionWrapper", BatchMLAPagedAttentionWrapper)
 export("append_paged_mla_kv_cache", append_paged_mla_kv_cache)
+
+
+@model_kernels
+def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    """What a multi-head latent attention model (DeepSeek-V2/V3, ``spec.is_mla``) runs of attention,
+    for a latent cache in its dtype and in each of ``kv_cache_dtypes``: the absorbed attention
+    (``BatchMLAPagedAttentionWrapper``: the prefill kernel with head dims kv_lora_rank + rope /
+    kv_lora_rank, every head on one KV head) and the latent append into the cache; and the
+    unabsorbed prompt path's ragged prefill (head dims qk_nope + rope / v, one head per KV head, K and V
+    in the model's dtype)."""
+    if not spec.is_mla:
+        return []
+    q = TORCH_DTYPES[dtype_name(spec.dtype)]
+    latent, rank, heads = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.kv_lora_rank, spec.num_attention_heads
+    ragged = prefill_variant_params(q, q, q, spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim, 1)
+    prefill, append = [ragged], []
+    for kv in dict.fromkeys(kv_cache_dtype(d) for d in [spec.dtype, *kv_cache_dtypes]):
+        prefill.append(prefill_variant_params(q, kv, q, latent, rank, heads))
+        append.append({"module": "page", "params": {"dtype": {**DTYPE_NAMES, **FP8_DTYPE_NAMES}[kv]}})
+    # JSON's spelling of the tile
+    return [{"module": "prefill", "params": {**params, "tile": list(params["tile"])}} for params in prefill] + append

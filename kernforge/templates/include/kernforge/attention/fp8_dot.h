@@ -104,6 +104,17 @@ struct Converter {
   }
 };
 
+// 64 fp8 at src -> 64 bf16 at dst in element order (the split halves' 128-bit blocks interleaved).
+template <class FP8>
+inline void convert_chunk(const Converter<FP8>& table, const FP8* src, bf16* dst) {
+  const __m512i low_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  // qwords of first | second
+  const __m512i high_half = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  __m512i first, second;
+  table.convert(src, first, second);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(first, low_half, second));
+  _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi64(first, high_half, second));
+}
+
 // A bf16 row of head_dim elements (a multiple of kChunk) rearranged in place into split order,
 // 64-element chunk by chunk: [elements 16k..16k+7 of each block k][16k+8..16k+15].
 template <int kHeadDim>

@@ -42,6 +42,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "kernforge/attention/fp8_dot.h"
 #include "kernforge/attention/softmax_state.h"
 #include "kernforge/core/isa_features.h"
 #include "kernforge/core/parallel.h"
@@ -321,14 +322,22 @@ class PrefillKernel {
            token_offset(request, token, io.k_pe_stride_page, io.k_pe_stride_token);
   }
 
-  // dst[0, n) = src[0, n), converted (exactly, for every widening this kernel does).
+  // dst[0, n) = src[0, n), converted (exactly, for every widening this kernel does): fp8 to bf16
+  // by table lookup 64 at a time where the CPU has it (fp8_dot.h), else through fp32 lanes.
   template <class From, class To>
   static void copy_converted(const From* src, int64_t n, To* dst) {
     if constexpr (std::is_same_v<From, To>) {
       std::memcpy(dst, src, n * sizeof(To));
-    } else {
-      for (int64_t d = 0; d < n; d += kWidth) VecF::load(src + d, n - d).store(dst + d, n - d);
+      return;
     }
+    int64_t d = 0;
+#if KF_HAS_FP8_DOT
+    if constexpr (std::is_same_v<To, bf16> && (std::is_same_v<From, fp8_e4m3> || std::is_same_v<From, fp8_e5m2>)) {
+      const fp8_dot::Converter<From> table;
+      for (; d + fp8_dot::kChunk <= n; d += fp8_dot::kChunk) fp8_dot::convert_chunk(table, src + d, dst + d);
+    }
+#endif
+    for (; d < n; d += kWidth) VecF::load(src + d, n - d).store(dst + d, n - d);
   }
 
   // The AMX products of an item, where the tier has tiles and the OS granted them: the thread's tile
@@ -530,14 +539,35 @@ class PrefillKernel {
   // V block -> B of O += P . V: bf16 path, word (key pair p, column d) = (V[2p][d], V[2p + 1][d]) at
   // v[p * kVO + d]; fp32 path, v[j * kVO + d] = V[j][d]. Keys past `count` and columns past
   // head_dim_vo are zero.
+  // MLA's values are the leading head_dim_vo elements of its key rows (io.v is io.k): where load_keys
+  // converted the block's key rows to bf16, the values are read from there rather than converted
+  // again.
+  bool values_in_converted_keys(const kf_prefill_layer& io) const {
+    if constexpr (!kBf16 || kHeadVO > kHeadQK) {
+      return false;
+    } else {
+      const bool copied = kCopiesKeys || io.pe_dim > 0;
+      return copied && io.v == io.k && io.v_stride_page == io.k_stride_page && io.v_stride_token == io.k_stride_token &&
+             io.v_stride_head == io.k_stride_head;
+    }
+  }
+
   void load_values(const kf_prefill_layer& io, const TileView& t, int64_t k0, int64_t count, const Scratch& s) const {
     if constexpr (kBf16) {
       auto* words = reinterpret_cast<uint32_t*>(s.v);
+      if (values_in_converted_keys(io)) {
+        const bf16* rows = reinterpret_cast<const bf16*>(s.convert);
+        for (int64_t j = 0; j < kBlockN; j += 2) {
+          const bf16* even = j < count ? rows + j * kDepthQK : nullptr;
+          const bf16* odd = j + 1 < count ? rows + (j + 1) * kDepthQK : nullptr;
+          interleave_row(even, odd, words + j / 2 * kVO);
+        }
+        return;
+      }
       for (int64_t j = 0; j < kBlockN; j += 2) {
-        uint32_t* dst = words + j / 2 * kVO;
         const KVT* even = j < count ? key_row(io, t.request, k0 + j, t.kv_head, true) : nullptr;
         const KVT* odd = j + 1 < count ? key_row(io, t.request, k0 + j + 1, t.kv_head, true) : nullptr;
-        for (int64_t d = 0; d < kVO; d += kWidth) interleave_pairs(even, odd, d, dst + d);
+        interleave_row(even, odd, words + j / 2 * kVO);
       }
     } else {
       for (int64_t j = 0; j < kBlockN; ++j) {
@@ -553,7 +583,8 @@ class PrefillKernel {
   }
 
   // Columns [d, d + kWidth) of a V row: those at or past head_dim_vo are zero and not read.
-  static VecF value_lanes(const KVT* row, int64_t d) {
+  template <class T>
+  static VecF value_lanes(const T* row, int64_t d) {
     if constexpr (kHeadVO % kWidth == 0) {
       return VecF::load(row + d);
     } else {
@@ -571,9 +602,32 @@ class PrefillKernel {
     }
   }
 
+  // dst[d] = (even[d], odd[d]) as bf16 pair words for the kVO columns of a value row pair; a null
+  // row is zeros. bf16 rows of whole 32-element chunks pair in registers (two word permutes per
+  // 32 columns); others widen through fp32 lanes.
+  template <class T>
+  static void interleave_row(const T* even, const T* odd, uint32_t* dst) {
+    int64_t d = 0;
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+    if constexpr (std::is_same_v<T, bf16> && kHeadVO % 32 == 0) {
+      const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+      for (; d < kHeadVO; d += 32) {
+        const __m512i a = even ? _mm512_loadu_si512(even + d) : _mm512_setzero_si512();
+        const __m512i b = odd ? _mm512_loadu_si512(odd + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+#endif
+    for (; d < kVO; d += kWidth) interleave_pairs(even, odd, d, dst + d);
+  }
+
   // dst[i] = (even[d + i], odd[d + i]) as bf16 pair words, kWidth of them; a null row is zeros.
   // Every bf16 and fp8 value widens to an fp32 whose top half is its bf16.
-  static void interleave_pairs(const KVT* even, const KVT* odd, int64_t d, uint32_t* dst) {
+  template <class T>
+  static void interleave_pairs(const T* even, const T* odd, int64_t d, uint32_t* dst) {
     const VecF low = even ? value_lanes(even, d) : VecF::zero(), high = odd ? value_lanes(odd, d) : VecF::zero();
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
     const __m512i words = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(low.v), 16),
