@@ -1,10 +1,14 @@
-"""End to end: a Hugging Face Llama (or Qwen3-MoE) generating through kernforge vs stock transformers.
+"""End to end: a Hugging Face Llama (or Qwen3-MoE, or DeepSeek-V2) generating through kernforge vs stock transformers.
 
 Models (--model): llama (issue 11), Llama-3.2-1B's shape (hidden 2048, 16 layers, 32/8 heads, head
 dim 64, intermediate 8192, vocab 128256, tied embeddings), random weights
 (examples/llama_generate.build_model); qwen3-moe (issue 19), Qwen3-30B-A3B's shape (hidden 2048,
 32/4 heads of 128, 128 experts of intermediate 768, k 8, vocab 151936) with --layers of its 48 (4
-by default), random weights (examples/moe_generate.build_model). bf16, 2 threads, greedy. Columns,
+by default), random weights (examples/moe_generate.build_model); deepseek-v2-lite, DeepSeek-V2-Lite's
+shape (hidden 2048, 16 heads, multi-head latent attention: kv_lora_rank 512, qk_rope 64, qk_nope 128,
+v 128, no q_lora_rank; 64 routed experts of 1408, top 6 by softmax, 2 shared; the first layer dense
+with intermediate 10944; vocab 102400) with --layers of its 27 (4 by default), random weights
+(kernforge.integrations.random_llama's "deepseek-v2-lite"). bf16, 2 threads, greedy. Columns,
 measured in one run:
 
     stock    transformers' model.generate with sdpa attention (its DynamicCache, torch's GEMMs)
@@ -38,20 +42,29 @@ Physical bounds, measured at the start of the run at --threads
     For a MoE model the linear weights are those a token runs: attention, the router, and k experts
     per layer (FLOPs); a decode step reads the experts its batch routes to, the expected number of
     distinct experts of `batch` uniform draws of k (E (1 - (1 - k/E)^batch) per layer).
+    DeepSeek (MLA, from kernforge's ModelSpec): attention is q (or q_a and q_b), kv_a, kv_b (as the
+    absorbed W_UK and W_UV per head on decode: the same weights) and o; the dense first layers' MLP;
+    a MoE layer's router, its shared experts and k routed ones (distinct ones per step as above). The
+    KV cache is one latent row per token and layer (kv_lora_rank + qk_rope_head_dim); prompt attention
+    (unabsorbed) is heads x (qk_nope + qk_rope + v) x tokens^2 per layer. int8 leaves the absorbed
+    W_UK / W_UV in bf16 (as the integration does).
 
 Targets (issue 11, llama): TTFT >= 1.8x stock and <= 1.5x the FLOP bound; TPOT b1 >= 2x stock and
 <= 1.3x the bandwidth bound; TPOT b8 <= 1.5x TPOT b1; int8 TPOT <= 0.6x bf16 TPOT.
 Targets (issue 19, qwen3-moe): TPOT b1 <= 1.3x the bandwidth bound and >= 5x stock; TTFT >= 3x stock.
+deepseek-v2-lite has no targets of its own yet: the MoE ones are checked (provisional).
 
     .venv/bin/python benchmarks/bench_e2e.py                     # the full run (minutes; needs a quiet machine)
     .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: 2 layers, short prompts
     .venv/bin/python benchmarks/bench_e2e.py --layers 4 --new 32 --impls stock kf
     .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe  # 4 layers of Qwen3-30B-A3B
+    .venv/bin/python benchmarks/bench_e2e.py --model deepseek-v2-lite  # 4 layers of DeepSeek-V2-Lite
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import sys
 
@@ -62,6 +75,8 @@ import moe_generate  # noqa: E402
 from llama_generate import build_model, kernforge_generate, random_prompts, stock_generate, timed_generate  # noqa: E402
 
 from kernforge.integrations import transformers as kft  # noqa: E402
+from kernforge.integrations.random_llama import random_llama  # noqa: E402
+from kernforge.model_spec import ModelSpec  # noqa: E402
 
 IMPLS = ("stock", "kf", "int8")
 BATCH = 8
@@ -108,7 +123,7 @@ class _NullStreamer:
 
 def experts_of(config) -> tuple[int, int, int]:
     """(experts, experts per token, expert intermediate size); (0, 0, 0) for a dense model."""
-    experts = getattr(config, "num_experts", 0) or 0
+    experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0
     return (experts, config.num_experts_per_tok, config.moe_intermediate_size) if experts else (0, 0, 0)
 
 
@@ -116,6 +131,8 @@ def linear_weights(config, batch: int = 1) -> tuple[int, int, int]:
     """(decoder linear weights a token runs, those a decode step of `batch` sequences reads, lm_head
     weights) as parameter counts: all of a dense model's; a MoE layer's router and k experts per
     token, and per step the expected distinct experts of `batch` tokens routed uniformly."""
+    if is_mla(config):
+        return mla_weights(config, batch)[:3]
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
@@ -131,15 +148,56 @@ def linear_weights(config, batch: int = 1) -> tuple[int, int, int]:
     return per_token * layers, round(per_step * layers), hidden * config.vocab_size
 
 
+def is_mla(config) -> bool:
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
+def mla_weights(config, batch: int = 1) -> tuple[int, int, int, int, int]:
+    """linear_weights' three counts for a DeepSeek (MLA) model, from kernforge's ModelSpec (the shapes
+    pre-warm builds and optimize() packs), then (the absorbed W_UK/W_UV weights, which stay bf16 with
+    int8; the output channels of the other decoder linears a decode step reads, for int8's scales)."""
+    spec = ModelSpec.from_config(config.to_dict())
+    shapes = spec.linear_shapes()
+
+    def size(*names: str) -> int:
+        return sum(math.prod(shapes[name]) for name in names if name in shapes)
+
+    layers = config.num_hidden_layers
+    dense_layers = min(spec.first_k_dense_replace, layers) if spec.num_experts else layers
+    moe_layers = layers - dense_layers
+    # kv_b_proj's weights once: the prompt path's kv_b_proj, or decode's W_UK and W_UV over all heads
+    attention = size("qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj")
+    expert = 3 * spec.hidden_size * spec.moe_intermediate_size
+    experts, k = spec.num_experts, spec.num_experts_per_tok
+    distinct = experts * (1 - (1 - k / experts) ** batch) if experts else 0
+    always = layers * attention + dense_layers * size("gate_up_proj", "down_proj")
+    always += moe_layers * (size("router") + spec.n_shared_experts * expert)
+    rows = layers * sum(shapes[name][0] for name in ("qkv_a_proj", "q_b_proj", "o_proj") if name in shapes)
+    rows += dense_layers * (shapes["gate_up_proj"][0] + shapes["down_proj"][0] if "gate_up_proj" in shapes else 0)
+    return (
+        always + moe_layers * k * expert,
+        round(always + moe_layers * distinct * expert),
+        size("lm_head"),
+        layers * size("kv_b_proj"),
+        rows,
+    )
+
+
 def bounds(config, args, peak_gflops: float, stream_gbs: float) -> dict:
     decoder, step_b1, lm_head = linear_weights(config)
     step_b8 = linear_weights(config, BATCH)[1]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers, tokens = config.num_hidden_layers, args.prompt
-    flops = 2 * decoder * tokens + 2 * layers * heads * head_dim * tokens**2 + 2 * lm_head
+    mla = is_mla(config)
+    if mla:  # the prompt's unabsorbed attention (qk_nope + qk_rope, then v), one latent row per token
+        attention_dims = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+        kv_per_token = layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2  # bf16
+    else:
+        attention_dims = 2 * head_dim
+        kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    flops = 2 * decoder * tokens + layers * heads * attention_dims * tokens**2 + 2 * lm_head
     peak, dram = peak_gflops * 1e9, stream_gbs * 1e9
-    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
 
     def step_bytes(weight_bytes: float, batch: int, context: int) -> float:
         mean_context = context + args.new / 2
@@ -147,17 +205,20 @@ def bounds(config, args, peak_gflops: float, stream_gbs: float) -> dict:
 
     # int8: 1 byte a weight, plus 8 bytes of fp32 scale and compensation per output channel (rows);
     # a MoE's experts are counted as whole weights here (their channels' 8 bytes are under 1 %).
-    rows = config.num_hidden_layers * (
-        heads * head_dim
-        + 2 * kv_heads * head_dim
-        + config.hidden_size
-        + 2 * config.intermediate_size
-        + config.hidden_size
-    )
+    # MLA: the absorbed W_UK / W_UV stay bf16 (one more byte each).
+    bf16_kept, rows = mla_weights(config)[3:] if mla else (0, None)
+    if rows is None:
+        rows = config.num_hidden_layers * (
+            heads * head_dim
+            + 2 * kv_heads * head_dim
+            + config.hidden_size
+            + 2 * config.intermediate_size
+            + config.hidden_size
+        )
     lm_head_int8 = lm_head + 8 * config.vocab_size if args.int8_lm_head else 2 * lm_head
 
     def weight_bytes(step: int) -> dict:
-        return {"bf16": 2 * (step + lm_head), "int8": step + 8 * rows + lm_head_int8}
+        return {"bf16": 2 * (step + lm_head), "int8": step + bf16_kept + 8 * rows + lm_head_int8}
 
     b1, b8 = weight_bytes(step_b1), weight_bytes(step_b8)
     return {
@@ -193,7 +254,7 @@ def targets(results: dict, limit: dict) -> list[str]:
         lines.append(f"- {label}: {value:.2f} ({op} {goal}): {'pass' if ok else 'MISS'}")
 
     stock, kf, q8 = results.get("stock"), results.get("kf"), results.get("int8")
-    moe = limit["model"] == "qwen3-moe"
+    moe = limit["model"] != "llama"  # deepseek-v2-lite: the MoE targets, provisionally
     if kf and stock:
         check("TTFT speedup vs stock", stock["ttft"] / kf["ttft"], ">=", 3.0 if moe else 1.8)
         check("TPOT b1 speedup vs stock", stock["tpot_b1"] / kf["tpot_b1"], ">=", 5.0 if moe else 2.0)
@@ -212,7 +273,9 @@ def targets(results: dict, limit: dict) -> list[str]:
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="?", help="a local checkpoint directory (default: random weights)")
-    p.add_argument("--model", choices=("llama", "qwen3-moe"), default="llama", help="the random model's shape")
+    p.add_argument(
+        "--model", choices=("llama", "qwen3-moe", "deepseek-v2-lite"), default="llama", help="the random model's shape"
+    )
     p.add_argument("--layers", type=int, help="decoder layers (default: the model's; --quick: 2)")
     p.add_argument("--prompt", type=int, help="prompt tokens for TTFT and TPOT b1 (default 1024; --quick 128)")
     p.add_argument("--batch-prompt", type=int, help=f"tokens of each of the {BATCH} prompts (default 128; --quick 32)")
@@ -227,7 +290,7 @@ def main() -> int:
     )
     args = p.parse_args()
     quick = args.quick
-    args.layers = args.layers or (2 if quick else 4 if args.model == "qwen3-moe" else None)
+    args.layers = args.layers or (2 if quick else 4 if args.model != "llama" else None)
     args.prompt = args.prompt or (128 if quick else 1024)
     args.batch_prompt = args.batch_prompt or (32 if quick else 128)
     args.new = args.new or (16 if quick else 128)
@@ -237,8 +300,10 @@ def main() -> int:
     H.setup_threads(args.threads)
     roof, roof_path = H.load_roof()
     H.wait_for_quiet(args.wait_quiet)
-    if args.model == "qwen3-moe":
-        stock = moe_generate.build_model(args.checkpoint, args.layers, None)
+    if args.model == "qwen3-moe" or (args.model == "deepseek-v2-lite" and args.checkpoint):
+        stock = moe_generate.build_model(args.checkpoint, args.layers, None)  # a checkpoint: any causal LM
+    elif args.model == "deepseek-v2-lite":
+        stock = random_llama("deepseek-v2-lite", 0, args.layers, attn_implementation="sdpa")
     else:
         stock = build_model(args.checkpoint, args.layers)
     stock.generation_config.eos_token_id = None  # random weights: every requested token is generated

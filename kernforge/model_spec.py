@@ -1,8 +1,8 @@
 """What kernforge knows about a model, read once from its Hugging Face config: the attention shape,
 the activation's gated op, and the linear layers as kernforge packs them. Pre-warm
 (``prewarm --model-config``) derives the kernels to build from it, and the transformers integration
-packs and runs the model by it, so the two cannot disagree. (MoE and MLA models add their fields
-here.)"""
+packs and runs the model by it, so the two cannot disagree. MoE models add their experts' fields,
+DeepSeek-V2/V3 their multi-head latent attention's (``kv_lora_rank`` ...) and routing's."""
 
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # DeepSeek's always-on shared experts (run as one MLP of n_shared_experts * moe_intermediate_size),
+    # its leading dense layers, and its routing rule: topk_method "greedy" (softmax top-k),
+    # "group_limited_greedy" (softmax, the best topk_group of n_group groups) or "noaux_tc" (V3's
+    # sigmoid scores with a correction bias, in groups); scoring_func the scores it chooses by.
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    topk_method: str | None = None
+    scoring_func: str | None = None
+    n_group: int = 0
+    topk_group: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: none): the latent KV's rank, the
+    # query's LoRA rank (None: one q_proj, as DeepSeek-V2-Lite), and the per-head q/k dims without and
+    # with RoPE, and v's.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> ModelSpec:
@@ -53,7 +71,9 @@ class ModelSpec:
         config = {**config.get("text_config", {}), **config}
         sizes = {name: _positive_int(config, name) for name in ("hidden_size", "intermediate_size")}
         heads = _positive_int(config, "num_attention_heads")
-        kv_heads = config.get("num_key_value_heads") or heads
+        mla = _mla_fields(config)
+        # MLA: every query head attends to the one latent (its config's num_key_value_heads says nothing)
+        kv_heads = 1 if mla else config.get("num_key_value_heads") or heads
         if not isinstance(kv_heads, int) or heads % kv_heads:
             raise ValueError(f"config.json num_key_value_heads {kv_heads!r} must divide num_attention_heads {heads}")
         head_dim = config.get("head_dim")
@@ -67,6 +87,8 @@ class ModelSpec:
             )
         vocab = config.get("vocab_size")
         experts = _moe_fields(config, sizes["intermediate_size"])
+        if mla:
+            head_dim = mla["qk_rope_head_dim"]  # transformers' DeepSeek configs say so (no attention runs on it)
         return cls(
             config.get("model_type"),
             str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
@@ -78,12 +100,30 @@ class ModelSpec:
             activation,
             vocab if isinstance(vocab, int) and vocab > 0 else None,
             **experts,
+            **mla,
         )
 
     @property
     def group(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): a latent cache, no per-head K/V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def router_dtype(self) -> str:
+        """The dtype the router's GEMM and the routing kernel run in: DeepSeek's routers compute
+        their logits in fp32 (the integration's DeepseekMoE), the others in the model's dtype."""
+        return "float32" if self.is_mla and self.num_experts else self.dtype
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer runs a dense MLP (intermediate_size): every layer of a dense model,
+        DeepSeek's first_k_dense_replace layers."""
+        return not self.num_experts or self.first_k_dense_replace > 0
 
     @property
     def gated_op(self) -> str:
@@ -96,7 +136,10 @@ class ModelSpec:
 
     def linear_shapes(self) -> dict[str, list[int]]:
         """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's linears as kernforge packs them
-        (``PACKED_LINEARS``), and lm_head's when the vocabulary is known."""
+        (``PACKED_LINEARS``), and lm_head's when the vocabulary is known. The router runs in
+        :attr:`router_dtype`, the others in the model's dtype."""
+        if self.is_mla:
+            return self._mla_linear_shapes()
         q_width = self.num_attention_heads * self.head_dim
         kv_width = self.num_key_value_heads * self.head_dim
         widths = {
@@ -125,6 +168,48 @@ class ModelSpec:
             shapes["lm_head"] = [self.vocab_size, self.hidden_size]
         return shapes
 
+    def _mla_linear_shapes(self) -> dict[str, list[int]]:
+        """DeepSeek's, as the integration's MLAttention runs them: ``qkv_a_proj`` (q_a_proj, or q_proj
+        without q_lora_rank, packed with kv_a_proj_with_mqa), ``q_b_proj``, ``kv_b_proj`` (the
+        unabsorbed prompt path), its per-head absorbed pieces ``w_kc`` (W_UK, the query's) and ``w_vc``
+        (W_UV, the output's), ``o_proj``; the dense layers' MLP, the router; lm_head. (The routed and
+        shared experts run in fused_experts / shared_expert, not as linears.)"""
+        heads, hidden, rank, rope = self.num_attention_heads, self.hidden_size, self.kv_lora_rank, self.qk_rope_head_dim
+        q_width = heads * (self.qk_nope_head_dim + rope)
+        shapes = {}
+        if self.q_lora_rank is None:
+            shapes["qkv_a_proj"] = [q_width + rank + rope, hidden]
+        else:
+            shapes["qkv_a_proj"] = [self.q_lora_rank + rank + rope, hidden]
+            shapes["q_b_proj"] = [q_width, self.q_lora_rank]
+        shapes["kv_b_proj"] = [heads * (self.qk_nope_head_dim + self.v_head_dim), rank]
+        shapes["w_kc"] = [rank, self.qk_nope_head_dim]
+        shapes["w_vc"] = [self.v_head_dim, rank]
+        shapes["o_proj"] = [hidden, heads * self.v_head_dim]
+        if self.has_dense_mlp:
+            shapes["gate_up_proj"] = [2 * self.intermediate_size, hidden]
+            shapes["down_proj"] = [hidden, self.intermediate_size]
+        if self.num_experts:
+            shapes["router"] = [self.num_experts, hidden]
+        if self.vocab_size is not None:
+            shapes["lm_head"] = [self.vocab_size, hidden]
+        return shapes
+
+
+# DeepSeek's routing rules, and the scores each chooses by.
+TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
+_MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _mla_fields(config: dict) -> dict:
+    """The multi-head latent attention fields of a DeepSeek-V2/V3 config (none without kv_lora_rank)."""
+    if not config.get("kv_lora_rank"):
+        return {}
+    fields = {name: _positive_int(config, name) for name in _MLA_DIMS}
+    q_lora_rank = config.get("q_lora_rank")
+    fields["q_lora_rank"] = None if q_lora_rank is None else _positive_int(config, "q_lora_rank")
+    return fields
+
 
 # Where each family keeps its expert count: Qwen-MoE and OLMoE, Mixtral, DeepSeek.
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -145,10 +230,35 @@ def _moe_fields(config: dict, intermediate_size: int) -> dict:
         else intermediate_size,
         "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
     }
+    if count == "n_routed_experts":  # DeepSeek's: shared experts, dense first layers, the routing rule
+        fields.update(_deepseek_routing(config))
     if fields["num_experts_per_tok"] > fields["num_experts"]:
         raise ValueError(
             f"config.json num_experts_per_tok {fields['num_experts_per_tok']} exceeds the {experts} experts"
         )
+    return fields
+
+
+def _deepseek_routing(config: dict) -> dict:
+    """DeepSeek's MoE fields. V3's transformers config names no topk_method (its router always runs
+    "noaux_tc"); V2's defaults to "greedy"."""
+    default = "noaux_tc" if config.get("model_type") == "deepseek_v3" else "greedy"
+    method = config.get("topk_method") or default
+    if method not in TOPK_METHODS:
+        raise ValueError(f"config.json topk_method {method!r} is not one of {', '.join(TOPK_METHODS)}")
+    scoring = config.get("scoring_func") or TOPK_METHODS[method]
+    if scoring != TOPK_METHODS[method]:
+        raise ValueError(f"config.json scoring_func {scoring!r} does not go with topk_method {method!r}")
+    fields = {
+        "n_shared_experts": config.get("n_shared_experts") or 0,
+        "first_k_dense_replace": config.get("first_k_dense_replace") or 0,
+        "topk_method": method,
+        "scoring_func": scoring,
+        "n_group": config.get("n_group") or 0,
+        "topk_group": config.get("topk_group") or 0,
+    }
+    if method != "greedy" and not (fields["n_group"] and fields["topk_group"]):
+        raise ValueError(f"config.json topk_method {method!r} needs n_group and topk_group")
     return fields
 
 

@@ -52,6 +52,8 @@ ALL_DTYPES = ("bf16", "fp16", "fp32")
 
 # What a model's linears (and MoE experts) may be quantized to: None (bf16), int8 w8a8, fp8 block-scaled.
 QUANTS = (None, "int8", "fp8_block")
+# What the manifest's model section adds for a multi-head latent attention model.
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def manifest_from_model_config(
@@ -61,21 +63,28 @@ def manifest_from_model_config(
     a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (such as
     ``"float8_e4m3fn"``); the linear layers' GEMMs for the model's dtype, and with ``quant="int8"``
     the w8a8 GEMM as well."""
-    spec = ModelSpec.from_config(config)
+    return manifest_from_spec(ModelSpec.from_config(config), kv_cache_dtypes, quant)
+
+
+def manifest_from_spec(spec: ModelSpec, kv_cache_dtypes: tuple[str, ...] = (), quant: str | None = None) -> dict:
+    """:func:`manifest_from_model_config` of a :class:`~kernforge.model_spec.ModelSpec` already read."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be None, 'int8' or 'fp8_block', got {quant!r}")
+    model = {
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "dtype": spec.dtype,
+        "activation": spec.activation,
+        "model_type": spec.model_type,
+        "linear_shapes": spec.linear_shapes(),
+    }
+    if spec.is_mla:
+        model.update({name: getattr(spec, name) for name in MLA_FIELDS})
     return {
-        "model": {
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim,
-            "dtype": spec.dtype,
-            "activation": spec.activation,
-            "model_type": spec.model_type,
-            "linear_shapes": spec.linear_shapes(),
-        },
+        "model": model,
         # each family says what a model runs of it, next to its ops (ops._registry.model_kernels)
         "kernels": [entry for hook in MODEL_KERNELS for entry in hook(spec, tuple(kv_cache_dtypes), quant)],
     }
@@ -85,14 +94,19 @@ TUNE_ROWS = (1, 16, 128, 1024)  # decode, small and large batches, prefill
 
 
 def tune_model_attention(config: dict | str | Path, measure=None) -> list[dict]:
-    """Run :func:`kernforge.tune_prefill` for the model's head_dim and GQA group, in its dtype."""
+    """Run :func:`kernforge.tune_prefill` for the model's head_dim and GQA group, in its dtype (an MLA
+    model's: the latent attention's 576 / 512 with every head on one KV head, and the prompt path's
+    qk_nope + rope / v with one head per KV head)."""
     from kernforge.tune import tune_prefill
 
-    model = manifest_from_model_config(config)["model"]
-    group = model["num_attention_heads"] // model["num_key_value_heads"]
-    return tune_prefill(
-        [(model["head_dim"], model["head_dim"])], [group], TORCH_DTYPES[dtype_name(model["dtype"])], measure=measure
-    )
+    spec = ModelSpec.from_config(config)
+    dtype = TORCH_DTYPES[dtype_name(spec.dtype)]
+    if spec.is_mla:  # the absorbed latent attention (one KV head for all), then the unabsorbed prompt path
+        absorbed = (spec.kv_lora_rank + spec.qk_rope_head_dim, spec.kv_lora_rank)
+        return tune_prefill([absorbed], [spec.num_attention_heads], dtype, measure=measure) + tune_prefill(
+            [(spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim)], [1], dtype, measure=measure
+        )
+    return tune_prefill([(spec.head_dim, spec.head_dim)], [spec.group], dtype, measure=measure)
 
 
 def tune_model_linears(config: dict | str | Path, m_list=TUNE_ROWS, measure=None) -> list[dict]:

@@ -28,3 +28,13 @@ def test_decode_step_example_matches_torch(kernforge_cache_dir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("max |error| vs torch") == 4
+
+
+@pytest.mark.slow  # a child process building a DeepSeek-V2-Lite-wide model (2 layers, 16 experts)
+def test_deepseek_example_runs(kernforge_cache_dir):
+    flags = ["--layers", "2", "--experts", "16", "--prompt-len", "32", "--new-tokens", "4"]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "deepseek_generate.py"), *flags], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "decode tokens/s" in result.stdout and "sequence 0: " in result.stdout

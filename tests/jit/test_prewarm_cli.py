@@ -670,3 +670,79 @@ def test_manifest_from_moe_configs_builds_routing_and_the_experts():
         ModelSpec.from_config({**LLAMA, "num_local_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelSpec.from_config({**LLAMA, "num_local_experts": 8})
+
+
+DEEPSEEK_V2_LITE = {  # DeepSeek-V2-Lite's config.json (the fields that shape the model)
+    "model_type": "deepseek_v2",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "n_group": 1,
+    "topk_group": 1,
+    "vocab_size": 102400,
+}
+
+
+def test_manifest_from_a_deepseek_config_builds_mla_and_its_moe():
+    """An MLA model's manifest: the latent attention (576 / 512, every head on one KV head) per KV cache
+    dtype and its append, the prompt path's ragged prefill (192 / 128), no per-head decode or K/V append;
+    the MLA linears (fp32 router); routing in fp32 and the experts."""
+    from kernforge.ops.attention.prefill import prefill_variant_params
+
+    manifest = prewarm.manifest_from_model_config(DEEPSEEK_V2_LITE, kv_cache_dtypes=("float8_e4m3fn",))
+    kernels, model = manifest["kernels"], manifest["model"]
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+
+    def prefill(*args):
+        params = prefill_variant_params(*args)
+        return {"module": "prefill", "params": {**params, "tile": list(params["tile"])}}
+
+    attention = [k for k in kernels if k.get("module") in ("prefill", "decode", "page") or "append" in k.get("op", "")]
+    assert attention == [
+        prefill(bf16, bf16, bf16, 192, 128, 1),
+        prefill(bf16, bf16, bf16, 576, 512, 16),
+        prefill(bf16, fp8, bf16, 576, 512, 16),
+        {"module": "page", "params": {"dtype": "bf16"}},
+        {"module": "page", "params": {"dtype": "fp8_e4m3"}},
+    ]
+    assert {"op": "topk_softmax", "dtype": "float32"} in kernels
+    assert {"module": "moe_experts", "params": {"dtype": "bf16", "weights": "bf16"}} in kernels
+    assert {k["params"]["dtype"] for k in kernels if k.get("module") == "gemm"} == {"bf16", "fp32"}  # the router
+    assert model["linear_shapes"] == {
+        "qkv_a_proj": [16 * 192 + 512 + 64, 2048],
+        "kv_b_proj": [16 * 256, 512],
+        "w_kc": [512, 128],
+        "w_vc": [128, 512],
+        "o_proj": [2048, 16 * 128],
+        "gate_up_proj": [2 * 10944, 2048],
+        "down_proj": [2048, 10944],
+        "router": [64, 2048],
+        "lm_head": [102400, 2048],
+    }
+    assert (model["kv_lora_rank"], model["q_lora_rank"]) == (512, None)
+    spec = ModelSpec.from_config(DEEPSEEK_V2_LITE)
+    assert (spec.num_experts, spec.n_shared_experts, spec.first_k_dense_replace) == (64, 2, 1)
+    assert (spec.topk_method, spec.group) == ("greedy", 16)  # every head on the one latent
+    # V3: q_a / q_b, its router's rule named by the model type; a rule without its groups is refused
+    v3 = ModelSpec.from_config(
+        {**DEEPSEEK_V2_LITE, "model_type": "deepseek_v3", "q_lora_rank": 1536, "topk_method": None,
+         "scoring_func": None, "n_group": 8, "topk_group": 4}
+    )  # fmt: skip
+    assert (v3.topk_method, v3.scoring_func) == ("noaux_tc", "sigmoid")
+    assert v3.linear_shapes()["q_b_proj"] == [16 * 192, 1536]
+    with pytest.raises(ValueError, match="needs n_group and topk_group"):
+        ModelSpec.from_config({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": None})

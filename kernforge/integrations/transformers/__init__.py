@@ -1,7 +1,8 @@
 """Hugging Face transformers on kernforge: ``optimize(model)`` makes a Llama-family causal LM
 (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) or a
 sparse mixture of experts (``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``, ``MixtralForCausalLM``,
-``OlmoeForCausalLM``) run its decoder on kernforge's kernels, without forking transformers' model
+``OlmoeForCausalLM``), or DeepSeek's multi-head latent attention models (``DeepseekV2ForCausalLM``,
+``DeepseekV3ForCausalLM``) run its decoder on kernforge's kernels, without forking transformers' model
 code::
 
     from kernforge.integrations import transformers as kft
@@ -37,6 +38,21 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
   its ``clip_qkv`` clamp;
 * every ``nn.Linear``, ``lm_head`` included, becomes a :class:`kernforge.nn.Linear` (bf16 prepacked,
   or w8a8 with ``quant="int8"``; ``lm_head`` stays bf16 unless ``quant_lm_head=True``);
+* DeepSeek-V2/V3 (:class:`~kernforge.integrations.transformers._modules.MLAttention`): q_a (or q)
+  and ``kv_a_proj_with_mqa`` as one GEMM, the latent ``c`` RMSNorm'd, RoPE (interleaved, YaRN's
+  frequencies and mscale as the model has them) on ``q_pe`` and the shared ``k_pe``, and ``[c | k_pe]``
+  appended (``append_paged_mla_kv_cache``) to one paged latent buffer per layer (``[pages, page_size,
+  kv_lora_rank + qk_rope_head_dim]``, :class:`MLAPagedCache`). A fresh prompt of at least
+  ``RAGGED_PREFILL_MIN_TOKENS`` tokens attends unabsorbed (``kv_b_proj(c)`` to k_nope and v,
+  ``BatchPrefillWithRaggedKVCacheWrapper``, head dims qk_nope + rope / v); decode and every other
+  step absorbed (``q_nope`` through W_UK, ``BatchMLAPagedAttentionWrapper`` over the latent pages,
+  the output through W_UV: ``absorb_kv_b_proj``, ``mla_output_proj``). MoE layers
+  (:class:`~kernforge.integrations.transformers._modules.DeepseekMoE`): the router in fp32, V2's
+  ``greedy`` (``topk_softmax``) or ``group_limited_greedy`` (``grouped_topk``), V3's sigmoid scores
+  with ``e_score_correction_bias`` (``biased_grouped_topk``), ``fused_experts``, and the shared
+  experts with ``routed_scaling_factor`` in one ``shared_expert`` call; the first
+  ``first_k_dense_replace`` layers' dense MLPs take the MLP path. bf16 models only; eager only (the
+  MLA wrapper's run() is not traceable yet);
 * sampling: :func:`generate`, a small loop over the same cache with transformers' arguments, samples
   with ``top_k_top_p_sampling_from_logits``. (``model.generate`` samples with torch.)
 
@@ -65,9 +81,18 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from kernforge.integrations.transformers import _compat, _kernels, _modules
-from kernforge.integrations.transformers._cache import AttentionSpec, KVCacheFullError, PagedCache, PagePool, new_cache
+from kernforge.integrations.transformers._cache import (
+    AttentionSpec,
+    KVCacheFullError,
+    MLASpec,
+    PagedCache,
+    PagePool,
+    new_cache,
+    paged_cache,
+)
 from kernforge.integrations.transformers._generate import generate
 from kernforge.jit import KernelNotCachedError
+from kernforge.model_spec import ModelSpec
 from kernforge.nn import Linear
 from kernforge.ops._common import MAX_HEAD_DIM
 
@@ -85,7 +110,11 @@ SUPPORTED_MODELS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Multi-head latent attention models (MLAttention on a paged latent cache, DeepseekMoE blocks).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_MODELS)
 # Mixtral's router renormalizes its top-k weights unconditionally; the others follow norm_topk_prob.
 ALWAYS_RENORMALIZE = ("mixtral",)
@@ -101,7 +130,7 @@ class UnsupportedModelError(NotImplementedError):
 class _Runtime:
     """What an optimized model carries (as ``model._kernforge``): the attention spec and its page pool."""
 
-    def __init__(self, spec: AttentionSpec, pool: PagePool, quant: str | None):
+    def __init__(self, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None):
         self.spec, self.pool, self.quant = spec, pool, quant
 
 
@@ -128,8 +157,14 @@ def optimize(
     dtype = model.dtype
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
-    spec = _attention_spec(config, decoder, dtype)
-    _check_kernels(config, spec, quant)
+    mla = config.model_type in MLA_MODEL_TYPES
+    if mla:  # what pre-warm reads of the config is what runs: the latent shapes come from it
+        model_spec = _model_spec(config, dtype)
+        spec = _mla_spec(model_spec, decoder, dtype)
+    else:
+        spec = _attention_spec(config, decoder, dtype)
+        model_spec = None  # read only to check the cached kernels (a config it refuses may still run here)
+    _check_kernels(config, spec, quant, model_spec)
     pool = PagePool(spec, kv_cache_pages, page_size)  # checks kv_cache_pages and page_size before any change
     _modules.register()
     model.eval()
@@ -139,7 +174,10 @@ def optimize(
         positions = min(pool.num_pages * pool.page_size, getattr(config, "max_position_embeddings", None) or 1 << 30)
         decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb, positions)
         for layer in decoder.layers:
-            _replace_layer(layer, config, spec, dtype, quant, stock)
+            if mla:
+                _replace_deepseek_layer(layer, config, model_spec, dtype, quant, stock)
+            else:
+                _replace_layer(layer, config, spec, dtype, quant, stock)
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
         if type(model.lm_head) is nn.Linear:
             model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=quant if quant_lm_head else None)
@@ -175,14 +213,18 @@ def _checked_model(model):
     return config, decoder
 
 
-def _attention_spec(config, decoder, dtype) -> AttentionSpec:
-    rotary = decoder.rotary_emb
+def _check_rope(rotary) -> None:
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
             f"RoPE type {rope_type!r} recomputes its frequencies with the sequence length; "
             f"kernforge's cos/sin cache supports {', '.join(STATIC_ROPE_TYPES)}"
         )
+
+
+def _attention_spec(config, decoder, dtype) -> AttentionSpec:
+    rotary = decoder.rotary_emb
+    _check_rope(rotary)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     first = decoder.layers[0].self_attn
@@ -201,6 +243,52 @@ def _attention_spec(config, decoder, dtype) -> AttentionSpec:
     return AttentionSpec(len(decoder.layers), heads, kv_heads, head_dim, dtype, float(first.scaling), windows)
 
 
+def _model_spec(config, dtype) -> ModelSpec:
+    """The model as pre-warm sees it, from its config (in the dtype it is loaded in)."""
+    try:
+        return ModelSpec.from_config({**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")})
+    except ValueError as exc:
+        raise UnsupportedModelError(str(exc)) from None
+
+
+def _mla_spec(model_spec: ModelSpec, decoder, dtype) -> MLASpec:
+    """The latent attention's shape (DeepSeek-V2/V3, from the model spec), checked against the
+    modules and what kernforge runs."""
+    if dtype is not torch.bfloat16:
+        raise UnsupportedModelError(
+            f"kernforge runs DeepSeek's latent attention in bf16 (its absorbed projections are bf16 GEMMs); "
+            f"the model is {dtype}: load it with dtype=torch.bfloat16"
+        )
+    rotary = decoder.rotary_emb
+    _check_rope(rotary)
+    first = decoder.layers[0].self_attn
+    if not model_spec.is_mla or getattr(first, "kv_a_proj_with_mqa", None) is None:
+        raise UnsupportedModelError(
+            f"{type(first).__name__} (config kv_lora_rank {model_spec.kv_lora_rank}): not DeepSeek's latent attention"
+        )
+    rope_dim = model_spec.qk_rope_head_dim
+    if 2 * rotary.inv_freq.numel() != rope_dim:
+        raise UnsupportedModelError(
+            f"the rotary embedding covers {2 * rotary.inv_freq.numel()} dims, not qk_rope_head_dim {rope_dim}"
+        )
+    qk_dim, v_dim = model_spec.qk_nope_head_dim + rope_dim, model_spec.v_head_dim
+    if max(qk_dim, v_dim) > MAX_HEAD_DIM:
+        raise UnsupportedModelError(
+            f"qk head dim {qk_dim} / v head dim {v_dim}: kernforge's prefill kernels take head dims "
+            f"up to {MAX_HEAD_DIM}"
+        )
+    return MLASpec(
+        len(decoder.layers),
+        model_spec.num_attention_heads,
+        model_spec.kv_lora_rank,
+        rope_dim,
+        model_spec.qk_nope_head_dim,
+        v_dim,
+        dtype,
+        float(first.scaling),  # the module's: YaRN's mscale included
+    )
+
+
 def _window_left(attn, config) -> int:
     """FlashInfer's window_left (keys kept besides the query's own) of a layer; -1: none."""
     if hasattr(attn, "sliding_window"):
@@ -212,16 +300,20 @@ def _window_left(attn, config) -> int:
     return window - 1 if window else -1
 
 
-def _check_kernels(config, spec: AttentionSpec, quant: str | None) -> None:
-    """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already."""
+def _check_kernels(config, spec: AttentionSpec | MLASpec, quant: str | None, model_spec: ModelSpec | None) -> None:
+    """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already. The
+    manifest is ``model_spec``'s (the config's as read; for a Llama-family model, with the attention's
+    own head_dim)."""
     from kernforge.jit import core
-    from kernforge.prewarm import manifest_from_model_config, specs_from_manifest
+    from kernforge.prewarm import manifest_from_spec, specs_from_manifest
 
     if core.jit_enabled():
         return
-    manifest = manifest_from_model_config(
-        {**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."), "head_dim": spec.head_dim}, quant=quant
-    )
+    if model_spec is None:
+        model_spec = ModelSpec.from_config(
+            {**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."), "head_dim": spec.head_dim}
+        )
+    manifest = manifest_from_spec(model_spec, quant=quant)
     missing = []
     for kernel in specs_from_manifest(manifest):
         try:
@@ -254,6 +346,57 @@ def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list
         layer.mlp = _replaced_mlp(layer.mlp, activation, dtype, quant, stock)
     for name in ("input_layernorm", "post_attention_layernorm"):
         setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+
+
+def _replace_deepseek_layer(layer, config, model_spec: ModelSpec, dtype, quant, stock: list) -> None:
+    """A DeepSeek-V2/V3 decoder layer: MLAttention, DeepseekMoE (or the first_k_dense_replace
+    layers' dense MLP), the RMSNorms."""
+    attn = layer.self_attn
+    names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    names += ["q_proj"] if model_spec.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    for name in names:
+        if type(getattr(attn, name, None)) is not nn.Linear:
+            raise UnsupportedModelError(
+                f"{type(attn).__name__} has no nn.Linear {name}: not DeepSeek's latent attention"
+            )
+    # DeepSeek-V2 rotates interleaved pairs (complex products); V3 too unless rope_interleave is False
+    interleaved = config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
+    layer.self_attn = _modules.MLAttention(attn, dtype, quant, interleaved)
+    activation = model_spec.activation
+    if _is_sparse_moe(layer.mlp):
+        layer.mlp = _replaced_deepseek_moe(layer.mlp, activation, dtype, quant, stock)
+    else:
+        layer.mlp = _replaced_mlp(layer.mlp, activation, dtype, quant, stock)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+
+
+def _replaced_deepseek_moe(block, activation: str, dtype, quant, stock: list) -> nn.Module:
+    """A DeepSeek MoE block on kernforge (DeepseekMoE), or left stock when its experts' activation is not SiLU."""
+    router, experts, shared = block.gate, block.experts, getattr(block, "shared_experts", None)
+    rule = "noaux_tc" if hasattr(router, "e_score_correction_bias") else getattr(router, "topk_method", None)
+    laid_out = (
+        all(_stacked(getattr(experts, name, None)) for name in ("gate_up_proj", "down_proj"))
+        and isinstance(getattr(router, "weight", None), torch.Tensor)
+        and all(type(getattr(shared, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
+    )
+    if not laid_out:
+        raise UnsupportedModelError(
+            f"{type(block).__name__} is not laid out as transformers 5.x's DeepSeek MoE blocks (a router "
+            "gate.weight [E, H], experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], nn.Linear "
+            "shared_experts.gate_proj/up_proj/down_proj)"
+        )
+    if rule not in _modules.DeepseekMoE.RULES:
+        raise UnsupportedModelError(
+            f"DeepSeek routing topk_method {rule!r} has no kernforge kernel; kernforge runs "
+            f"{', '.join(_modules.DeepseekMoE.RULES)}"
+        )
+    if rule != "greedy" and not (router.num_group and router.topk_group):
+        raise UnsupportedModelError(f"DeepSeek routing {rule!r} needs n_group and topk_group in the config")
+    if activation not in _kernels.EXPERT_ACTIVATIONS:
+        stock.append(f"mlp ({type(block).__name__}, hidden_act {activation!r}: fused_experts gates with SiLU only)")
+        return block
+    return _modules.DeepseekMoE(block, rule, dtype, quant)
 
 
 def _check_qk_norms(attn, spec: AttentionSpec) -> None:
@@ -364,7 +507,7 @@ def _paged_cache_hook(runtime: _Runtime, argument: str):
             )
         cache = _compat.take_cache(kwargs)
         if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-            cache = PagedCache(runtime.spec, runtime.pool)
+            cache = paged_cache(runtime.spec, runtime.pool)
         elif not isinstance(cache, PagedCache):
             raise TypeError(
                 f"a kernforge-optimized model keeps its KV cache in a PagedCache; got {argument}="

@@ -43,6 +43,10 @@ class AttentionSpec:
     sm_scale: float
     window_lefts: tuple[int, ...]  # per layer; -1: full attention
 
+    def page_shape(self, page_size: int) -> tuple[int, ...]:
+        """One layer's page: K and V planes of ``page_size`` tokens (FlashInfer's NHD layout)."""
+        return (2, page_size, self.num_kv_heads, self.head_dim)
+
 
 class PagePool:
     """The KV pages of an optimized model (every layer's, one allocation) and their free list."""
@@ -55,9 +59,7 @@ class PagePool:
         self.num_pages, self.page_size = num_pages, page_size
         # torch.empty: the OS backs a page of memory when it is first written, so an unused part of a
         # large pool costs address space only.
-        self.kv = torch.empty(
-            spec.num_layers, num_pages, 2, page_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype
-        )
+        self.kv = torch.empty(spec.num_layers, num_pages, *spec.page_shape(page_size), dtype=spec.dtype)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
 
     @property
@@ -82,7 +84,12 @@ def new_cache(model) -> PagedCache:
     runtime = getattr(model, "_kernforge", None)
     if runtime is None:
         raise ValueError("new_cache(model) needs a model prepared by kernforge.integrations.transformers.optimize()")
-    return PagedCache(runtime.spec, runtime.pool)
+    return paged_cache(runtime.spec, runtime.pool)
+
+
+def paged_cache(spec, pool: PagePool) -> PagedCache:
+    """A fresh cache of the kind ``spec`` describes: :class:`MLAPagedCache` for an :class:`MLASpec`."""
+    return MLAPagedCache(spec, pool) if isinstance(spec, MLASpec) else PagedCache(spec, pool)
 
 
 def _release_all(pool: PagePool, sequence_pages: list[list[int]]) -> None:
@@ -98,7 +105,7 @@ class _Step:
     batch: int
     q_len: int
     gather: torch.Tensor | None  # rows (of batch * q_len) that are real tokens; None: all of them
-    wrappers: dict  # window_left -> planned wrapper
+    wrappers: dict  # window_left -> planned wrapper (MLA: the path's name -> planned wrapper)
     batch_indices: torch.Tensor  # append_paged_kv_cache's arguments besides the keys, values and pages
     positions: torch.Tensor
     kv_indices: torch.Tensor
@@ -248,16 +255,14 @@ class PagedCache(Cache):
             )
         self._step = None
         counts, gather = _new_tokens(batch, q_len, attention_mask)
+        fresh = not any(self.sequence_lengths)  # no sequence has a cached prefix
         kv_indptr, kv_indices, last_page_len, seq_lens = self._grow(counts)
         decode = q_len == 1 and gather is None
         qo_indptr = torch.zeros(batch + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=qo_indptr[1:])
         nnz = int(qo_indptr[-1])
         batch_indices, positions = kf.get_batch_indices_positions(qo_indptr, seq_lens, nnz)
-        wrappers = {
-            window: self._plan(decode, window, qo_indptr, kv_indptr, kv_indices, last_page_len)
-            for window in dict.fromkeys(self.spec.window_lefts)
-        }
+        wrappers = self._plan_step(decode, fresh, qo_indptr, kv_indptr, kv_indices, last_page_len, seq_lens)
         self._step = _Step(
             batch, q_len, gather, wrappers, batch_indices, positions, kv_indices, kv_indptr, last_page_len
         )
@@ -303,6 +308,13 @@ class PagedCache(Cache):
             dtype=torch.int32,
         )
         return kv_indptr, kv_indices, last_page_len, torch.tensor(lengths, dtype=torch.int32)
+
+    def _plan_step(self, decode: bool, fresh: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, seq_lens) -> dict:
+        """The step's planned wrappers, one per distinct window (``window_left`` -> wrapper)."""
+        return {
+            window: self._plan(decode, window, qo_indptr, kv_indptr, kv_indices, last_page_len)
+            for window in dict.fromkeys(self.spec.window_lefts)
+        }
 
     def _plan(self, decode: bool, window_left: int, qo_indptr, kv_indptr, kv_indices, last_page_len):
         spec = self.spec
@@ -358,3 +370,157 @@ def _token_rows(states: torch.Tensor, step: _Step) -> torch.Tensor:
     view when the states are token-major underneath, as the optimized attention's are)."""
     rows = states.transpose(1, 2).reshape(step.batch * step.q_len, states.shape[1], states.shape[3])
     return rows if step.gather is None else rows.index_select(0, step.gather)
+
+
+# --------------------------------------------------------------------------- multi-head latent attention
+
+# A fresh prompt (no cached prefix) of at least this many tokens (the batch's longest) attends
+# unabsorbed (k_nope, v from kv_b_proj, the ragged prefill kernel); a shorter one, and every step with a
+# cached prefix, absorbed (the MLA kernel over the latent pages). See MLAPagedCache. Measured on the
+# DeepSeek-V2-Lite shape (4 layers, 8 experts, whole forward, best of 3, 2 threads on a shared, busy
+# 2-core machine: noisy), ms absorbed / ragged: 16 tokens 318 / 421 and 499 / 179 (two runs), 32: 2085 /
+# 726, 64: 2364 / 1102 and 568 / 586, 128: 3065 / 1111, 512: 4552 / 3494. Ragged is never slower from 32
+# tokens up; below, the runs disagree. Re-measure on an idle machine.
+RAGGED_PREFILL_MIN_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """What every layer's multi-head latent attention (DeepSeek-V2/V3) shares: the plan's parameters.
+    A token's cache row is its latent ``c`` (``kv_lora_rank``, RMSNorm'd) and its RoPE'd ``k_pe``
+    (``qk_rope_head_dim``), side by side: one row for every head."""
+
+    num_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    sm_scale: float
+
+    @property
+    def window_lefts(self) -> tuple[int, ...]:
+        return (-1,) * self.num_layers
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def page_shape(self, page_size: int) -> tuple[int, ...]:
+        """One layer's page: ``[page_size, kv_lora_rank + qk_rope_head_dim]``, c | k_pe per token."""
+        return (page_size, self.latent_dim)
+
+
+class MLAPagedCache(PagedCache):
+    """A :class:`PagedCache` of latents: each layer's pages are one buffer ``[num_pages, page_size,
+    kv_lora_rank + qk_rope_head_dim]``, read as its two adjacent views ``ckv_cache`` (``[..., :rank]``)
+    and ``kpe_cache`` (``[..., rank:]``).
+
+    A step is planned once, by the first layer, on one of two paths. A prompt with nothing cached
+    before it (``fresh``) of at least :data:`RAGGED_PREFILL_MIN_TOKENS` tokens (the longest of the
+    batch) attends unabsorbed: ``BatchPrefillWithRaggedKVCacheWrapper`` over the step's own keys
+    ``[k_nope | k_pe]`` and values (:meth:`attend_ragged`). Every other step (decode, a short prompt,
+    a chunk after a cached prefix) attends absorbed: ``BatchMLAPagedAttentionWrapper`` (causal) over
+    the latent pages (:meth:`attend_latent`). Either way every layer appends its latents
+    (:meth:`append_latents`) first.
+    """
+
+    spec: MLASpec
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' interface: ``key_states`` the latents c ``[batch, 1, q_len, kv_lora_rank]`` and
+        ``value_states`` k_pe ``[batch, 1, q_len, qk_rope_head_dim]`` (after RoPE), as transformers'
+        DeepSeek attention hands them; written to the pages and returned unchanged."""
+        step = self._current_step()
+        ckv, kpe = (_token_rows(t, step)[:, 0] for t in (key_states, value_states))
+        self._append(layer_idx, ckv, kpe)
+        return key_states, value_states
+
+    def append_latents(self, layer_idx: int, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
+        """Write the step's latents ``ckv [batch * q_len, kv_lora_rank]`` and ``kpe [batch * q_len,
+        qk_rope_head_dim]`` (rows of every position, padding included: it is dropped here)."""
+        step = self._current_step()
+        if step.gather is not None:
+            ckv, kpe = ckv.index_select(0, step.gather), kpe.index_select(0, step.gather)
+        self._append(layer_idx, ckv, kpe)
+
+    def _append(self, layer_idx: int, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
+        step = self._current_step()
+        ckv_cache, kpe_cache = self.latent_caches(layer_idx)
+        kf.append_paged_mla_kv_cache(
+            ckv,
+            kpe,
+            step.batch_indices,
+            step.positions,
+            ckv_cache,
+            kpe_cache,
+            step.kv_indices,
+            step.kv_indptr,
+            step.last_page_len,
+        )
+
+    def latent_caches(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s (ckv_cache, kpe_cache): adjacent views of its one page buffer."""
+        pages = self.pool.kv[layer_idx]
+        return pages[..., : self.spec.kv_lora_rank], pages[..., self.spec.kv_lora_rank :]
+
+    @property
+    def ragged(self) -> bool:
+        """Whether this step attends unabsorbed (:meth:`attend_ragged`), else absorbed (:meth:`attend_latent`)."""
+        return "ragged" in self._current_step().wrappers
+
+    def attend_latent(self, layer_idx: int, q_input: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention: ``q_input [batch * q_len, heads, kv_lora_rank + qk_rope_head_dim]``, each
+        head's ``[q_nope W_UK | q_pe]`` (one row, as the latent pages hold ``[c | k_pe]``: the kernel
+        reads both in place), over layer ``layer_idx``'s latent pages: the latent output ``[batch *
+        q_len, heads, kv_lora_rank]`` (zeros at padding)."""
+        step = self._current_step()
+        wrapper, rank = step.wrappers["latent"], self.spec.kv_lora_rank
+        ckv_cache, kpe_cache = self.latent_caches(layer_idx)
+        rows = q_input if step.gather is None else q_input.index_select(0, step.gather)
+        out = kf.attention_run(wrapper, rows[..., :rank], rows[..., rank:], ckv_cache, kpe_cache)
+        if step.gather is None:
+            return out
+        return out.new_zeros((q_input.shape[0], *out.shape[1:])).index_copy_(0, step.gather, out)
+
+    def attend_ragged(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unabsorbed attention of a fresh prompt over its own keys and values: ``q``, ``k`` ``[batch *
+        q_len, heads, qk_nope_head_dim + qk_rope_head_dim]``, ``v [batch * q_len, heads, v_head_dim]``
+        (rows of every position; padding is dropped): ``[batch * q_len, heads, v_head_dim]``."""
+        step = self._current_step()
+        wrapper = step.wrappers["ragged"]
+        if step.gather is None:
+            return kf.attention_run(wrapper, q, k, v)
+        out = kf.attention_run(wrapper, *(t.index_select(0, step.gather) for t in (q, k, v)))
+        return out.new_zeros((q.shape[0], *out.shape[1:])).index_copy_(0, step.gather, out)
+
+    def _plan_step(self, decode: bool, fresh: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, seq_lens) -> dict:
+        spec = self.spec
+        common = dict(causal=True, sm_scale=spec.sm_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
+        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if len(qo_indptr) > 1 else 0
+        if fresh and not decode and longest >= RAGGED_PREFILL_MIN_TOKENS:
+            wrapper = self._wrapper("ragged", kf.BatchPrefillWithRaggedKVCacheWrapper)
+            heads, qk_dim = spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+            wrapper.plan(qo_indptr, qo_indptr, heads, heads, qk_dim, spec.v_head_dim, **common)
+            return {"ragged": wrapper}
+        wrapper = self._wrapper("latent", kf.BatchMLAPagedAttentionWrapper)
+        wrapper.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            seq_lens,
+            spec.num_heads,
+            spec.kv_lora_rank,
+            spec.qk_rope_head_dim,
+            self.pool.page_size,
+            **common,
+        )
+        return {"latent": wrapper}
+
+    def _wrapper(self, name: str, make):
+        wrapper = self._wrappers.get(name)
+        if wrapper is None:
+            wrapper = self._wrappers[name] = make(torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8))
+            wrapper._grows_workspace = True  # kernforge's own wrappers: let plan() size the workspace
+        return wrapper

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernforge.integrations.transformers import _kernels as kf
-from kernforge.integrations.transformers._cache import PagedCache
+from kernforge.integrations.transformers._cache import MLAPagedCache, PagedCache
 from kernforge.model_spec import PACKED_LINEARS
 from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
 from kernforge.nn.linear import FP8_BLOCK
@@ -93,24 +93,78 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, ids = kf.topk_softmax(x, self.gate(x), self.top_k, self.renormalize)
-        out = kf.fused_experts(
-            x,
-            self.w1,
-            self.w2,
-            weights,
-            ids,
-            use_int8_w8a8=self.quant == "int8",
-            use_fp8_w8a16=self.quant == "fp8_block",
-        )
+        out = kf.fused_experts(x, self.w1, self.w2, *self.route(x), **self._quant_flags())
         if self.shared_expert is not None:
             out.addcmul_(torch.sigmoid(self.shared_expert_gate(x)), self.shared_expert(x))
         return out.view(hidden_states.shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights: ``(weights fp32 [T, k], ids int32 [T, k])``."""
+        return kf.topk_softmax(x, self.gate(x), self.top_k, self.renormalize)
+
+    def _quant_flags(self) -> dict:
+        return {"use_int8_w8a8": self.quant == "int8", "use_fp8_w8a16": self.quant == "fp8_block"}
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.w2.experts}, top_k={self.top_k}, hidden={self.w2.n}, intermediate={self.w2.k}, "
             f"renormalize={self.renormalize}, quant={self.quant}"
+        )
+
+
+class DeepseekMoE(SparseMoE):
+    """DeepSeek-V2/V3's MoE block on kernforge: the router's logits in fp32 (as stock computes them,
+    on the weight rounded to the model's dtype), the model's routing rule (``rule``): V2's softmax
+    top-k (``"greedy"``, ``topk_softmax``) or its group-limited top-k (``"group_limited_greedy"``,
+    ``grouped_topk``), V3's sigmoid scores chosen with ``e_score_correction_bias`` in groups
+    (``"noaux_tc"``, ``biased_grouped_topk``), renormalized where the router's ``norm_topk_prob``
+    says (V2's stock router never renormalizes); the routed experts in one ``fused_experts`` call, and
+    the always-on shared experts (``n_shared_experts`` of them, one MLP) in one ``shared_expert`` call
+    that adds ``routed_scaling_factor`` times the routed output, rounded once."""
+
+    RULES = ("greedy", "group_limited_greedy", "noaux_tc")
+
+    def __init__(self, block: nn.Module, rule: str, dtype: torch.dtype, quant: str | None):
+        nn.Module.__init__(self)
+        router, experts, shared = block.gate, block.experts, block.shared_experts
+        self.top_k, self.quant, self.rule = int(router.top_k), quant, rule
+        self.renormalize = bool(getattr(router, "norm_topk_prob", False))
+        self.num_groups, self.topk_group = router.num_group, router.topk_group
+        self.routed_scaling_factor = float(router.routed_scaling_factor)
+        self.gate = Linear.from_linear(_linear(router.weight.to(dtype)), dtype=torch.float32)
+        bias = getattr(router, "e_score_correction_bias", None) if rule == "noaux_tc" else None
+        self.register_buffer("correction_bias", None if bias is None else bias.detach().float().clone())
+        self.w1 = _packed_experts(experts.gate_up_proj, quant, gated=True)
+        self.w2 = _packed_experts(experts.down_proj, quant)
+        self.shared_expert = None  # SparseMoE's (Qwen2-MoE's) gated shared expert: none here
+        self.shared_w1 = _packed_experts(_packed(shared, "gate_up_proj").weight[None], quant, gated=True)
+        self.shared_w2 = _packed_experts(shared.down_proj.weight[None], quant)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        flags = self._quant_flags()
+        routed = kf.fused_experts(x, self.w1, self.w2, *self.route(x), **flags)
+        out = kf.shared_expert(
+            x, self.shared_w1, self.shared_w2, routed, routed_scaling_factor=self.routed_scaling_factor, **flags
+        )
+        return out.view(hidden_states.shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x.float())
+        if self.rule == "greedy":
+            return kf.topk_softmax(x, logits, self.top_k, self.renormalize)
+        if self.rule == "group_limited_greedy":
+            return kf.grouped_topk(x, logits, self.top_k, self.renormalize, self.num_groups, self.topk_group)
+        return kf.biased_grouped_topk(
+            x, logits, self.correction_bias, self.top_k, self.renormalize, self.num_groups, self.topk_group
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.w2.experts}, top_k={self.top_k}, rule={self.rule}, groups={self.num_groups}, "
+            f"topk_group={self.topk_group}, renormalize={self.renormalize}, "
+            f"routed_scaling_factor={self.routed_scaling_factor}, hidden={self.w2.n}, intermediate={self.w2.k}, "
+            f"shared_intermediate={self.shared_w2.k}, quant={self.quant}"
         )
 
 
@@ -208,12 +262,7 @@ class Attention(nn.Module):
         past_key_values: PagedCache | None = None,
         **kwargs,
     ):
-        if not isinstance(position_embeddings, RopeInputs):
-            raise TypeError(
-                "kernforge Attention needs the RopeInputs of kernforge's RotaryEmbedding as "
-                f"position_embeddings, got {type(position_embeddings).__name__}: the model's rotary_emb "
-                "was not replaced (use kernforge.integrations.transformers.optimize)"
-            )
+        position_embeddings = _checked_rope(position_embeddings)
         cache = _checked_cache(cache if cache is not None else past_key_values)  # the name per release
         batch, q_len = hidden_states.shape[:2]
         tokens, heads, kv_heads, head_dim = batch * q_len, self.num_qo_heads, self.num_kv_heads, self.head_dim
@@ -235,6 +284,102 @@ class Attention(nn.Module):
         attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]  # the registered function (users may override it)
         out, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling, past_key_values=cache)
         return self.o_proj(out.reshape(batch, q_len, heads * head_dim)), weights
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3's multi-head latent attention on kernforge.
+
+    One GEMM projects ``x`` to ``[q_a | c | k_pe]`` (``q_a_proj`` and ``kv_a_proj_with_mqa`` packed;
+    ``[q | c | k_pe]`` with ``q_proj`` when ``q_lora_rank`` is None, as DeepSeek-V2-Lite); ``q =
+    q_b_proj(rmsnorm(q_a))``; the latent ``c`` is RMSNorm'd; RoPE runs in place on ``q_pe`` and on
+    the one ``k_pe`` all heads share, interleaved (DeepSeek's pairs ``(x0, x1), (x2, x3), ...``;
+    V3's ``rope_interleave``) or half-rotated, with the model's own (YaRN-scaled) frequencies. The
+    latents ``[c | k_pe]`` go to the paged latent cache (:class:`MLAPagedCache`), then the step's
+    path: absorbed, ``q_nope`` through ``W_UK`` per head (``kernforge.bmm`` on prepacked weights) to
+    ``[T, H, kv_lora_rank]``, the MLA kernel over the latent pages, and the latent output through
+    ``W_UV`` per head; or, for a fresh prompt, unabsorbed: ``k_nope``/``v`` from ``kv_b_proj(c)``,
+    ``k = [k_nope | k_pe]`` and the ragged prefill kernel (head dims 192 / 128 for the real models).
+    ``W_UK``/``W_UV`` are ``kv_b_proj.weight`` ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``
+    split per head. Then ``o_proj``. ``sm_scale`` is the model's (YaRN's mscale included)."""
+
+    def __init__(self, attn: nn.Module, dtype: torch.dtype, quant: str | None, interleaved: bool):
+        super().__init__()
+        self.layer_idx = attn.layer_idx
+        self.num_heads = attn.num_heads
+        self.q_lora_rank, self.kv_lora_rank = attn.q_lora_rank, attn.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+        self.v_head_dim, self.scaling, self.is_neox = attn.v_head_dim, float(attn.scaling), not interleaved
+        first = attn.q_proj if self.q_lora_rank is None else attn.q_a_proj
+        self.qkv_a_proj = Linear.from_linear(_concatenated(first, attn.kv_a_proj_with_mqa), dtype=dtype, quant=quant)
+        if self.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm.from_module(attn.q_a_layernorm, dtype)
+            self.q_b_proj = Linear.from_linear(attn.q_b_proj, dtype=dtype, quant=quant)
+        self.kv_a_layernorm = RMSNorm.from_module(attn.kv_a_layernorm, dtype)
+        self.kv_b_proj = Linear.from_linear(attn.kv_b_proj, dtype=dtype, quant=quant)  # the unabsorbed path
+        # W_UK / W_UV per head, packed for bmm (bf16 whatever quant says, as SGLang keeps them)
+        self.absorbed = kf.absorb_kv_b_proj(
+            attn.kv_b_proj.weight.detach().to(dtype), self.qk_nope_head_dim, self.v_head_dim
+        )
+        self.o_proj = Linear.from_linear(attn.o_proj, dtype=dtype, quant=quant)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: RopeInputs | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: MLAPagedCache | None = None,
+        past_key_values: MLAPagedCache | None = None,
+        **kwargs,
+    ):
+        rope = _checked_rope(position_embeddings)
+        cache = _checked_cache(cache if cache is not None else past_key_values)
+        if not isinstance(cache, MLAPagedCache):
+            raise TypeError(f"kernforge MLAttention keeps its latents in an MLAPagedCache, got {type(cache).__name__}")
+        batch, q_len = hidden_states.shape[:2]
+        tokens, heads, nope, rank = batch * q_len, self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        qk_dim, rope_dim = nope + self.qk_rope_head_dim, self.qk_rope_head_dim
+        projected = self.qkv_a_proj(hidden_states).view(tokens, -1)
+        q, latent = projected.split([projected.shape[1] - rank - rope_dim, rank + rope_dim], dim=1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(tokens, heads, qk_dim)
+        ckv, k_pe = self.kv_a_layernorm(latent[:, :rank]), latent[:, rank:]
+        q_pe = q[..., nope:]
+        kf.apply_rope_with_cos_sin_cache_inplace(
+            rope.positions, q_pe, k_pe, rope_dim, rope.cos_sin_cache, is_neox=self.is_neox
+        )
+        if self.layer_idx == 0:
+            cache.start_forward(batch, q_len, attention_mask)
+        cache.append_latents(self.layer_idx, ckv, k_pe)
+        if cache.ragged:
+            kv = self.kv_b_proj(ckv).view(tokens, heads, nope + self.v_head_dim)
+            k = q.new_empty(tokens, heads, qk_dim)
+            k[..., :nope] = kv[..., :nope]
+            k[..., nope:] = k_pe[:, None]
+            out = cache.attend_ragged(self.layer_idx, q, k, kv[..., nope:])
+        else:  # absorbed: [q_nope W_UK | q_pe] as one row per head, the MLA kernel's query over [c | k_pe]
+            q_input = q.new_empty(tokens, heads, rank + rope_dim)
+            kf.bmm(q_input[..., :rank].transpose(0, 1), q[..., :nope].transpose(0, 1), self.absorbed.w_kc)
+            q_input[..., rank:] = q_pe
+            out = kf.mla_output_proj(cache.attend_latent(self.layer_idx, q_input), self.absorbed.w_vc)
+        return self.o_proj(out.view(batch, q_len, heads * self.v_head_dim)), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk_nope_head_dim={self.qk_nope_head_dim}, qk_rope_head_dim={self.qk_rope_head_dim}, "
+            f"v_head_dim={self.v_head_dim}, interleaved_rope={not self.is_neox}"
+        )
+
+
+def _checked_rope(position_embeddings) -> RopeInputs:
+    if not isinstance(position_embeddings, RopeInputs):
+        raise TypeError(
+            "kernforge attention needs the RopeInputs of kernforge's RotaryEmbedding as "
+            f"position_embeddings, got {type(position_embeddings).__name__}: the model's rotary_emb "
+            "was not replaced (use kernforge.integrations.transformers.optimize)"
+        )
+    return position_embeddings
 
 
 def kernforge_attention(
@@ -312,5 +457,11 @@ def _packed(module: nn.Module, name: str) -> nn.Linear:
 def _concatenated(*layers: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` whose output is the layers' outputs side by side."""
     weight = torch.cat([layer.weight.detach() for layer in layers], dim=0)
-    bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+    bias = None
+    if any(layer.bias is not None for layer in layers):  # zeros for a layer without one
+        bias = torch.cat([_bias_of(layer) for layer in layers])
     return _linear(weight, bias)
+
+
+def _bias_of(layer: nn.Linear) -> torch.Tensor:
+    return layer.weight.new_zeros(layer.weight.shape[0]) if layer.bias is None else layer.bias.detach()

@@ -473,7 +473,10 @@ export("single_decode_with_kv_cache", single_decode_with_kv_cache)
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
-    """The decode variant for a KV cache in the model's dtype and in each of ``kv_cache_dtypes``."""
+    """The decode variant for a KV cache in the model's dtype and in each of ``kv_cache_dtypes`` (none
+    for an MLA model: its decode runs the MLA wrapper, ``kernforge.ops.mla.attention``'s hook)."""
+    if spec.is_mla:
+        return []
     q = TORCH_DTYPES[dtype_name(spec.dtype)]
     return [
         {"module": "decode", "params": decode_variant_params(q, kv_cache_dtype(kv), q, spec.head_dim, spec.group)}

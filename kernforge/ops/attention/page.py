@@ -600,4 +600,6 @@ export("get_batch_indices_positions", get_batch_indices_positions)
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    if spec.is_mla:  # appends latents (kernforge.ops.mla.attention's hook)
+        return []
     return [{"op": "append_paged_kv_cache", "dtype": spec.dtype}]  # each step's K/V into the cache

@@ -922,7 +922,10 @@ single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
-    """The prefill variant (tuned tile, else the default) for each KV cache dtype."""
+    """The prefill variant (tuned tile, else the default) for each KV cache dtype. (An MLA model's
+    prefill variants are ``kernforge.ops.mla.attention``'s hook's.)"""
+    if spec.is_mla:
+        return []
     q = TORCH_DTYPES[dtype_name(spec.dtype)]
     entries = []
     for kv in [spec.dtype, *kv_cache_dtypes]:

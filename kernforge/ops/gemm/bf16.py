@@ -336,13 +336,14 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
     """The GEMM variants dispatch picks for the model's linear shapes at every row bucket (tuned or
-    default), in the model's dtype."""
-    x_dtype, tier, configs = TORCH_DTYPES[dtype_name(spec.dtype)], isa.selected_tier(), {}
-    for n, k in spec.linear_shapes().values():
+    default), in the model's dtype (the router in ``spec.router_dtype``: fp32 for DeepSeek's)."""
+    tier, configs = isa.selected_tier(), {}
+    for name, (n, k) in spec.linear_shapes().items():
+        x_dtype = TORCH_DTYPES[dtype_name(spec.router_dtype if name == "router" else spec.dtype)]
         for m in sorted({m_bucket(1 << i) for i in range(11)}):
             params = dict(TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params)
             params = {
-                "dtype": dtype_name(spec.dtype),
+                "dtype": DTYPE_NAMES[x_dtype],
                 **{key: list(v) if isinstance(v, tuple) else v for key, v in params.items()},
             }
             configs[tuple(sorted((key, str(v)) for key, v in params.items()))] = params

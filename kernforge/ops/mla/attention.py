@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from kernforge.ops._common import TORCH_DTYPES, dtype_name, index_vector, kv_cache_dtype
+from kernforge.ops._common import MAX_HEAD_DIM, TORCH_DTYPES, dtype_name, index_vector, kv_cache_dtype
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export, model_kernels
 from kernforge.ops.attention._wrapper import (
     PlanStateError,
@@ -38,7 +38,7 @@ from kernforge.ops.attention._wrapper import (
     logit_scale,
 )
 from kernforge.ops.attention.page import KV_DTYPES, CacheShape, append_rows
-from kernforge.ops.attention.prefill import _PrefillWrapper, prefill_variant_params
+from kernforge.ops.attention.prefill import MAX_HEAD_DIM_QK, _PrefillWrapper, prefill_variant_params
 
 # FlashInfer's MLA plan arguments as the prefill planner's messages name them.
 _ARGUMENT_NAMES = {"paged_kv_indptr": "kv_indptr", "paged_kv_indices": "kv_indices"}
@@ -131,6 +131,12 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
             ("page_size", page_size),
         ):
             check_positive(name, value)
+        if head_dim_ckv > MAX_HEAD_DIM or head_dim_ckv + head_dim_kpe > MAX_HEAD_DIM_QK:
+            raise ValueError(
+                f"head_dim_ckv {head_dim_ckv} + head_dim_kpe {head_dim_kpe}: kernforge's MLA variants take "
+                f"head_dim_ckv <= {MAX_HEAD_DIM} and head_dim_ckv + head_dim_kpe <= {MAX_HEAD_DIM_QK} "
+                "(DeepSeek's 512 + 64)"
+            )
         if sm_scale is None or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
             raise TypeError(f"sm_scale must be a float (FlashInfer's MLA has no default), got {sm_scale!r}")
         qo_indptr = index_vector(qo_indptr, "qo_indptr")

@@ -282,5 +282,6 @@ def _route(
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
-    """A MoE model routes its router's logits (in its dtype) with one kernel for every rule."""
-    return [{"op": "topk_softmax", "dtype": spec.dtype}] if spec.num_experts else []
+    """A MoE model routes its router's logits (in the router's dtype: fp32 for DeepSeek's) with one
+    kernel for every rule (topk_softmax, grouped_topk, biased_grouped_topk)."""
+    return [{"op": "topk_softmax", "dtype": spec.router_dtype}] if spec.num_experts else []
