@@ -7,7 +7,12 @@ vLLM's defaults otherwise (torch.compile, chunked prefill, block size 128; no pr
 query / 4 KV heads of 128; its vocabulary of 151936) with 4 of its 48 decoder layers unless
 ``--layers`` says otherwise, random weights, so the MoE layers run vLLM's ``cpu_fused_moe`` in the
 stock column and kernforge's ``fused_experts`` with the plugin (each run's log says which experts
-class vLLM chose; it is printed and checked).
+class vLLM chose; it is printed and checked). With ``--mla``: DeepSeek-V2-Lite's shape (hidden 2048,
+16 heads of multi-head latent attention with a 512 + 64 latent KV, no q LoRA; a dense first layer,
+then 64 routed experts of 1408 with 6 per token and 2 shared ones; its vocabulary of 102400), 4 of
+its 27 layers unless ``--layers`` says otherwise: vLLM's CPU platform runs it on CPU_MLA (block size
+16, no chunked prefill), which kernforge's ``mla`` part replaces; a third case, the batch-1 request
+with 1 output token, gives its prefill time, so TPOT at batch 1 = (batch 1 - that) / (output - 1).
 Each round starts a fresh engine per column, stock then kernforge, alternating (this VM's DRAM
 bandwidth moves over minutes); every figure is a median over rounds. Environment as vLLM's CPU
 docs recommend, the same for both columns: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``,
@@ -33,6 +38,7 @@ uniform routing.
     .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe           # Qwen3-30B-A3B's shape, 4 layers
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the same model, 4 short requests
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --mla --quick --columns stock=0 kf-mla=mla
     .venv-vllm/bin/python benchmarks/bench_vllm.py --serve --rounds 1 --columns stock=0 kf=
 """
 
@@ -68,8 +74,9 @@ BENCH = (
 )
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 # model shape -> its max_position_embeddings (vLLM serves --max-model-len of it)
-MAX_POSITION = {"llama-3.2-1b": 131072, "qwen3-30b-a3b": 40960}
+MAX_POSITION = {"llama-3.2-1b": 131072, "qwen3-30b-a3b": 40960, "deepseek-v2-lite": 163840}
 MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48: its 4-layer experts are 4.8 GB of bf16, the whole model 6 GB
+MLA_LAYERS = 4  # of DeepSeek-V2-Lite's 27, the first dense: 3 layers of experts are 1.7 GB of bf16
 
 
 def plugin_active(log: str) -> bool:
@@ -198,8 +205,35 @@ def measured_rates(threads: int) -> dict:
     }
 
 
+def mla_bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
+    """:func:`bound_seconds` for a DeepSeek-V2 shape: MLA's projections (q, the latent KV and its
+    up-projection, out), causal attention of the prefill on the up-projected heads (qk 192, v 128),
+    the absorbed decode reading each sequence's 576-wide latent cache once per layer; a dense MLP in
+    the first layers, then k routed experts and the shared ones."""
+    hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+    lora, rope, nope, v = (shape[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    attention = hidden * heads * (nope + rope) + hidden * (lora + rope) + lora * heads * (nope + v) + heads * v * hidden
+    dense = min(shape["first_k_dense_replace"], layers)
+    experts, topk = shape["n_routed_experts"], shape["num_experts_per_tok"]
+    expert = 3 * hidden * shape["moe_intermediate_size"]
+    shared = shape["n_shared_experts"] * expert
+    mlp = dense * 3 * hidden * shape["intermediate_size"]
+    per_token = layers * attention + mlp + (layers - dense) * (hidden * experts + topk * expert + shared)
+    touched = experts * (1 - (1 - topk / experts) ** prompts)
+    per_step = layers * attention + mlp + (layers - dense) * (hidden * experts + touched * expert + shared)
+    lm_head = hidden * shape["vocab_size"]
+    prefill = prompts * (2 * per_token * input_len + layers * heads * (nope + rope + v) * input_len**2 + 2 * lm_head)
+    kv_per_token = layers * (lora + rope) * 2
+    decode_bytes = sum(
+        2 * (per_step + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1)
+    )
+    return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
+
+
 def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
     """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate."""
+    if "kv_lora_rank" in shape:
+        return mla_bound_seconds(shape, prompts, input_len, output_len, rates)
     hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     heads, kv_heads, head_dim, vocab = (
         shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
@@ -231,10 +265,16 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
-        "--layers", type=int, default=None, help=f"decoder layers (default: the model's; --quick 4; --moe {MOE_LAYERS})"
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (default: the model's; --quick 4; --moe {MOE_LAYERS}; --mla {MLA_LAYERS})",
     )
     parser.add_argument(
         "--moe", action="store_true", help="Qwen3-30B-A3B's shape (a mixture of experts) instead of Llama-3.2-1B's"
+    )
+    parser.add_argument(
+        "--mla", action="store_true", help="DeepSeek-V2-Lite's shape (multi-head latent attention, experts) instead"
     )
     parser.add_argument("--model-cache", default=str(Path.home() / ".cache" / "kernforge-bench"))
     parser.add_argument(
@@ -249,9 +289,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
-    shape_name = "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
+    shape_name = "deepseek-v2-lite" if args.mla else "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
     if args.moe and not args.layers:
         args.layers = MOE_LAYERS
+    if args.mla and not args.layers:
+        args.layers = MLA_LAYERS
     shape = dict(SHAPES[shape_name], **({"num_hidden_layers": args.layers} if args.layers else {}))
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
@@ -273,6 +315,8 @@ def main() -> None:
         return serve_main(model, columns, args)
     rates = measured_rates(args.threads)
     cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
+    if args.mla:
+        cases["prefill 1"] = (1, args.input, 1)  # TPOT at batch 1 = (batch 1 - prefill 1) / (output - 1)
     baseline = next(iter(columns))
     runs: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
@@ -304,6 +348,22 @@ def main() -> None:
                     f"{base / seconds:.2f}x",
                     f"{bound:.2f}",
                     f"{seconds / bound:.2f}",
+                ]
+            )
+    if "prefill 1" in cases:
+        base_decode = summary[f"batch 1/{baseline}"]["s"] - summary[f"prefill 1/{baseline}"]["s"]
+        for column in columns:
+            decode_s = summary[f"batch 1/{column}"]["s"] - summary[f"prefill 1/{column}"]["s"]
+            summary[f"tpot batch 1/{column}"] = {"ms": 1e3 * decode_s / (args.output - 1)}
+            rows.append(
+                [
+                    "TPOT batch 1 (ms)",
+                    column,
+                    f"{1e3 * decode_s / (args.output - 1):.1f}",
+                    "",
+                    f"{base_decode / decode_s:.2f}x",
+                    "",
+                    "",
                 ]
             )
     print()

@@ -1,8 +1,10 @@
-"""A Llama (or Qwen3-MoE) model directory with random weights and a small tokenizer, for trying and
-testing kernforge in a serving engine without a model hub: ``python -m
-kernforge.integrations.random_llama DIR [--shape llama-3.2-1b|tiny|qwen3-30b-a3b|tiny-moe]
-[--layers N]``; then ``vllm serve DIR``. Needs transformers. A shape with ``num_experts`` is a
-``Qwen3MoeForCausalLM`` (:func:`is_moe`), the others a ``LlamaForCausalLM``.
+"""A Llama (or Qwen3-MoE, or DeepSeek-V2) model directory with random weights and a small tokenizer,
+for trying and testing kernforge in a serving engine without a model hub: ``python -m
+kernforge.integrations.random_llama DIR [--shape llama-3.2-1b|tiny|qwen3-30b-a3b|tiny-moe|
+deepseek-v2-lite|tiny-deepseek] [--layers N]``; then ``vllm serve DIR``. Needs transformers. A shape
+with ``num_experts`` is a ``Qwen3MoeForCausalLM``, one with ``kv_lora_rank`` a
+``DeepseekV2ForCausalLM`` (multi-head latent attention; :func:`is_mla`), both mixtures of experts
+(:func:`is_moe`); the others a ``LlamaForCausalLM``.
 
 The tokenizer (built with the ``tokenizers`` library) has one word per token id, ``w0`` ... so
 any text of such words round-trips, and every id the model can sample decodes.
@@ -89,12 +91,77 @@ SHAPES = {
         tie_word_embeddings=False,
         initializer_range=0.2,  # as the tiny Llama's
     ),
+    # DeepSeek-V2-Lite's shape (random weights; 27 layers in the real model, the benchmarks take 4):
+    # MLA with a 512-wide latent KV and 64 RoPE dims, no q LoRA; the first layer dense, the others 64
+    # routed experts of 1408 (6 per token, softmax, not renormalized) and 2 shared ones. Plain RoPE
+    # (the real model's YaRN scaling does not change what the kernels compute).
+    "deepseek-v2-lite": dict(
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        head_dim=64,
+        vocab_size=102400,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # the smallest DeepSeek-V2 vLLM's CPU MLA runs (its decode kernel takes only a 512 + 64 latent):
+    # 4 heads of 32 + 64, a dense first layer, then 8 experts of 96 (2 per token) and a shared one
+    "tiny-deepseek": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=96,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        head_dim=64,
+        vocab_size=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # as the tiny Llama's
+    ),
 }
 
 
 def is_moe(shape: str) -> bool:
-    """Whether ``shape`` is a mixture of experts (a Qwen3-MoE) rather than a Llama."""
-    return "num_experts" in SHAPES[shape]
+    """Whether ``shape`` is a mixture of experts (a Qwen3-MoE or a DeepSeek-V2) rather than a Llama."""
+    return "num_experts" in SHAPES[shape] or is_mla(shape)
+
+
+def is_mla(shape: str) -> bool:
+    """Whether ``shape`` is a DeepSeek-V2 (multi-head latent attention, a mixture of experts)."""
+    return "kv_lora_rank" in SHAPES[shape]
 
 
 def word(token_id: int) -> str:
@@ -102,13 +169,16 @@ def word(token_id: int) -> str:
 
 
 def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, **config):
-    """A bf16 ``LlamaForCausalLM`` of ``shape`` (a ``Qwen3MoeForCausalLM`` for a MoE shape; ``layers``
-    decoder layers if given; ``config`` overrides more) with weights drawn from N(0,
-    initializer_range), norms at 1."""
+    """A bf16 ``LlamaForCausalLM`` of ``shape`` (a ``Qwen3MoeForCausalLM`` or ``DeepseekV2ForCausalLM``
+    for those shapes; ``layers`` decoder layers if given; ``config`` overrides more) with weights
+    drawn from N(0, initializer_range), norms at 1."""
     import torch
     from transformers.initialization import no_init_weights
 
-    if is_moe(shape):
+    if is_mla(shape):
+        from transformers import DeepseekV2Config as config_class
+        from transformers import DeepseekV2ForCausalLM as model_class
+    elif is_moe(shape):
         from transformers import Qwen3MoeConfig as config_class
         from transformers import Qwen3MoeForCausalLM as model_class
     else:

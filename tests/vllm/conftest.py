@@ -5,6 +5,8 @@ environment has no vLLM and leaves this folder out).
   tokenizer), built once per session.
 * ``moe_model_dir``: the same size as a Qwen3-MoE (8 experts of 96, 2 per token, renormalized; the
   tiny Llama's tokenizer), built once per session.
+* ``mla_model_dir``: a DeepSeek-V2 as small as vLLM's CPU MLA takes (its 512 + 64 latent; 4 heads,
+  a dense layer then 8 experts of 96, 2 per token, and a shared one), built once per session.
 * ``vllm_config``: vLLM's config for that model, current while a test builds vLLM layers.
 """
 
@@ -23,6 +25,13 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("vllm-moe-model") / "tiny-moe", "tiny-moe", max_position=2048)
+
+
+@pytest.fixture(scope="session")
+def mla_model_dir(tmp_path_factory):
+    return make_model_dir(
+        tmp_path_factory.mktemp("vllm-mla-model") / "tiny-deepseek", "tiny-deepseek", max_position=2048
+    )
 
 
 @pytest.fixture

