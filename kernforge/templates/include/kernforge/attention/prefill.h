@@ -241,6 +241,8 @@ class PrefillKernel {
   // read past the row): those, and fp8 rows, are copied (widened) into zero-padded scratch rows, as
   // are rows split across two tensors (io.pe_dim > 0), known at run time.
   static constexpr bool kCopiesKeys = kBf16 && (!std::is_same_v<KVT, bf16> || kHeadQK % 2 != 0);
+  // Up to this many query rows per item, scores are computed as K . Q^T (scores_by_key_rows).
+  static constexpr int64_t kFewRows = 32;
   static_assert(kBlockN % kNR == 0 && kBlockN % 2 == 0, "a key block is whole micro-tiles of keys");
 
  public:
@@ -268,7 +270,7 @@ class PrefillKernel {
   // the output accumulators and the running max and sum, 64-byte aligned pieces of one buffer.
   struct Scratch {
     Compute *q, *k, *p, *v, *convert;
-    float *s, *o, *pv, *m, *l;
+    float *s, *o, *pv, *m, *l, *st;
     int64_t bytes;
 
     static Scratch layout(int64_t rows, char* base) {
@@ -287,7 +289,8 @@ class PrefillKernel {
       s.convert = reinterpret_cast<Compute*>(take(kBf16 ? kBlockN * kDepthQK * sizeof(Compute) : 0));
       s.s = reinterpret_cast<float*>(take(rows * kBlockN * sizeof(float)));
       s.o = reinterpret_cast<float*>(take(rows * kVO * sizeof(float)));
-      s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kVO * sizeof(float) : 0));  // P . V of one block
+      s.pv = reinterpret_cast<float*>(take(kAmx ? rows * kVO * sizeof(float) : 0));           // P . V of one block
+      s.st = reinterpret_cast<float*>(take(kBf16 ? kBlockN * kFewRows * sizeof(float) : 0));  // S^T, few rows
       s.m = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.l = reinterpret_cast<float*>(take(rows * sizeof(float)));
       s.bytes = at;
@@ -347,6 +350,8 @@ class PrefillKernel {
 #if KF_HAS_AMX
     bool enabled = kAmx && gemm::amx::tiles_permitted();
     gemm::amx::Tiles state;
+
+    bool active() const { return enabled; }
     gemm::amx::TailBuffers<gemm::amx::Bf16Product> tails;
 
     // s.s[rows x kBlockN] = Q . K^T, 32 x 32 blocks.
@@ -382,6 +387,7 @@ class PrefillKernel {
       return true;
     }
 #else
+    bool active() const { return false; }
     bool scores(const TileView&, const Scratch&) { return false; }
     bool accumulate(const TileView&, const Scratch&) { return false; }
 #endif
@@ -411,14 +417,20 @@ class PrefillKernel {
     visible_keys(t.query_begin + t.queries - 1, t.qo_len, t.kv_len, causal, p_.window_left, lo_last, hi_last);
     int64_t visited = 0;
     Tiles tiles;
+    const bool by_key_rows = kBf16 && t.rows <= kFewRows && !tiles.active();
+    if (by_key_rows) pack_query_columns(t, s);
     const int64_t kv_end = std::min<int64_t>(item.kv_end, hi_last);
     for (int64_t k0 = std::max<int64_t>(item.kv_begin, lo_first / kBlockN * kBlockN); k0 < kv_end; k0 += kBlockN) {
       const int64_t count = std::min<int64_t>(kBlockN, t.kv_len - k0);
       // Every row sees all of [k0, k0 + kBlockN) only inside the first row's upper bound and the
       // last row's lower bound, and only for a whole block.
       const bool whole = p_.mask == 0 && count == kBlockN && k0 >= lo_last && k0 + kBlockN <= hi_first;
-      load_keys(io, t, k0, count, s);
-      if (!tiles.scores(t, s)) scores(t, s);
+      if (by_key_rows) {
+        scores_by_key_rows(io, t, k0, count, s);
+      } else {
+        load_keys(io, t, k0, count, s);
+        if (!tiles.scores(t, s)) scores(t, s);
+      }
       softmax(t, k0, count, whole, float(io.qk_scale), s);
       load_values(io, t, k0, count, s);
       if (!tiles.accumulate(t, s)) accumulate(t, s);
@@ -640,6 +652,48 @@ class PrefillKernel {
     for (int i = 0; i < kWidth; ++i)
       dst[i] = bit_cast<uint32_t>(lo[i]) >> 16 | (bit_cast<uint32_t>(hi[i]) & 0xffff0000u);
 #endif
+  }
+
+  // Few query rows (a decode step's heads, MLA's 16): S^T = K . Q^T instead, the block's key rows
+  // the micro-kernel's A as they are (in place, or as load_keys converts them) and Q^T packed once
+  // per item; at 16 rows, transposing every key block would cost as much as the product. The small
+  // S^T is transposed into s.s for the softmax.
+  static int64_t query_columns(int64_t rows) { return rows <= 16 ? 16 : kFewRows; }
+
+  // Q^T as pair words: word (pair p, row c) at s.k[p * columns + c], rows past t.rows zero.
+  void pack_query_columns(const TileView& t, const Scratch& s) const {
+    const int64_t columns = query_columns(t.rows);
+    auto* words = reinterpret_cast<uint32_t*>(s.k);
+    const auto* q = reinterpret_cast<const uint32_t*>(s.q);
+    for (int64_t p = 0; p < kDepthQK / 2; ++p)
+      for (int64_t c = 0; c < columns; ++c) words[p * columns + c] = c < t.rows ? q[c * (kDepthQK / 2) + p] : 0u;
+  }
+
+  void scores_by_key_rows(const kf_prefill_layer& io, const TileView& t, int64_t k0, int64_t count,
+                          const Scratch& s) const {
+    const int64_t columns = query_columns(t.rows);
+    const auto* q_columns = reinterpret_cast<const uint32_t*>(s.k);
+    std::fill_n(s.st, kBlockN * columns, 0.0f);
+    const uint32_t* rows[kBlockN];
+    for (int64_t j = 0; j < count; ++j) rows[j] = key_words(io, t, k0 + j, s, j);
+    for (int64_t j = 0; j < count;) {  // runs of up to kMR keys whose rows are equally spaced (a page)
+      const intptr_t step = j + 1 < count ? reinterpret_cast<intptr_t>(rows[j + 1]) - intptr_t(rows[j]) : 0;
+      int64_t run = 1;
+      while (run < kMR && j + run < count &&
+             reinterpret_cast<intptr_t>(rows[j + run]) - intptr_t(rows[j + run - 1]) == step)
+        ++run;
+      const auto* a = reinterpret_cast<const bf16*>(rows[j]);
+      const int64_t lda = step / intptr_t(sizeof(bf16));
+      float* c = s.st + j * columns;
+      if (columns == 16) {
+        gemm::micro_kernel_rows<kMR, 16>(run, a, lda, q_columns, columns, kDepthQK, c, columns);
+      } else {
+        gemm::micro_kernel_rows<kMR, kFewRows>(run, a, lda, q_columns, columns, kDepthQK, c, columns);
+      }
+      j += run;
+    }
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t j = 0; j < kBlockN; ++j) s.s[r * kBlockN + j] = s.st[j * columns + r];
   }
 
   // s.s[rows x kBlockN] = Q . K^T.
