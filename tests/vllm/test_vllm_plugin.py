@@ -3,6 +3,7 @@ the version warning, each replaced layer against vLLM's own on the same inputs, 
 internals it was written against, checked so that a vLLM release that moves them fails here
 rather than mis-serve."""
 
+import functools
 import inspect
 
 import pytest
@@ -143,6 +144,82 @@ def test_rotary_embedding_matches_vllms_on_strided_q_and_k(registered, vllm_conf
     got_q, got_k = rope.forward_native(positions, q, k)
     torch.testing.assert_close(got_q, expected_q, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got_k, expected_k, atol=2e-2, rtol=2e-2)
+
+
+def _mla_rope_inputs():
+    """DeepSeek-V2's MLA layout (vLLM's ``MultiHeadLatentAttentionWrapper.forward``, no q LoRA): q
+    ``[T, 4, 32 + 64]`` whose rotated part ``q[..., 32:]`` is a ``[T, 4, 64]`` view with head stride
+    96, and k_pe the last 64 of each ``[T, 512 + 64]`` kv_a row, unsqueezed to ``[T, 1, 64]``."""
+    q, kv_a = _rows(23, 4 * 96, 7).view(23, 4, 96), _rows(23, 512 + 64, 8)
+    positions = torch.randint(0, 2048, (23,), generator=torch.Generator().manual_seed(9))
+    return q, kv_a, positions
+
+
+def _rotate_mla(forward, q, kv_a, positions):
+    """What the MLA wrapper does with a rotary embedding's forward, on copies of q and kv_a."""
+    q, kv_a = q.clone(), kv_a.clone()
+    _, k_pe = kv_a.split([512, 64], dim=-1)
+    q[..., 32:], k_pe = forward(positions, q[..., 32:], k_pe.unsqueeze(1))
+    return q, k_pe
+
+
+def _interleaved_rope_reference(x, positions, theta=1e4):
+    """float64 RoPE on pairs (2i, 2i + 1) of x ``[T, heads, d]``."""
+    x, d = x.double(), x.shape[-1]
+    angles = positions.double()[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+def _deepseek_rope():
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    # DeepSeek-V2's call (vllm.model_executor.models.deepseek_v2), default RoPE
+    return get_rope(
+        64, max_position=2048, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, is_neox_style=False
+    )
+
+
+def test_rotary_embedding_on_the_mla_layout_matches_a_float_reference(registered, vllm_config):
+    """kernforge's RoPE on DeepSeek's strided, interleaved q_pe / k_pe: a float64 rotation's values
+    (and vLLM's forward_native's), the non-rotated part of q untouched."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    rope = _deepseek_rope()
+    assert isinstance(rope, layers.KernforgeRotaryEmbedding)
+    q, kv_a, positions = _mla_rope_inputs()
+    got_q, got_k = _rotate_mla(rope.forward_native, q, kv_a, positions)
+    torch.testing.assert_close(got_q[..., :32], q[..., :32], atol=0, rtol=0)
+    expected_q = _interleaved_rope_reference(q[..., 32:], positions)
+    expected_k = _interleaved_rope_reference(kv_a[:, 512:].unsqueeze(1), positions)
+    torch.testing.assert_close(got_q[..., 32:].double(), expected_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_k.double(), expected_k, atol=2e-2, rtol=2e-2)
+    native_q, native_k = _rotate_mla(functools.partial(RotaryEmbedding.forward_native, rope), q, kv_a, positions)
+    torch.testing.assert_close(got_q, native_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_k, native_k, atol=2e-2, rtol=2e-2)
+
+
+def test_vllms_cpu_rope_kernel_mis_rotates_the_mla_layout(registered, vllm_config):
+    """Why stock vLLM, run eagerly, is no reference for DeepSeek-V2 on the CPU (test_vllm_engine's
+    test_mla_model_layers_and_moe_against_transformers): vLLM 0.32's ``RotaryEmbedding.forward_cpu``
+    (its C++ ``rotary_embedding``, what an eager engine runs; a compiled one runs forward_native)
+    rotates a 3-D q ``[T, H, 64]`` and a strided k_pe wrongly (errors of several units here) while
+    (it also writes into the kv_c part of the kv_a rows) while its 2-D contiguous inputs, Llama's,
+    come out right. When this fails, vLLM has fixed its kernel."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    rope = _deepseek_rope()
+    q, kv_a, positions = _mla_rope_inputs()
+    got_q, got_k = _rotate_mla(functools.partial(RotaryEmbedding.forward_cpu, rope), q, kv_a, positions)
+    q_error = (got_q[..., 32:].double() - _interleaved_rope_reference(q[..., 32:], positions)).abs().max()
+    k_error = (got_k.double() - _interleaved_rope_reference(kv_a[:, 512:].unsqueeze(1), positions)).abs().max()
+    assert q_error > 0.5 and k_error > 0.5
+    # the same values as contiguous [T, H * 64] rows: right
+    rows_q, rows_k = q[..., 32:].reshape(23, -1).clone(), kv_a[:, 512:].contiguous()
+    flat_q, flat_k = RotaryEmbedding.forward_cpu(rope, positions, rows_q, rows_k)
+    expected = _interleaved_rope_reference(q[..., 32:], positions)
+    torch.testing.assert_close(flat_q.view(23, 4, 64).double(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 77])

@@ -6,7 +6,10 @@
   ``forward_native`` (what vLLM runs under torch.compile, its CPU default) and ``forward_cpu`` (with
   custom ops on) call ``kernforge.torch_library``'s ops, which Dynamo traces as one graph node
   each. Arguments kernforge does not take (a variance size override, RoPE without a key) go to
-  vLLM's own forward.
+  vLLM's own forward. vLLM's own ``RotaryEmbedding.forward_cpu`` (its C++ ``rotary_embedding``,
+  what an eager engine runs) mis-rotates DeepSeek MLA's 3-D strided q_pe and strided k_pe
+  (vLLM 0.32; its ``forward_native`` is right): kernforge's rotation matches ``forward_native`` and a
+  float64 one there, so on an MLA model an eager stock engine, not this plugin, is the one off.
 * Unquantized linear layers: vLLM prepacks them for oneDNN in
   ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, for which vLLM has no
   extension point. :func:`patch_linear_dispatch` replaces that function (checked against the
