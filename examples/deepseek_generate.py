@@ -21,54 +21,21 @@ import argparse
 
 import torch
 from llama_generate import side_by_side
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM
+from moe_generate import load_checkpoint
 
-# DeepSeek-V2-Lite's config.json (the fields that shape the model)
-DEEPSEEK_V2_LITE = dict(
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    n_routed_experts=64,
-    num_experts_per_tok=6,
-    n_shared_experts=2,
-    moe_intermediate_size=1408,
-    first_k_dense_replace=1,
-    topk_method="greedy",
-    routed_scaling_factor=1.0,
-    norm_topk_prob=False,
-    max_position_embeddings=163840,
-    rms_norm_eps=1e-6,
-    bos_token_id=100000,
-    eos_token_id=100001,
-)
+from kernforge.integrations.random_llama import random_llama
 
 
 def random_deepseek_v2_lite(layers: int, experts: int | None = None, seed: int = 0) -> torch.nn.Module:
-    """A bf16 ``DeepseekV2ForCausalLM`` of DeepSeek-V2-Lite's shape with ``layers`` decoder layers (and
-    ``experts`` routed experts if given), random weights, sdpa attention."""
-    overrides = {"num_hidden_layers": layers, **({"n_routed_experts": experts} if experts else {})}
-    config = DeepseekV2Config(**{**DEEPSEEK_V2_LITE, **overrides}, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return DeepseekV2ForCausalLM(config).to(torch.bfloat16).eval()
+    """A bf16 ``DeepseekV2ForCausalLM`` of DeepSeek-V2-Lite's shape (random_llama's ``deepseek-v2-lite``)
+    with ``layers`` decoder layers (and ``experts`` routed experts if given), sdpa attention."""
+    overrides = {"n_routed_experts": experts} if experts else {}
+    return random_llama("deepseek-v2-lite", seed, layers, attn_implementation="sdpa", **overrides)
 
 
 def build_model(checkpoint: str | None, layers: int | None, experts: int | None) -> torch.nn.Module:
     """The stock bf16 model: from a local checkpoint directory, or random weights."""
-    if checkpoint:
-        overrides = {"num_hidden_layers": layers} if layers else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.bfloat16, local_files_only=True, attn_implementation="sdpa", **overrides
-        )
-        return model.eval()
-    return random_deepseek_v2_lite(layers or 4, experts)
+    return load_checkpoint(checkpoint, layers) if checkpoint else random_deepseek_v2_lite(layers or 4, experts)
 
 
 def main() -> int:

@@ -32,15 +32,18 @@ def random_qwen3_moe(layers: int, experts: int | None = None, seed: int = 0) -> 
     return random_llama("qwen3-30b-a3b", seed, layers, attn_implementation="sdpa", **overrides)
 
 
+def load_checkpoint(checkpoint: str, layers: int | None) -> torch.nn.Module:
+    """A local checkpoint directory as a stock bf16 model (sdpa attention; ``layers`` decoder layers if given)."""
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.bfloat16, local_files_only=True, attn_implementation="sdpa", **overrides
+    )
+    return model.eval()
+
+
 def build_model(checkpoint: str | None, layers: int | None, experts: int | None) -> torch.nn.Module:
     """The stock bf16 model: from a local checkpoint directory, or random weights."""
-    if checkpoint:
-        overrides = {"num_hidden_layers": layers} if layers else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.bfloat16, local_files_only=True, attn_implementation="sdpa", **overrides
-        )
-        return model.eval()
-    return random_qwen3_moe(layers or 2, experts)
+    return load_checkpoint(checkpoint, layers) if checkpoint else random_qwen3_moe(layers or 2, experts)
 
 
 def main() -> int:
