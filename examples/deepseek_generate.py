@@ -17,11 +17,9 @@ examples/moe_generate.py does (a difference away from a near-tie is reported, no
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from llama_generate import side_by_side
-from moe_generate import load_checkpoint
+from moe_generate import load_checkpoint, parse_arguments
 
 from kernforge.integrations.random_llama import random_llama
 
@@ -39,16 +37,7 @@ def build_model(checkpoint: str | None, layers: int | None, experts: int | None)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", nargs="?", help="a local checkpoint directory (default: random weights)")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batch", action="store_true", help="8 prompts of uneven lengths, 128 to 2048 tokens")
-    parser.add_argument("--quant", choices=["int8", "fp8_block"], default=None)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (random weights: default 4)")
-    parser.add_argument("--experts", type=int, default=None, help="fewer routed experts (random weights)")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_arguments(__doc__, 4, ("int8", "fp8_block"))
 
     torch.set_num_threads(args.threads)
     stock = build_model(args.checkpoint, args.layers, args.experts)

@@ -46,17 +46,24 @@ def build_model(checkpoint: str | None, layers: int | None, experts: int | None)
     return load_checkpoint(checkpoint, layers) if checkpoint else random_qwen3_moe(layers or 2, experts)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(description: str, default_layers: int, quants: tuple[str, ...]) -> argparse.Namespace:
+    """The MoE examples' command line: a checkpoint or random weights, the prompt, the quantization."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", nargs="?", help="a local checkpoint directory (default: random weights)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", action="store_true", help="8 prompts of uneven lengths, 128 to 2048 tokens")
-    parser.add_argument("--quant", choices=["int8"], default=None)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (random weights: default 2)")
+    parser.add_argument("--quant", choices=list(quants), default=None)
+    parser.add_argument(
+        "--layers", type=int, default=None, help=f"decoder layers (random weights: default {default_layers})"
+    )
     parser.add_argument("--experts", type=int, default=None, help="fewer experts (random weights), for a quick run")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_arguments(__doc__, 2, ("int8",))
 
     torch.set_num_threads(args.threads)
     stock = build_model(args.checkpoint, args.layers, args.experts)

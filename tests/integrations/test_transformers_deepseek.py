@@ -121,8 +121,7 @@ def deepseek(request):
         return request.param, *build(request.param)
 
 
-def padded_batch(lengths, seed: int = 7):
-    return llama_tests.padded_batch(lengths, seed, lowest_id=3)
+padded_batch = moe_tests.padded_batch  # left-padded prompts with ids from 3 up (no special tokens)
 
 
 @torch.no_grad()
