@@ -96,7 +96,7 @@ MODELS = {
         ),
     ),
 }
-LENGTHS = [13, 70]  # a left-padded batch; 70 >= RAGGED_PREFILL_MIN_TOKENS (32): its prefill runs unabsorbed
+LENGTHS = [13, 70]  # a left-padded batch; 70 >= RAGGED_PREFILL_MIN_TOKENS: its prefill runs unabsorbed
 NEW_TOKENS = 8
 CACHE = moe_tests.CACHE
 
@@ -154,10 +154,16 @@ def test_modules_are_replaced(deepseek):
 # --------------------------------------------------------------------------- logits and tokens
 
 
-@pytest.mark.parametrize("lengths", [[9], LENGTHS], ids=["absorbed_prefill", "padded_ragged_prefill"])
-def test_last_logits_match_stock(deepseek, lengths):
+@pytest.mark.parametrize(
+    "lengths, ragged_from",
+    [([9], 1 << 30), (LENGTHS, _cache.RAGGED_PREFILL_MIN_TOKENS)],
+    ids=["absorbed_prefill", "padded_ragged_prefill"],
+)
+def test_last_logits_match_stock(deepseek, lengths, ragged_from, monkeypatch):
     """Each row of a (left-padded) batch vs stock on that prompt alone (stock's own padded forward,
-    positions counted from the padding, is further off: cosine 0.9935 for v2_lite's short row)."""
+    positions counted from the padding, is further off: cosine 0.9935 for v2_lite's short row); the
+    prompt attends absorbed (over the latent pages) or unabsorbed (the ragged prefill)."""
+    monkeypatch.setattr(_cache, "RAGGED_PREFILL_MIN_TOKENS", ragged_from)
     kind, stock, ours = deepseek
     ids, _ = padded_batch(lengths)
     ours_logits = last_logits(ours, lengths)
