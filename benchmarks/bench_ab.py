@@ -24,7 +24,19 @@ import subprocess
 import sys
 import time
 
-CASES = ("decode_bf16", "decode_fp8", "decode_bf16_d64", "prefill_2048", "gemm_m1", "gemm_m256")
+CASES = (
+    "decode_bf16",
+    "decode_fp8",
+    "decode_bf16_d64",
+    "decode_bf16_l2",
+    "decode_bf16_l3",
+    "decode_fp8_l3",
+    "decode_bf16_g1_l3",
+    "decode_bf16_g8_l3",
+    "prefill_2048",
+    "gemm_m1",
+    "gemm_m256",
+)
 
 
 def _median_seconds(fn, budget: float = 1.0, min_calls: int = 15) -> float:
@@ -86,6 +98,13 @@ def _measure(cases: list[str]) -> dict[str, float]:
         "decode_bf16": lambda: decode(torch.bfloat16),
         "decode_fp8": lambda: decode(torch.float8_e4m3fn),
         "decode_bf16_d64": lambda: decode(torch.bfloat16, head_dim=64),
+        # 1 MB of KV (in the L2s) and 4 MB (in the L3): the rate the kernel's arithmetic allows
+        # 1 MB of KV (in the L2s) and 4 MB (in the L3): the rate the kernel's arithmetic allows
+        "decode_bf16_l2": lambda: decode(torch.bfloat16, batch=2, length=512),
+        "decode_bf16_l3": lambda: decode(torch.bfloat16, length=64),
+        "decode_fp8_l3": lambda: decode(torch.float8_e4m3fn, length=64),
+        "decode_bf16_g1_l3": lambda: decode(torch.bfloat16, length=64, heads=8),
+        "decode_bf16_g8_l3": lambda: decode(torch.bfloat16, length=64, heads=64),
         "prefill_2048": prefill,
         "gemm_m1": lambda: gemm(1),
         "gemm_m256": lambda: gemm(256),

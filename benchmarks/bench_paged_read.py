@@ -8,11 +8,12 @@ NHD, page table shuffled, the requests split over the threads, decode.h's order 
 32 tokens, head by head: K rows then V rows), one request at a time per thread, the next block
 prefetched row by row. Variants change one of: prefetch distance (none, 2, 4 blocks), order
 (token-major: every head of a token at once), streams (2, 4 requests per thread in turn), page size
-(64, 256), layout (HND), dtype (fp8: 128-byte rows), the prefetch hint (prefetcht1: into L2 only
-on Zen 4 and later). Also kernforge's decode itself on the
-baseline's cache (q bf16, group 4), and on the page-size, HND and fp8 caches, so the load-only
-figures have the real kernel beside them; and the kernel on 16 MB of KV (in the L3), the rate its
-arithmetic allows.
+(64, 256), layout (HND, pages of 16 to 256), dtype (fp8: 128-byte rows), the prefetch hint
+(prefetcht1: into L2 only on Zen 4 and later; or prefetcht1 of a row's first line only, the rest
+left to the hardware prefetchers). Also kernforge's decode itself on the baseline's cache (q bf16,
+group 4), and on the page-size (64, 128, 256), HND (pages of 16 to 256) and fp8 caches, so the
+load-only figures have the real kernel beside them; and the kernel on 16 MB of KV (in the L3), the
+rate its arithmetic allows.
 
     .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1 minute
 """
@@ -124,6 +125,10 @@ def main() -> int:
             "nhd64": (64, "NHD", torch.bfloat16),
             "nhd256": (256, "NHD", torch.bfloat16),
             "hnd16": (16, "HND", torch.bfloat16),
+            "hnd64": (64, "HND", torch.bfloat16),
+            "hnd128": (128, "HND", torch.bfloat16),
+            "hnd256": (256, "HND", torch.bfloat16),
+            "nhd128": (128, "NHD", torch.bfloat16),
             "fp8": (16, "NHD", torch.uint8),
         }.items()
     }
@@ -153,11 +158,19 @@ def main() -> int:
         "page 256, no prefetch": (walker(run, caches["nhd256"], t, prefetch=0), base.bytes),
         "HND, page 16": (walker(run, caches["hnd16"], t), base.bytes),
         "HND, page 16, no prefetch": (walker(run, caches["hnd16"], t, prefetch=0), base.bytes),
+        "HND, page 64": (walker(run, caches["hnd64"], t), base.bytes),
+        "HND, page 128": (walker(run, caches["hnd128"], t), base.bytes),
+        "HND, page 128, prefetcht1": (walker(run, caches["hnd128"], t, hint=1), base.bytes),
+        "HND, page 128, prefetcht1 of each row's first line": (walker(run, caches["hnd128"], t, hint=2), base.bytes),
         "fp8 rows (128 B), page 16": (walker(run, caches["fp8"], t), caches["fp8"].bytes),
         "kernforge decode (bf16, group 4)": (decode_call(base, g), base.bytes),
         "kernforge decode, page 64": (decode_call(caches["nhd64"], g), base.bytes),
         "kernforge decode, page 256": (decode_call(caches["nhd256"], g), base.bytes),
+        "kernforge decode, page 128": (decode_call(caches["nhd128"], g), base.bytes),
         "kernforge decode, HND": (decode_call(caches["hnd16"], g), base.bytes),
+        "kernforge decode, HND, page 64": (decode_call(caches["hnd64"], g), base.bytes),
+        "kernforge decode, HND, page 128": (decode_call(caches["hnd128"], g), base.bytes),
+        "kernforge decode, HND, page 256": (decode_call(caches["hnd256"], g), base.bytes),
         "kernforge decode, fp8 KV": (decode_call(caches["fp8"], g), caches["fp8"].bytes),
         "kernforge decode, KV in L3 (16 MB): its arithmetic's rate": (decode_call(hot, g), hot.bytes),
         "kernforge decode, fp8 KV in L3 (16 MB)": (decode_call(hot_fp8, g), hot_fp8.bytes),

@@ -1,7 +1,7 @@
 """The paged KV cache: a transformers ``Cache`` whose keys and values live in kernforge's pages.
 
-One :class:`PagePool` per optimized model holds every layer's pages (``[num_pages, 2, page_size,
-num_kv_heads, head_dim]`` per layer, FlashInfer's NHD layout) and a free list. A
+One :class:`PagePool` per optimized model holds every layer's pages (``[num_pages, 2, num_kv_heads,
+page_size, head_dim]`` per layer, FlashInfer's HND layout: see :data:`KV_LAYOUT`) and a free list. A
 :class:`PagedCache` is one batch's use of the pool: the pages of each sequence, in order, and
 the attention plans of the current step. Pages return to the pool when the cache is reset or
 garbage-collected.
@@ -26,6 +26,12 @@ from kernforge.integrations.transformers import _kernels as kf
 
 _WORKSPACE_BYTES = 16 << 20  # the wrappers grow it when a plan needs more
 
+# The pages' layout. HND: a head's rows of a page are one run of bytes (4 KiB for 16 tokens of
+# head_dim 128 in bf16), which decode reads head by head; in NHD a head's row is 256 bytes of every
+# 2 KiB. Decode read the KV 1.15-1.25x faster from HND pages of 16 than from NHD pages of 16 on
+# a Zen 4, and larger HND pages (64, 128) no faster again (benchmarks/RESULTS.md, issue 22).
+KV_LAYOUT = "HND"
+
 
 class KVCacheFullError(RuntimeError):
     """The page pool has no free page left for a step."""
@@ -44,8 +50,8 @@ class AttentionSpec:
     window_lefts: tuple[int, ...]  # per layer; -1: full attention
 
     def page_shape(self, page_size: int) -> tuple[int, ...]:
-        """One layer's page: K and V planes of ``page_size`` tokens (FlashInfer's NHD layout)."""
-        return (2, page_size, self.num_kv_heads, self.head_dim)
+        """One layer's page: K and V planes of ``page_size`` tokens (FlashInfer's HND layout)."""
+        return (2, self.num_kv_heads, page_size, self.head_dim)
 
 
 class PagePool:
@@ -199,6 +205,7 @@ class PagedCache(Cache):
             step.kv_indices,
             step.kv_indptr,
             step.last_page_len,
+            kv_layout=KV_LAYOUT,
         )
         return key_states, value_states
 
@@ -321,7 +328,8 @@ class PagedCache(Cache):
         wrapper = self._wrappers.get((decode, window_left))
         if wrapper is None:
             make = kf.BatchDecodeWithPagedKVCacheWrapper if decode else kf.BatchPrefillWithPagedKVCacheWrapper
-            wrapper = self._wrappers[decode, window_left] = make(torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8))
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8)
+            wrapper = self._wrappers[decode, window_left] = make(workspace, KV_LAYOUT)
             wrapper._grows_workspace = True  # kernforge's own wrappers: let plan() size the workspace
         common = dict(window_left=window_left, sm_scale=spec.sm_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
         if decode:
