@@ -8,6 +8,9 @@ permutation of the pool (a request's pages are not contiguous, as in a serving e
 Paths compared per case (round-robin in one run, see _harness.compare)
     kf       kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD"): plan() once per case,
              then run(q, paged_kv_cache, out=preallocated).
+    kf HND   the same on the same pages in FlashInfer's HND layout ([num_pages, 2, 8, 16, 128]: a
+             head's 16 rows of a page contiguous), the layout kernforge's transformers integration
+             and vLLM plugin hold.
     sdpa     torch F.scaled_dot_product_attention(q [B, 32, 1, 128], K, V, enable_gqa=True) on a
              dense copy of the KV ([B, 8, L, 128] each, copied from the pages outside the timing).
     gmm      a torch grouped-matmul path on the same dense copy: the 4 query heads of one KV head
@@ -218,9 +221,9 @@ def compiled_grouped_matmul() -> Callable:
 # --------------------------------------------------------------------------- kernforge
 
 
-def kf_wrapper(batch: PagedBatch, kv_dtype: torch.dtype):
+def kf_wrapper(batch: PagedBatch, kv_dtype: torch.dtype, layout: str = "NHD"):
     """A planned kernforge decode wrapper and a zero-argument plan() call (for timing)."""
-    w = KF_DECODE(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8), kv_layout="NHD")
+    w = KF_DECODE(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8), kv_layout=layout)
 
     def plan():
         w.plan(
@@ -351,7 +354,9 @@ STREAM_TARGET_CASES = ((16, 4096), (64, 1024), (1, 32768))
 
 def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
     """Bytes a grid case holds: per layer the paged cache, the dense copy, vLLM's cache; fp8 at 16K."""
-    per = kv_bytes(B * L) * (2 + with_vllm) + (kv_bytes(B * L, 1) if L == FP8_LEN and KF_DECODE else 0)
+    per = kv_bytes(B * L) * (2 + bool(KF_DECODE) + with_vllm) + (
+        kv_bytes(B * L, 1) if L == FP8_LEN and KF_DECODE else 0
+    )
     return per * layers
 
 
@@ -388,6 +393,11 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
             calls["kf"] = lambda i: w.run(q, caches[i], out=out)
         except Exception as exc:  # the wrapper is being written: report, time the rest
             rec["notes"].append(f"kernforge decode (bf16 KV) failed: {type(exc).__name__}: {exc}")
+        # the same pages in FlashInfer's HND layout (a head's rows of a page contiguous)
+        hnd = [c.transpose(2, 3).contiguous() for c in caches]
+        out_hnd = torch.empty(B, HQ, D, dtype=BF16)
+        w_hnd, plans["kf HND"] = kf_wrapper(batch, BF16, "HND")
+        calls["kf HND"] = lambda i: w_hnd.run(q, hnd[i], out=out_hnd)
     if KF_DECODE is not None and L == FP8_LEN:
         fp8 = [quantize_fp8(c) for c in caches]
         try:
@@ -600,6 +610,8 @@ def print_grid(rows: list[dict], dram_now: float, roof_dram: float, args) -> Non
         "kf GB/s",
         "% now",
         "% roof",
+        "kf HND µs",
+        "HND % now",
         "sdpa/kf",
         "gmm/kf",
         "compile/kf",
@@ -627,6 +639,8 @@ def print_grid(rows: list[dict], dram_now: float, roof_dram: float, args) -> Non
                 H.fmt(gbs, 1),
                 f"{100 * gbs / dram_now:.0f}%" if gbs else "n/a",
                 f"{100 * gbs / roof_dram:.0f}%" if gbs else "n/a",
+                cell(u.get("kf HND")),
+                f"{100 * r['bytes'] / (u['kf HND'] * 1e3) / dram_now:.0f}%" if u.get("kf HND") else "n/a",
                 ratio(u.get("sdpa"), kf),
                 ratio(u.get("gmm"), kf),
                 ratio(u.get("compile"), kf),
@@ -935,6 +949,17 @@ def main() -> int:
             min(pct.values()) >= 85,
             ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in pct.items()),
         )
+        hnd = {
+            (r["B"], r["L"]): 100 * r["bytes"] / (r["us"]["kf HND"] * 1e3) / dram_now
+            for r in target_rows
+            if "kf HND" in r["us"]
+        }
+        if hnd:
+            verdict(
+                "(same on the HND layout)",
+                min(hnd.values()) >= 85,
+                ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in hnd.items()),
+            )
     if long_rows:
         sp = {(r["B"], r["L"]): r["us"]["gmm"] / r["us"]["kf"] for r in long_rows if "gmm" in r["us"]}
         verdict(
