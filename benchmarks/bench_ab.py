@@ -8,6 +8,11 @@ the B/A ratio of each round.
 
     python benchmarks/bench_ab.py --a /path/to/old-checkout --b . --rounds 4
 
+--pinned: A and B at the same time instead, one thread each, each process on a core of its own
+(taskset), the cores swapped every round. For kernels bound by their arithmetic (the *_l2 / *_l3
+cases) this removes the drift altogether: both trees see the same minutes. Not for DRAM-bound
+cases, where the two processes share the memory bandwidth unevenly.
+
 Cases (2 threads, bf16 unless named): paged decode B=16, L=4096, 32/8 heads, head_dim 128, pages of
 16 shuffled (bf16 and fp8 e4m3 KV, and head_dim 64); causal ragged prefill of 2048 tokens; the
 prepacked GEMM at M=1 (a 32 MiB weight, streamed) and M=256 on 4096x4096. Times are medians of
@@ -50,13 +55,13 @@ def _median_seconds(fn, budget: float = 1.0, min_calls: int = 15) -> float:
     return statistics.median(samples)
 
 
-def _measure(cases: list[str]) -> dict[str, float]:
+def _measure(cases: list[str], threads: int) -> dict[str, float]:
     """One process: the cases' median seconds (run in the tree PYTHONPATH selects)."""
     import torch
 
     import kernforge as kf
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
 
     def decode(kv_dtype, batch=16, length=4096, heads=32, kv_heads=8, head_dim=128, page=16):
@@ -112,17 +117,33 @@ def _measure(cases: list[str]) -> dict[str, float]:
     return {case: timers[case]() for case in cases}
 
 
-def _run_tree(tree: str, cases: list[str]) -> dict[str, float]:
+def _start_tree(tree: str, cases: list[str], core: int | None = None) -> subprocess.Popen:
+    """A child process timing `cases` in `tree` (2 threads; 1, pinned to `core`, when given)."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", "--cases", *cases],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=os.path.abspath(tree),
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, __file__, "--child", "--threads", "2" if core is None else "1", "--cases", *cases]
+    if core is not None:
+        command = ["taskset", "-c", str(core), *command]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, cwd=os.path.abspath(tree))
+
+
+def _result(child: subprocess.Popen) -> dict[str, float]:
+    out, _ = child.communicate()
+    if child.returncode:
+        raise RuntimeError(f"a timing process failed (exit {child.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _round(args, n: int) -> tuple[dict[str, float], dict[str, float]]:
+    """One round's (A, B) medians: at the same time on swapped cores (--pinned), else one after
+    the other, A first in even rounds and B first in odd ones (no order bias)."""
+    if args.pinned:
+        a, b = _start_tree(args.a, args.cases, n % 2), _start_tree(args.b, args.cases, 1 - n % 2)
+        return _result(a), _result(b)
+    if n % 2:
+        b = _result(_start_tree(args.b, args.cases))
+        return _result(_start_tree(args.a, args.cases)), b
+    a = _result(_start_tree(args.a, args.cases))
+    return a, _result(_start_tree(args.b, args.cases))
 
 
 def main() -> None:
@@ -131,18 +152,14 @@ def main() -> None:
     parser.add_argument("--b", help="checkout B (after)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="cases to time (all)")
+    parser.add_argument("--pinned", action="store_true", help="A and B at once, 1 thread each on its own core")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure(args.cases)))
+        print(json.dumps(_measure(args.cases, args.threads)))
         return
-    rounds = []
-    for n in range(args.rounds):  # A first in even rounds, B first in odd ones: no order bias
-        if n % 2:
-            b = _run_tree(args.b, args.cases)
-            rounds.append((_run_tree(args.a, args.cases), b))
-        else:
-            rounds.append((_run_tree(args.a, args.cases), _run_tree(args.b, args.cases)))
+    rounds = [_round(args, n) for n in range(args.rounds)]
     print(f"{'case':16} {'A ms':>9} {'B ms':>9} {'B/A time, per round':>30}")
     for case in args.cases:
         a = statistics.median(r[0][case] for r in rounds) * 1e3
