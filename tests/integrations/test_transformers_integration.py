@@ -186,6 +186,24 @@ def test_transformers_generate_runs_on_the_paged_cache(llama):
     assert torch.equal(theirs, kft.generate(ours, ids, attention_mask=mask, max_new_tokens=8))
 
 
+def test_pages_hold_each_heads_keys_in_the_hnd_layout(llama):
+    """The pool's pages are FlashInfer's HND layout (a KV head's 16 rows of a page in one run, what
+    decode reads fastest) and hold the keys, after RoPE, that transformers' own cache holds."""
+    stock, _, ours = llama
+    ids = prompt(20)  # two pages, the second partly filled
+    with torch.no_grad():
+        theirs = DynamicCache(config=stock.config)
+        stock(ids, **{CACHE: theirs})
+        paged = kft.new_cache(ours)
+        ours(ids, **{CACHE: paged})
+    kv = ours._kernforge.pool.kv
+    heads, page_size, head_dim = kv.shape[3:]
+    assert (heads, page_size, head_dim) == (SHAPE["num_key_value_heads"], 16, SHAPE["head_dim"])
+    pages = kv[0, paged._sequence_pages[0], 0]  # layer 0's K planes: [pages, heads, 16, head_dim]
+    keys = pages.transpose(0, 1).reshape(heads, -1, head_dim)[:, : ids.shape[1]]
+    assert cosine(keys, theirs.layers[0].keys[0]) > 0.999
+
+
 def padded_batch(lengths, seed: int = 7, lowest_id: int = 0):
     """Left-padded prompts of ``lengths`` (token ids from ``lowest_id`` up): (input_ids, attention_mask)."""
     generator = torch.Generator().manual_seed(seed)
