@@ -14,7 +14,8 @@ cases) this removes the drift altogether: both trees see the same minutes. Not f
 cases, where the two processes share the memory bandwidth unevenly.
 
 Cases (2 threads, bf16 unless named): paged decode B=16, L=4096, 32/8 heads, head_dim 128, pages of
-16 shuffled (bf16 and fp8 e4m3 KV, and head_dim 64); causal ragged prefill of 2048 tokens; the
+16 shuffled (bf16 and fp8 e4m3 KV, and head_dim 64), and with the KV in the caches (_l2: B=2
+L=512, 1 MB; _l3: B=16 L=64, 4 MB; groups 1 and 8 too); causal ragged prefill of 2048 tokens; the
 prepacked GEMM at M=1 (a 32 MiB weight, streamed) and M=256 on 4096x4096. Times are medians of
 one process's calls after warm-up (out= preallocated); GB/s is the KV or weight bytes over time.
 """
@@ -103,7 +104,6 @@ def _measure(cases: list[str], threads: int) -> dict[str, float]:
         "decode_bf16": lambda: decode(torch.bfloat16),
         "decode_fp8": lambda: decode(torch.float8_e4m3fn),
         "decode_bf16_d64": lambda: decode(torch.bfloat16, head_dim=64),
-        # 1 MB of KV (in the L2s) and 4 MB (in the L3): the rate the kernel's arithmetic allows
         # 1 MB of KV (in the L2s) and 4 MB (in the L3): the rate the kernel's arithmetic allows
         "decode_bf16_l2": lambda: decode(torch.bfloat16, batch=2, length=512),
         "decode_bf16_l3": lambda: decode(torch.bfloat16, length=64),

@@ -391,13 +391,13 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
             out = torch.empty(B, HQ, D, dtype=BF16)
             w, plans["kf"] = kf_wrapper(batch, BF16)
             calls["kf"] = lambda i: w.run(q, caches[i], out=out)
+            # the same pages in FlashInfer's HND layout (a head's rows of a page contiguous)
+            hnd = [c.transpose(2, 3).contiguous() for c in caches]
+            out_hnd = torch.empty(B, HQ, D, dtype=BF16)
+            w_hnd, plans["kf HND"] = kf_wrapper(batch, BF16, "HND")
+            calls["kf HND"] = lambda i: w_hnd.run(q, hnd[i], out=out_hnd)
         except Exception as exc:  # the wrapper is being written: report, time the rest
             rec["notes"].append(f"kernforge decode (bf16 KV) failed: {type(exc).__name__}: {exc}")
-        # the same pages in FlashInfer's HND layout (a head's rows of a page contiguous)
-        hnd = [c.transpose(2, 3).contiguous() for c in caches]
-        out_hnd = torch.empty(B, HQ, D, dtype=BF16)
-        w_hnd, plans["kf HND"] = kf_wrapper(batch, BF16, "HND")
-        calls["kf HND"] = lambda i: w_hnd.run(q, hnd[i], out=out_hnd)
     if KF_DECODE is not None and L == FP8_LEN:
         fp8 = [quantize_fp8(c) for c in caches]
         try:
