@@ -31,8 +31,8 @@ larger than the L3). A case whose KV is smaller than 96 MiB rotates over enough 
 for every layer) that the calls of one implementation together stream >= 96 MiB, 3x the L3.
 Every implementation rotates over its own copies alike.
 
-Memory: a case holds, per layer, the paged cache, the dense copy and vLLM's cache (and the fp8
-cache at 16K); cases above --max-gib (default 6 GiB) are skipped and listed (B=64 at 16K
+Memory: a case holds, per layer, the paged cache, its HND copy, the dense copy and vLLM's cache
+(and the fp8 cache at 16K); cases above --max-gib (default 6 GiB) are skipped and listed (B=64 at 16K
 needs 10 GiB or more: skipped by default).
 
 Figures
@@ -353,7 +353,8 @@ STREAM_TARGET_CASES = ((16, 4096), (64, 1024), (1, 32768))
 
 
 def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
-    """Bytes a grid case holds: per layer the paged cache, the dense copy, vLLM's cache; fp8 at 16K."""
+    """Bytes a grid case holds: per layer the paged cache, its HND copy, the dense copy, vLLM's cache;
+    fp8 at 16K."""
     per = kv_bytes(B * L) * (2 + bool(KF_DECODE) + with_vllm) + (
         kv_bytes(B * L, 1) if L == FP8_LEN and KF_DECODE else 0
     )
