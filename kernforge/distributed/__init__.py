@@ -1,0 +1,120 @@
+"""Collectives for tensor parallelism across the processes of one host (and through the process
+group beyond it), on ``torch.distributed``.
+
+Make a :class:`Communicator` from a process group on every rank, or call the functions here, which
+keep one per group::
+
+    dist.init_process_group("gloo")
+    kernforge.distributed.bind_threads()           # this rank's share of the cores
+    kernforge.distributed.all_reduce(hidden)        # in place, as torch.distributed.all_reduce
+    logits = kernforge.distributed.all_gather(part, dim=-1)
+
+sgl-kernel's CPU names work too: ``initialize(size, rank)``, ``shm_allreduce(data, op)``,
+``shm_allgather(data, dim)``, ``init_cpu_threads_env(cpu_ids)``. Each collective is also the
+custom op ``torch.ops.kernforge.<name>`` (``all_reduce(Tensor(a!) tensor, int communicator)``,
+``all_gather(Tensor tensor, int dim, int communicator)``, ``shm_allreduce``, ``shm_allgather``
+with sgl-kernel's schemas), so a compiled model keeps one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from kernforge.distributed.communicator import Communicator, communicator
+from kernforge.distributed.threads import bind_threads, binding, init_cpu_threads_env, rank_cpus
+
+__all__ = [
+    "Communicator",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "bind_threads",
+    "binding",
+    "communicator_for",
+    "init_cpu_threads_env",
+    "initialize",
+    "rank_cpus",
+    "shm_allgather",
+    "shm_allreduce",
+]
+
+_BY_GROUP: dict = {}  # process group -> its communicator
+
+
+def communicator_for(group=None) -> Communicator:
+    """The communicator of ``group`` (default: the world group), made on first use: collective, so
+    every rank of the group must reach its first collective together (as with any collective)."""
+    group = group if group is not None else dist.group.WORLD
+    found = _BY_GROUP.get(group)
+    if found is None:
+        found = _BY_GROUP[group] = Communicator(group)
+    return found
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> None:
+    """In place, as ``torch.distributed.all_reduce(tensor, op, group)`` (sum only)."""
+    communicator_for(group).all_reduce(tensor, op)
+
+
+def all_gather(tensor: torch.Tensor, dim: int = 0, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim`` in rank order."""
+    return communicator_for(group).all_gather(tensor, dim, out=out)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None) -> None:
+    """As ``torch.distributed.all_gather_into_tensor``."""
+    communicator_for(group).all_gather_into_tensor(output_tensor, input_tensor)
+
+
+# ---- sgl-kernel's CPU names (sgl-kernel/csrc/cpu/shm.cpp)
+
+
+def initialize(size: int, rank: int) -> None:
+    """sgl-kernel's ``initialize(size, rank)``: sets up the world group's communicator."""
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    if (size, rank) != (dist.get_world_size(), dist.get_rank()):
+        raise ValueError(
+            f"initialize(size={size}, rank={rank}) does not match the world group "
+            f"(size {dist.get_world_size()}, rank {dist.get_rank()})"
+        )
+    communicator_for(None)
+
+
+def shm_allreduce(data: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """sgl-kernel's ``shm_allreduce(data, op)``: in place over the world group."""
+    communicator_for(None).all_reduce(data, op)
+
+
+def shm_allgather(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """sgl-kernel's ``shm_allgather(data, dim)``: concatenated along ``dim`` over the world group."""
+    return communicator_for(None).all_gather(data, dim)
+
+
+# ---- torch.ops.kernforge.*: one graph node per collective
+
+
+def _gathered_like(tensor, dim, world):
+    shape = list(tensor.shape)
+    shape[dim % tensor.dim()] *= world
+    return tensor.new_empty(shape)
+
+
+_LIB = torch.library.Library("kernforge", "FRAGMENT")
+_LIB.define("all_reduce(Tensor(a!) tensor, int communicator) -> ()")
+_LIB.impl("all_reduce", lambda tensor, handle: communicator(handle)._all_reduce(tensor), "CPU")
+_LIB.impl("all_reduce", lambda tensor, handle: None, "Meta")
+_LIB.define("all_gather(Tensor tensor, int dim, int communicator) -> Tensor")
+_LIB.impl("all_gather", lambda tensor, dim, handle: communicator(handle).all_gather(tensor, dim), "CPU")
+_LIB.impl(
+    "all_gather",
+    lambda tensor, dim, handle: _gathered_like(tensor, dim, communicator(handle).world_size),
+    "Meta",
+)
+_LIB.define("shm_allreduce(Tensor(a!) data, int op) -> ()")
+_LIB.impl("shm_allreduce", lambda data, op: shm_allreduce(data, op), "CPU")
+_LIB.impl("shm_allreduce", lambda data, op: None, "Meta")
+_LIB.define("shm_allgather(Tensor data, int dim) -> Tensor")
+_LIB.impl("shm_allgather", shm_allgather, "CPU")
+_LIB.impl("shm_allgather", lambda data, dim: _gathered_like(data, dim, dist.get_world_size()), "Meta")

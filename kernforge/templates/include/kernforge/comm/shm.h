@@ -1,0 +1,315 @@
+// Collectives among the ranks (processes) of one host through one shared-memory segment.
+//
+// The segment (mapped by every rank at its own address; laid out by SegmentLayout) holds a header,
+// one RankFlags per rank, and two sets of slots, one slot of slot_bytes per rank and set. A
+// collective is a sequence of calls, one per slot-sized chunk of the tensor, numbered 1, 2, ... on
+// every rank alike; call n uses set n % 2:
+//   1. a rank copies its chunk into its own slot, writes what it is doing (Descriptor) and then
+//      `arrived` = n (a release store: the data is visible before the flag);
+//   2. it waits until every rank has arrived at n and checks their descriptors equal its own;
+//   3. all_gather copies every slot out. all_reduce sums the slots in rank order in fp32 (rounded
+//      once): small chunks whole by every rank; larger ones split in world parts, each rank reducing
+//      its part into its own slot and raising `reduced` = n, then copying every rank's part out once
+//      all have (reads 2 chunks per rank instead of world).
+// A rank reuses a set (call n + 2) only after every rank arrived at n + 1, which each does after
+// finishing call n: two sets need no further handshake. Every rank sums in the same order, so the
+// ranks' results are bitwise equal.
+//
+// Waits spin briefly, then yield the core (ranks may share cores), then sleep in short steps once a
+// peer is late by more than kSleepAfterNs, checking the clock and whether each awaited peer process
+// still exists: a dead peer or a timeout ends the wait with a status, never a hang.
+#pragma once
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "kernforge/core/loops.h"
+#include "kernforge/core/parallel.h"
+#include "kernforge/core/vec.h"
+
+namespace kf {
+namespace comm {
+
+constexpr uint64_t kMagic = 0x6b66636f6d6d3031ull;  // "kfcomm01"
+constexpr int64_t kPage = 4096;
+// all_reduce chunks up to this size are reduced whole by every rank (one wait); larger ones in parts.
+constexpr int64_t kWholeReduceMaxBytes = 64 * 1024;
+// Elements per thread task of a copy or a reduction: below this, one thread.
+constexpr int64_t kMinElementsPerThread = 64 * 1024;
+
+constexpr int64_t kSpinIterations = 2048;       // pause loop before yielding the core
+constexpr int64_t kSleepAfterNs = 20'000'000;   // a peer this late is not on a latency-critical path
+constexpr int64_t kSleepNs = 50'000;            // one sleep step then
+constexpr int64_t kLivenessEveryNs = 5'000'000;  // how often a waiting rank checks its peer still exists
+
+// What a rank does in a call: its peers check they all do the same.
+struct Descriptor {
+  int64_t kind;       // Kind, with the element size for all_reduce
+  int64_t bytes;      // of the whole tensor
+  int64_t row_bytes;  // all_gather: bytes per row of the gathered dimension; all_reduce: 0
+};
+
+struct Header {
+  uint64_t magic;
+  int64_t world;
+  int64_t slot_bytes;
+};
+
+// One rank's flags: written by that rank only, read by all; `reduced` on a line of its own.
+struct alignas(64) RankFlags {
+  uint64_t arrived;  // the last call whose data this rank has put in its slot
+  int64_t pid;       // its process, for liveness checks (0: not checked)
+  Descriptor desc[2];  // per set: the call in flight, as `arrived` says
+  alignas(64) uint64_t reduced;  // the last call whose part this rank has reduced
+};
+
+struct SegmentLayout {
+  int64_t world, slot_bytes;
+
+  static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+  int64_t flags_offset() const { return kPage; }
+  int64_t slots_offset() const { return kPage + round_up(world * int64_t(sizeof(RankFlags)), kPage); }
+  int64_t total_bytes() const { return slots_offset() + 2 * world * slot_bytes; }
+};
+
+inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Whether process `pid` still runs: its /proc entry exists and it is not a zombie (a killed child
+// its parent has not reaped yet).
+inline bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;  // not checked
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char line[512];
+  const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+  std::fclose(f);
+  line[n] = '\0';
+  const char* end_of_name = std::strrchr(line, ')');  // the state follows "pid (comm) "
+  return end_of_name == nullptr || end_of_name[1] == '\0' || (end_of_name[2] != 'Z' && end_of_name[2] != 'X');
+}
+
+// Status (why a collective ended: kOk, kTimeout, kPeerExited, kMismatch) and Kind (kAllReduce,
+// kAllGather) are the module's declared codes (kernforge/distributed/_kernels.py). Details of a
+// failure go to a Report.
+struct Report {
+  int64_t peer;  // the rank that timed out, exited or disagreed
+  Descriptor theirs;
+};
+
+class Group {
+ public:
+  Group(void* base, int64_t world, int64_t rank, int64_t timeout_ns, int64_t num_threads)
+      : base_(static_cast<uint8_t*>(base)),
+        header_(reinterpret_cast<Header*>(base)),
+        layout_{header_->world, header_->slot_bytes},
+        world_(world),
+        rank_(rank),
+        timeout_ns_(timeout_ns),
+        num_threads_(num_threads) {}
+
+  int64_t slot_bytes() const { return layout_.slot_bytes; }
+  RankFlags& flags(int64_t rank) const {
+    return reinterpret_cast<RankFlags*>(base_ + layout_.flags_offset())[rank];
+  }
+  // In place: data[i] = the sum over ranks of data[i], for count elements.
+  template <class T>
+  Status all_reduce(T* data, int64_t count, Report* report) const {
+    constexpr int64_t kSize = sizeof(T);
+    const int64_t per_call = slot_bytes() / kSize;
+    const Descriptor desc{int64_t(Kind::kAllReduce) * 16 + kSize, count * kSize, 0};
+    for (int64_t offset = 0; offset < count; offset += per_call) {
+      const int64_t n = std::min(per_call, count - offset);
+      T* chunk = data + offset;
+      const uint64_t call = arrive(chunk, n * kSize, desc);
+      Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+      if (status != Status::kOk) return status;
+      if (n * kSize <= kWholeReduceMaxBytes) {
+        reduce(call, 0, n, chunk);
+        continue;
+      }
+      const Part mine = part<T>(n, rank_);
+      reduce(call, mine.begin, mine.end, reinterpret_cast<T*>(slot(call, rank_)) + mine.begin);
+      store_release(&flags(rank_).reduced, call);
+      status = wait_all<&RankFlags::reduced>(call, nullptr, report);
+      if (status != Status::kOk) return status;
+      for (int64_t r = 0; r < world_; ++r) {
+        const Part theirs = part<T>(n, r);
+        copy(chunk + theirs.begin, reinterpret_cast<const T*>(slot(call, r)) + theirs.begin,
+             (theirs.end - theirs.begin) * kSize);
+      }
+    }
+    return Status::kOk;
+  }
+
+  // out[o, r, :] = rank r's src[o, :] for `rows` rows of row_bytes bytes: the gather along a
+  // dimension, the dimensions before it being the rows (dim 0: one row).
+  Status all_gather(const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* out, Report* report) const {
+    const int64_t total = rows * row_bytes;
+    const Descriptor desc{int64_t(Kind::kAllGather) * 16, total, row_bytes};
+    for (int64_t offset = 0; offset < total; offset += slot_bytes()) {
+      const int64_t n = std::min(slot_bytes(), total - offset);
+      const uint64_t call = arrive(src + offset, n, desc);
+      const Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+      if (status != Status::kOk) return status;
+      parallel_for(world_, threads_for(world_, n * world_ / 4), [&](int64_t r) {
+        const uint8_t* from = slot(call, r);
+        for (int64_t p = offset; p < offset + n;) {  // row by row: out's rows interleave the ranks
+          const int64_t row = p / row_bytes, column = p % row_bytes;
+          const int64_t length = std::min(row_bytes - column, offset + n - p);
+          std::memcpy(out + (row * world_ + r) * row_bytes + column, from + (p - offset), length);
+          p += length;
+        }
+      });
+    }
+    return Status::kOk;
+  }
+
+ private:
+  uint8_t* slot(uint64_t call, int64_t rank) const {
+    return base_ + layout_.slots_offset() + (int64_t(call % 2) * world_ + rank) * layout_.slot_bytes;
+  }
+
+  // Starts the next call: this rank's chunk of `bytes` is copied into its slot and announced.
+  uint64_t arrive(const void* chunk, int64_t bytes, const Descriptor& desc) const {
+    RankFlags& mine = flags(rank_);
+    const uint64_t call = mine.arrived + 1;
+    copy(slot(call, rank_), chunk, bytes);
+    mine.desc[call % 2] = desc;
+    store_release(&mine.arrived, call);
+    return call;
+  }
+
+  // Waits until every rank's flag (arrived or reduced) reaches `call`; with `expected`, checks the
+  // ranks' descriptors of that call equal it.
+  template <uint64_t RankFlags::*kFlag>
+  Status wait_all(uint64_t call, const Descriptor* expected, Report* report) const {
+    for (int64_t r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      const Status status = wait_for(r, kFlag, call, report);
+      if (status != Status::kOk) return status;
+      if (expected != nullptr) {
+        const Descriptor& theirs = flags(r).desc[call % 2];
+        if (std::memcmp(&theirs, expected, sizeof(Descriptor)) != 0) {
+          *report = {r, theirs};
+          return Status::kMismatch;
+        }
+      }
+    }
+    return Status::kOk;
+  }
+
+  // dst = src, with the threads the size is worth.
+  void copy(void* dst, const void* src, int64_t bytes) const {
+    const int64_t block = kMinElementsPerThread * 4;
+    const int64_t blocks = (bytes + block - 1) / block;
+    parallel_for(blocks, threads_for(blocks, bytes / 4), [&](int64_t b) {
+      const int64_t begin = b * block, n = std::min(block, bytes - begin);
+      std::memcpy(static_cast<uint8_t*>(dst) + begin, static_cast<const uint8_t*>(src) + begin, n);
+    });
+  }
+
+  // out[i] = sum over ranks r (in order) of slot(call, r)[i], for i in [begin, end); fp32 sums,
+  // rounded once.
+  template <class T>
+  void reduce(uint64_t call, int64_t begin, int64_t end, T* out) const {
+    const int64_t n = end - begin, block = kMinElementsPerThread;
+    const int64_t blocks = (n + block - 1) / block;
+    parallel_for(blocks, threads_for(blocks, n), [&](int64_t b) {
+      const int64_t lo = begin + b * block, hi = std::min(end, lo + block);
+      for_each_vector(lo, hi, [&](int, int64_t j, int64_t count) {
+        VecF sum = VecF::load(reinterpret_cast<const T*>(slot(call, 0)) + j, count);
+        for (int64_t r = 1; r < world_; ++r) sum += VecF::load(reinterpret_cast<const T*>(slot(call, r)) + j, count);
+        sum.store(out + (j - begin), count);
+      });
+    });
+  }
+
+  struct Part {
+    int64_t begin, end;
+  };
+  // Rank r's part of a chunk of n elements split in world parts of whole cache lines.
+  template <class T>
+  Part part(int64_t n, int64_t r) const {
+    const int64_t line = 64 / int64_t(sizeof(T));
+    const int64_t size = (n + world_ * line - 1) / (world_ * line) * line;
+    const int64_t begin = std::min(n, r * size);
+    return {begin, std::min(n, begin + size)};
+  }
+
+  int64_t threads_for(int64_t tasks, int64_t elements) const {
+    return useful_threads(num_threads_, tasks, elements, kMinElementsPerThread);
+  }
+
+  Status wait_for(int64_t peer, uint64_t RankFlags::*flag, uint64_t call, Report* report) const {
+    const uint64_t* value = &(flags(peer).*flag);
+    for (int64_t spin = 0; spin < kSpinIterations; ++spin) {
+      if (load_acquire(value) >= call) return Status::kOk;
+      cpu_relax();
+    }
+    const int64_t start = now_ns();
+    int64_t next_liveness = start + kLivenessEveryNs;
+    while (load_acquire(value) < call) {
+      const int64_t now = now_ns();
+      if (now - start > timeout_ns_) return failed(peer, Status::kTimeout, report);
+      if (now >= next_liveness) {
+        if (!process_alive(flags(peer).pid)) return failed(peer, Status::kPeerExited, report);
+        next_liveness = now + kLivenessEveryNs;
+      }
+      if (now - start < kSleepAfterNs) {
+        sched_yield();
+      } else {
+        const timespec step{0, kSleepNs};
+        nanosleep(&step, nullptr);
+      }
+    }
+    return Status::kOk;
+  }
+
+  static Status failed(int64_t peer, Status status, Report* report) {
+    *report = {peer, {}};
+    return status;
+  }
+
+  uint8_t* base_;
+  Header* header_;
+  SegmentLayout layout_;
+  int64_t world_, rank_, timeout_ns_, num_threads_;
+};
+
+// Maps this rank into a segment: a fresh (zero-filled) one gets its header first (create); then the
+// header must describe this group, and the rank's pid (0: not checked) is published for its peers'
+// liveness checks.
+inline Status attach(void* base, int64_t world, int64_t rank, int64_t slot_bytes, int64_t pid, bool create) {
+  Header* header = static_cast<Header*>(base);
+  if (create) *header = {kMagic, world, slot_bytes};
+  if (header->magic != kMagic || header->world != world || header->slot_bytes != slot_bytes || rank < 0 ||
+      rank >= world) {
+    return Status::kBadSegment;
+  }
+  const Group group(base, world, rank, 0, 1);
+  group.flags(rank).pid = pid;
+  return Status::kOk;
+}
+
+}  // namespace comm
+}  // namespace kf
