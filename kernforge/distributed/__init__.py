@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernforge.distributed.communicator import Communicator, communicator
+from kernforge.distributed.communicator import Communicator, by_handle
 from kernforge.distributed.threads import bind_threads, binding, init_cpu_threads_env, rank_cpus
 
 __all__ = [
@@ -103,13 +103,13 @@ def _gathered_like(tensor, dim, world):
 
 _LIB = torch.library.Library("kernforge", "FRAGMENT")
 _LIB.define("all_reduce(Tensor(a!) tensor, int communicator) -> ()")
-_LIB.impl("all_reduce", lambda tensor, handle: communicator(handle)._all_reduce(tensor), "CPU")
+_LIB.impl("all_reduce", lambda tensor, handle: by_handle(handle)._all_reduce(tensor), "CPU")
 _LIB.impl("all_reduce", lambda tensor, handle: None, "Meta")
 _LIB.define("all_gather(Tensor tensor, int dim, int communicator) -> Tensor")
-_LIB.impl("all_gather", lambda tensor, dim, handle: communicator(handle).all_gather(tensor, dim), "CPU")
+_LIB.impl("all_gather", lambda tensor, dim, handle: by_handle(handle).all_gather(tensor, dim), "CPU")
 _LIB.impl(
     "all_gather",
-    lambda tensor, dim, handle: _gathered_like(tensor, dim, communicator(handle).world_size),
+    lambda tensor, dim, handle: _gathered_like(tensor, dim, by_handle(handle).world_size),
     "Meta",
 )
 _LIB.define("shm_allreduce(Tensor(a!) data, int op) -> ()")

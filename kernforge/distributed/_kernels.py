@@ -8,8 +8,9 @@ from kernforge.jit.module import Codes, DType, Entry, Module
 STATUS = Codes(
     "kf::comm::Status", (("kOk", 0), ("kTimeout", 1), ("kPeerExited", 2), ("kMismatch", 3), ("kBadSegment", 4))
 )
-# What a call does, as ranks compare it (with all_reduce's element size: kind * 16 + size).
+# What a call does, as ranks compare it: kind * 16 + all_reduce's element type (REDUCED_DTYPES[i - 1]).
 KIND = Codes("kf::comm::Kind", (("kAllReduce", 1), ("kAllGather", 2)))
+REDUCED_DTYPES = ("fp32", "bf16", "fp16")  # kf::comm::dtype_code
 # A failed call's report: the peer, then its descriptor (kind, bytes, row_bytes).
 REPORT_INTS = 4
 

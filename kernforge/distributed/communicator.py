@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from kernforge.distributed._kernels import COMM, KIND, REPORT_INTS, STATUS
+from kernforge.distributed._kernels import COMM, KIND, REDUCED_DTYPES, REPORT_INTS, STATUS
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import DTYPE_NAMES
 
@@ -201,7 +201,7 @@ class Communicator:
         return f"Communicator(rank {self.rank} of {self.world_size}, through {path})"
 
 
-def communicator(handle: int) -> Communicator:
+def by_handle(handle: int) -> Communicator:
     """The live communicator with this handle (the custom ops' argument)."""
     found = _LIVE.get(handle)
     found = found() if found is not None else None
@@ -353,5 +353,5 @@ def _describe_descriptor(kind: int, nbytes: int, row_bytes: int) -> str:
     if kind // 16 == KIND.kAllGather:
         return f"passed {nbytes} bytes in rows of {row_bytes} bytes"
     if kind // 16 == KIND.kAllReduce:
-        return f"passed {nbytes} bytes of {kind % 16}-byte elements"
+        return f"passed {nbytes} bytes of {REDUCED_DTYPES[kind % 16 - 1]}"
     return "called another collective"

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 
 #include "kernforge/core/loops.h"
 #include "kernforge/core/parallel.h"
@@ -49,10 +50,16 @@ constexpr int64_t kLivenessEveryNs = 5'000'000;  // how often a waiting rank che
 
 // What a rank does in a call: its peers check they all do the same.
 struct Descriptor {
-  int64_t kind;       // Kind, with the element size for all_reduce
+  int64_t kind;       // Kind * 16 + all_reduce's element type (dtype_code)
   int64_t bytes;      // of the whole tensor
   int64_t row_bytes;  // all_gather: bytes per row of the gathered dimension; all_reduce: 0
 };
+
+// all_reduce's element type in a Descriptor (the order of the module's dtype parameter).
+template <class T>
+constexpr int64_t dtype_code() {
+  return std::is_same<T, fp32>::value ? 1 : std::is_same<T, bf16>::value ? 2 : 3;
+}
 
 struct Header {
   uint64_t magic;
@@ -136,7 +143,7 @@ class Group {
   Status all_reduce(T* data, int64_t count, Report* report) const {
     constexpr int64_t kSize = sizeof(T);
     const int64_t per_call = slot_bytes() / kSize;
-    const Descriptor desc{int64_t(Kind::kAllReduce) * 16 + kSize, count * kSize, 0};
+    const Descriptor desc{int64_t(Kind::kAllReduce) * 16 + dtype_code<T>(), count * kSize, 0};
     for (int64_t offset = 0; offset < count; offset += per_call) {
       const int64_t n = std::min(per_call, count - offset);
       T* chunk = data + offset;
