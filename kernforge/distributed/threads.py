@@ -84,7 +84,9 @@ def binding() -> dict | None:
 
 def describe(b: dict | None) -> str:
     if b is None:
-        return f"not bound ({torch.get_num_threads()} torch threads on CPUs {_compact(sorted(os.sched_getaffinity(0)))})"
+        return (
+            f"not bound ({torch.get_num_threads()} torch threads on CPUs {_compact(sorted(os.sched_getaffinity(0)))})"
+        )
     memory = f", memory on NUMA nodes {_compact(b['numa_nodes'])}" if b["numa_nodes"] else ""
     return f"{b['threads']} threads on CPUs {_compact(b['cpus'])} ({b['pinned']} kernforge threads pinned){memory}"
 

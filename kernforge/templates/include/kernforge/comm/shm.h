@@ -43,9 +43,9 @@ constexpr int64_t kWholeReduceMaxBytes = 64 * 1024;
 // Elements per thread task of a copy or a reduction: below this, one thread.
 constexpr int64_t kMinElementsPerThread = 64 * 1024;
 
-constexpr int64_t kSpinIterations = 2048;       // pause loop before yielding the core
-constexpr int64_t kSleepAfterNs = 20'000'000;   // a peer this late is not on a latency-critical path
-constexpr int64_t kSleepNs = 50'000;            // one sleep step then
+constexpr int64_t kSpinIterations = 2048;        // pause loop before yielding the core
+constexpr int64_t kSleepAfterNs = 20'000'000;    // a peer this late is not on a latency-critical path
+constexpr int64_t kSleepNs = 50'000;             // one sleep step then
 constexpr int64_t kLivenessEveryNs = 5'000'000;  // how often a waiting rank checks its peer still exists
 
 // What a rank does in a call: its peers check they all do the same.
@@ -69,9 +69,9 @@ struct Header {
 
 // One rank's flags: written by that rank only, read by all; `reduced` on a line of its own.
 struct alignas(64) RankFlags {
-  uint64_t arrived;  // the last call whose data this rank has put in its slot
-  int64_t pid;       // its process, for liveness checks (0: not checked)
-  Descriptor desc[2];  // per set: the call in flight, as `arrived` says
+  uint64_t arrived;              // the last call whose data this rank has put in its slot
+  int64_t pid;                   // its process, for liveness checks (0: not checked)
+  Descriptor desc[2];            // per set: the call in flight, as `arrived` says
   alignas(64) uint64_t reduced;  // the last call whose part this rank has reduced
 };
 
@@ -135,9 +135,7 @@ class Group {
         num_threads_(num_threads) {}
 
   int64_t slot_bytes() const { return layout_.slot_bytes; }
-  RankFlags& flags(int64_t rank) const {
-    return reinterpret_cast<RankFlags*>(base_ + layout_.flags_offset())[rank];
-  }
+  RankFlags& flags(int64_t rank) const { return reinterpret_cast<RankFlags*>(base_ + layout_.flags_offset())[rank]; }
   // In place: data[i] = the sum over ranks of data[i], for count elements.
   template <class T>
   Status all_reduce(T* data, int64_t count, Report* report) const {
@@ -208,7 +206,7 @@ class Group {
 
   // Waits until every rank's flag (arrived or reduced) reaches `call`; with `expected`, checks the
   // ranks' descriptors of that call equal it.
-  template <uint64_t RankFlags::*kFlag>
+  template <uint64_t RankFlags::* kFlag>
   Status wait_all(uint64_t call, const Descriptor* expected, Report* report) const {
     for (int64_t r = 0; r < world_; ++r) {
       if (r == rank_) continue;
@@ -267,7 +265,7 @@ class Group {
     return useful_threads(num_threads_, tasks, elements, kMinElementsPerThread);
   }
 
-  Status wait_for(int64_t peer, uint64_t RankFlags::*flag, uint64_t call, Report* report) const {
+  Status wait_for(int64_t peer, uint64_t RankFlags::* flag, uint64_t call, Report* report) const {
     const uint64_t* value = &(flags(peer).*flag);
     for (int64_t spin = 0; spin < kSpinIterations; ++spin) {
       if (load_acquire(value) >= call) return Status::kOk;
