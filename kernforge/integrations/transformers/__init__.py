@@ -80,7 +80,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from kernforge.integrations.transformers import _compat, _kernels, _modules
+from kernforge.integrations.transformers import _compat, _kernels, _modules, _tensor_parallel
 from kernforge.integrations.transformers._cache import (
     AttentionSpec,
     KVCacheFullError,
@@ -128,10 +128,11 @@ class UnsupportedModelError(NotImplementedError):
 
 
 class _Runtime:
-    """What an optimized model carries (as ``model._kernforge``): the attention spec and its page pool."""
+    """What an optimized model carries (as ``model._kernforge``): the attention spec, its page pool
+    and, with tensor parallelism, the communicator."""
 
-    def __init__(self, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None):
-        self.spec, self.pool, self.quant = spec, pool, quant
+    def __init__(self, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None, comm=None):
+        self.spec, self.pool, self.quant, self.comm = spec, pool, quant, comm
 
 
 def optimize(
@@ -141,6 +142,7 @@ def optimize(
     *,
     page_size: int = 16,
     quant_lm_head: bool = False,
+    tp_group=None,
 ) -> nn.Module:
     """Make ``model`` (a Llama-family or MoE ``*ForCausalLM``, :data:`SUPPORTED_MODELS`) run on
     kernforge, in place; returns it.
@@ -150,6 +152,12 @@ def optimize(
     it ends). ``quant="int8"`` makes the decoder's linears and MoE experts w8a8 (per-channel int8
     weights, per-token int8 activations; MoE routers stay bf16); ``lm_head`` follows only with
     ``quant_lm_head=True``.
+
+    ``tp_group`` (a ``torch.distributed`` process group, or a
+    :class:`kernforge.distributed.Communicator`): tensor parallelism over its ranks, each of which
+    calls ``optimize`` on its own copy of the model: attention heads and the MLP's intermediate
+    rows split among the ranks, kernforge's all-reduce after o_proj and down_proj, the vocabulary of
+    lm_head split and its logits all-gathered (``_tensor_parallel``); dense Llama-family models.
     """
     if getattr(model, "_kernforge", None) is not None:
         raise ValueError("this model is already optimized by kernforge")
@@ -158,14 +166,17 @@ def optimize(
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
     mla = config.model_type in MLA_MODEL_TYPES
+    comm = _tp_communicator(tp_group, config, decoder, mla)
     if mla:  # what pre-warm reads of the config is what runs: the latent shapes come from it
         model_spec = _model_spec(config, dtype)
         spec = _mla_spec(model_spec, decoder, dtype)
     else:
-        spec = _attention_spec(config, decoder, dtype)
+        spec = _attention_spec(config, decoder, dtype, comm.world_size if comm is not None else 1)
         model_spec = None  # read only to check the cached kernels (a config it refuses may still run here)
     _check_kernels(config, spec, quant, model_spec)
     pool = PagePool(spec, kv_cache_pages, page_size)  # checks kv_cache_pages and page_size before any change
+    if comm is not None:
+        _tensor_parallel.shard_stock_modules(model, comm)
     _modules.register()
     model.eval()
     stock = []
@@ -180,8 +191,16 @@ def optimize(
                 _replace_layer(layer, config, spec, dtype, quant, stock)
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
         if type(model.lm_head) is nn.Linear:
-            model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=quant if quant_lm_head else None)
-    runtime = model._kernforge = _Runtime(spec, pool, quant)
+            head_quant = quant if quant_lm_head else None
+            if comm is None:
+                model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=head_quant)
+            else:
+                part, vocab = _tensor_parallel.vocab_parallel_head(model.lm_head, comm)
+                head = Linear.from_linear(part, dtype=dtype, quant=head_quant)
+                model.lm_head = _tensor_parallel.VocabParallel(head, comm, vocab)
+        if comm is not None:
+            _tensor_parallel.parallelize_outputs(model, comm)
+    runtime = model._kernforge = _Runtime(spec, pool, quant, comm)
     _own_config(model)._attn_implementation = _modules.ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(
         _paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)), with_kwargs=True
@@ -222,11 +241,28 @@ def _check_rope(rotary) -> None:
         )
 
 
-def _attention_spec(config, decoder, dtype) -> AttentionSpec:
+def _tp_communicator(tp_group, config, decoder, mla: bool):
+    """The communicator of ``tp_group`` (None without one, or with one rank), after checking the
+    model shards among its ranks."""
+    if tp_group is None:
+        return None
+    from kernforge.distributed import Communicator
+
+    comm = tp_group if isinstance(tp_group, Communicator) else Communicator(tp_group)
+    if comm.world_size == 1:
+        return None
+    if mla:
+        raise UnsupportedModelError("tensor parallelism covers Llama-family attention, not latent attention (MLA)")
+    _tensor_parallel.check_shardable(config, decoder, comm.world_size)
+    return comm
+
+
+def _attention_spec(config, decoder, dtype, tp: int = 1) -> AttentionSpec:
+    """The attention's shape on this rank (``tp`` ranks share the heads)."""
     rotary = decoder.rotary_emb
     _check_rope(rotary)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads = config.num_attention_heads // tp
+    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
     first = decoder.layers[0].self_attn
     head_dim = first.head_dim
     if not 1 <= head_dim <= MAX_HEAD_DIM:
