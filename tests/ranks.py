@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -27,7 +28,9 @@ def _rank_main(fn, rank: int, world: int, port: int, env: dict, kwargs: dict, re
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, "ok", fn(rank, world, **kwargs)))
+        # pickled here: a tensor put as is goes through torch's shared-memory handles, which need
+        # this process alive when the test unpickles it
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, **kwargs))))
     except BaseException:  # noqa: BLE001  (reported to the test, which fails with it)
         results.put((rank, "error", traceback.format_exc()))
 
@@ -59,4 +62,4 @@ def run_ranks(fn, world: int, env: dict | None = None, expect_exit: tuple[int, .
                 p.join()
     errors = {rank: value for rank, (status, value) in outcomes.items() if status == "error"}
     assert not errors, "\n".join(f"rank {rank}:\n{tb}" for rank, tb in errors.items())
-    return {rank: value for rank, (_, value) in outcomes.items()}
+    return {rank: pickle.loads(value) for rank, (_, value) in outcomes.items()}
