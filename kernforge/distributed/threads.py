@@ -88,7 +88,8 @@ def describe(b: dict | None) -> str:
             f"not bound ({torch.get_num_threads()} torch threads on CPUs {_compact(sorted(os.sched_getaffinity(0)))})"
         )
     memory = f", memory on NUMA nodes {_compact(b['numa_nodes'])}" if b["numa_nodes"] else ""
-    return f"{b['threads']} threads on CPUs {_compact(b['cpus'])} ({b['pinned']} kernforge threads pinned){memory}"
+    threads = f"{b['threads']} thread{'s' if b['threads'] != 1 else ''}"
+    return f"{threads} on CPUs {_compact(b['cpus'])} ({b['pinned']} kernforge pinned){memory}"
 
 
 def _pin_kernforge_pool(cpus: list[int]) -> int:

@@ -38,3 +38,15 @@ def test_deepseek_example_runs(kernforge_cache_dir):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "decode tokens/s" in result.stdout and "sequence 0: " in result.stdout
+
+
+@pytest.mark.slow  # two ranks under torchrun, each building a Llama-3.2-1B-wide model (one layer)
+def test_tensor_parallel_example_runs_under_torchrun(kernforge_cache_dir):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    flags = ["--layers", "1", "--prompt-len", "16", "--new-tokens", "4"]
+    result = subprocess.run(
+        [*launcher, str(EXAMPLES / "tp_generate.py"), *flags], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "tensor parallel over 2 ranks, collectives through shared memory" in result.stdout
+    assert "rank 1: " in result.stdout and "tokens: [" in result.stdout
