@@ -37,7 +37,7 @@ from kernforge.ops._registry import DTYPE_NAMES
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kernforge-comm-"
-DEFAULT_SLOT_BYTES = 4 << 20  # per rank and set: a collective larger than this runs in chunks
+DEFAULT_SLOT_BYTES = 1 << 20  # per rank and set: larger collectives run in chunks of it (fits a core's L2)
 DEFAULT_TIMEOUT_S = 300.0
 
 _NEXT_HANDLE = itertools.count(1)
@@ -270,7 +270,8 @@ def _create_or_open(comm: Communicator, size: int):
         path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         try:
             segment = _Segment(path, size, create=True)
-            kernel.attach(segment.address, comm.world_size, 0, comm.slot_bytes, 0, 1)
+            if kernel.attach(segment.address, comm.world_size, 0, comm.slot_bytes, 0, 1) != STATUS.kOk:
+                error = f"the shared-memory path takes at most 256 ranks, not {comm.world_size}"
         except OSError as exc:
             error = f"cannot create {path}: {exc}"
     names = [None if error else path]

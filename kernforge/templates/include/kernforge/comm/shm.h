@@ -4,16 +4,18 @@
 // one RankFlags per rank, and two sets of slots, one slot of slot_bytes per rank and set. A
 // collective is a sequence of calls, one per slot-sized chunk of the tensor, numbered 1, 2, ... on
 // every rank alike; call n uses set n % 2:
-//   1. a rank copies its chunk into its own slot, writes what it is doing (Descriptor) and then
-//      `arrived` = n (a release store: the data is visible before the flag);
+//   1. a rank copies its chunk (what the others read of it) into its own slot, writes what it is
+//      doing (Descriptor) and then `arrived` = n (a release store: the data is visible before the
+//      flag);
 //   2. it waits until every rank has arrived at n and checks their descriptors equal its own;
-//   3. all_gather copies every slot out. all_reduce sums the slots in rank order in fp32 (rounded
-//      once): small chunks whole by every rank; larger ones split in world parts, each rank reducing
-//      its part into its own slot and raising `reduced` = n, then copying every rank's part out once
-//      all have (reads 2 chunks per rank instead of world).
+//   3. all_gather copies every slot out. all_reduce sums in rank order in fp32 (rounded once):
+//      small chunks whole, by every rank from every slot; larger ones split in world parts, rank r
+//      summing part r (its own elements from its chunk, the others' from their slots) into its
+//      chunk and its slot, raising `reduced` = n, then copying the others' sums out of their slots
+//      once all have: each element is copied in and out once (reduce_split).
 // A rank reuses a set (call n + 2) only after every rank arrived at n + 1, which each does after
-// finishing call n: two sets need no further handshake. Every rank sums in the same order, so the
-// ranks' results are bitwise equal.
+// finishing call n: two sets need no further handshake. Every element's sum is computed in the same
+// order (or by one rank), so the ranks' results are bitwise equal.
 //
 // Waits spin briefly, then yield the core (ranks may share cores), then sleep in short steps once a
 // peer is late by more than kSleepAfterNs, checking the clock and whether each awaited peer process
@@ -37,6 +39,7 @@ namespace kf {
 namespace comm {
 
 constexpr uint64_t kMagic = 0x6b66636f6d6d3031ull;  // "kfcomm01"
+constexpr int64_t kMaxRanks = 256;                  // ranks of one host in a group
 constexpr int64_t kPage = 4096;
 // all_reduce chunks up to this size are reduced whole by every rank (one wait); larger ones in parts.
 constexpr int64_t kWholeReduceMaxBytes = 64 * 1024;
@@ -144,24 +147,9 @@ class Group {
     const Descriptor desc{int64_t(Kind::kAllReduce) * 16 + dtype_code<T>(), count * kSize, 0};
     for (int64_t offset = 0; offset < count; offset += per_call) {
       const int64_t n = std::min(per_call, count - offset);
-      T* chunk = data + offset;
-      const uint64_t call = arrive(chunk, n * kSize, desc);
-      Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+      const Status status = n * kSize <= kWholeReduceMaxBytes ? reduce_whole(data + offset, n, desc, report)
+                                                              : reduce_split(data + offset, n, desc, report);
       if (status != Status::kOk) return status;
-      if (n * kSize <= kWholeReduceMaxBytes) {
-        reduce(call, 0, n, chunk);
-        continue;
-      }
-      const Part mine = part<T>(n, rank_);
-      reduce(call, mine.begin, mine.end, reinterpret_cast<T*>(slot(call, rank_)) + mine.begin);
-      store_release(&flags(rank_).reduced, call);
-      status = wait_all<&RankFlags::reduced>(call, nullptr, report);
-      if (status != Status::kOk) return status;
-      for (int64_t r = 0; r < world_; ++r) {
-        const Part theirs = part<T>(n, r);
-        copy(chunk + theirs.begin, reinterpret_cast<const T*>(slot(call, r)) + theirs.begin,
-             (theirs.end - theirs.begin) * kSize);
-      }
     }
     return Status::kOk;
   }
@@ -194,14 +182,60 @@ class Group {
     return base_ + layout_.slots_offset() + (int64_t(call % 2) * world_ + rank) * layout_.slot_bytes;
   }
 
-  // Starts the next call: this rank's chunk of `bytes` is copied into its slot and announced.
-  uint64_t arrive(const void* chunk, int64_t bytes, const Descriptor& desc) const {
+  // The next call's number: one more than this rank's last.
+  uint64_t next_call() const { return flags(rank_).arrived + 1; }
+
+  // Tells the other ranks this rank's data for `call` is in its slot.
+  void announce(uint64_t call, const Descriptor& desc) const {
     RankFlags& mine = flags(rank_);
-    const uint64_t call = mine.arrived + 1;
-    copy(slot(call, rank_), chunk, bytes);
     mine.desc[call % 2] = desc;
     store_release(&mine.arrived, call);
+  }
+
+  // Starts the next call: this rank's chunk of `bytes` is copied into its slot and announced.
+  uint64_t arrive(const void* chunk, int64_t bytes, const Descriptor& desc) const {
+    const uint64_t call = next_call();
+    copy(slot(call, rank_), chunk, bytes);
+    announce(call, desc);
     return call;
+  }
+
+  // A small chunk: every rank sums all of it from every rank's slot (one wait).
+  template <class T>
+  Status reduce_whole(T* chunk, int64_t n, const Descriptor& desc, Report* report) const {
+    const uint64_t call = arrive(chunk, n * int64_t(sizeof(T)), desc);
+    const Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+    if (status == Status::kOk) reduce<T>(call, 0, n, chunk, chunk, nullptr);
+    return status;
+  }
+
+  // A large chunk, reduce-scatter then all-gather: rank r sums part r, from its own chunk and the
+  // others' slots, into its chunk and its slot; then every rank copies the others' parts from their
+  // slots. A rank's slot needs only the parts the others sum (its own part's room takes the sum),
+  // so each element is copied in once and out once.
+  template <class T>
+  Status reduce_split(T* chunk, int64_t n, const Descriptor& desc, Report* report) const {
+    constexpr int64_t kSize = sizeof(T);
+    const uint64_t call = next_call();
+    T* mine_in_slot = reinterpret_cast<T*>(slot(call, rank_));
+    for (int64_t r = 0; r < world_; ++r) {
+      const Part p = part<T>(n, r);
+      if (r != rank_) copy(mine_in_slot + p.begin, chunk + p.begin, (p.end - p.begin) * kSize);
+    }
+    announce(call, desc);
+    Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+    if (status != Status::kOk) return status;
+    const Part mine = part<T>(n, rank_);
+    reduce(call, mine.begin, mine.end, chunk, chunk + mine.begin, mine_in_slot + mine.begin);
+    store_release(&flags(rank_).reduced, call);
+    status = wait_all<&RankFlags::reduced>(call, nullptr, report);
+    if (status != Status::kOk) return status;
+    for (int64_t r = 0; r < world_; ++r) {
+      const Part p = part<T>(n, r);
+      if (r != rank_)
+        copy(chunk + p.begin, reinterpret_cast<const T*>(slot(call, r)) + p.begin, (p.end - p.begin) * kSize);
+    }
+    return Status::kOk;
   }
 
   // Waits until every rank's flag (arrived or reduced) reaches `call`; with `expected`, checks the
@@ -233,18 +267,21 @@ class Group {
     });
   }
 
-  // out[i] = sum over ranks r (in order) of slot(call, r)[i], for i in [begin, end); fp32 sums,
-  // rounded once.
+  // out[i - begin] (and copy[i - begin], if given) = the sum over ranks r, in rank order, of rank
+  // r's element i: this rank's from `own`, the others' from their slots; fp32 sums, rounded once.
   template <class T>
-  void reduce(uint64_t call, int64_t begin, int64_t end, T* out) const {
+  void reduce(uint64_t call, int64_t begin, int64_t end, const T* own, T* out, T* copy) const {
+    const T* sources[kMaxRanks];
+    for (int64_t r = 0; r < world_; ++r) sources[r] = r == rank_ ? own : reinterpret_cast<const T*>(slot(call, r));
     const int64_t n = end - begin, block = kMinElementsPerThread;
     const int64_t blocks = (n + block - 1) / block;
     parallel_for(blocks, threads_for(blocks, n), [&](int64_t b) {
       const int64_t lo = begin + b * block, hi = std::min(end, lo + block);
       for_each_vector(lo, hi, [&](int, int64_t j, int64_t count) {
-        VecF sum = VecF::load(reinterpret_cast<const T*>(slot(call, 0)) + j, count);
-        for (int64_t r = 1; r < world_; ++r) sum += VecF::load(reinterpret_cast<const T*>(slot(call, r)) + j, count);
+        VecF sum = VecF::load(sources[0] + j, count);
+        for (int64_t r = 1; r < world_; ++r) sum += VecF::load(sources[r] + j, count);
         sum.store(out + (j - begin), count);
+        if (copy != nullptr) sum.store(copy + (j - begin), count);
       });
     });
   }
@@ -308,7 +345,7 @@ inline Status attach(void* base, int64_t world, int64_t rank, int64_t slot_bytes
   Header* header = static_cast<Header*>(base);
   if (create) *header = {kMagic, world, slot_bytes};
   if (header->magic != kMagic || header->world != world || header->slot_bytes != slot_bytes || rank < 0 ||
-      rank >= world) {
+      rank >= world || world > kMaxRanks) {
     return Status::kBadSegment;
   }
   const Group group(base, world, rank, 0, 1);
