@@ -439,26 +439,33 @@ def _proc_stat() -> tuple[int, int]:
     return sum(parts), idle
 
 
-def _self_ticks() -> int:
-    """CPU ticks (user + system, all threads) used by this process so far."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+def _self_ticks(pids: tuple[int, ...] = ()) -> int:
+    """CPU ticks (user + system, all threads) used so far by this process and the processes ``pids``."""
+    ticks = 0
+    for pid in ("self", *pids):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+    return ticks
 
 
 class LoadMeter:
-    """Other processes' share of all cores while the body runs (busy time minus ours), 0..1."""
+    """Other processes' share of all cores while the body runs (busy time minus ours and that of our
+    helper processes ``pids``, such as a benchmark's spawned ranks), 0..1."""
+
+    def __init__(self, pids: tuple[int, ...] = ()):
+        self._pids = pids
 
     def __enter__(self):
         self._t0, self._i0 = _proc_stat()
-        self._s0 = _self_ticks()
+        self._s0 = _self_ticks(self._pids)
         return self
 
     def __exit__(self, *exc):
         t1, i1 = _proc_stat()
         total = t1 - self._t0
         busy = total - (i1 - self._i0)
-        mine = _self_ticks() - self._s0
+        mine = _self_ticks(self._pids) - self._s0
         self.other = max(0.0, (busy - mine) / total) if total else 0.0
         return False
 

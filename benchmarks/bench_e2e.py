@@ -53,18 +53,25 @@ Targets (issue 11, llama): TTFT >= 1.8x stock and <= 1.5x the FLOP bound; TPOT b
 <= 1.3x the bandwidth bound; TPOT b8 <= 1.5x TPOT b1; int8 TPOT <= 0.6x bf16 TPOT.
 Targets (issue 19, qwen3-moe): TPOT b1 <= 1.3x the bandwidth bound and >= 5x stock; TTFT >= 3x stock.
 deepseek-v2-lite has no targets of its own yet: the MoE ones are checked (provisional).
+--tp N (llama; issue 21): a column "kf tpN", optimize(..., tp_group=...) over N ranks that share
+--threads (TensorParallelColumn); its TTFT and TPOT within 1.15x of kf's on the same cores (tensor
+parallelism cannot win on 2 cores: this bounds its overhead).
 
     .venv/bin/python benchmarks/bench_e2e.py                     # the full run (minutes; needs a quiet machine)
     .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: 2 layers, short prompts
     .venv/bin/python benchmarks/bench_e2e.py --layers 4 --new 32 --impls stock kf
     .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe  # 4 layers of Qwen3-30B-A3B
     .venv/bin/python benchmarks/bench_e2e.py --model deepseek-v2-lite  # 4 layers of DeepSeek-V2-Lite
+    .venv/bin/python benchmarks/bench_e2e.py --impls kf --tp 2  # TP=2 x 1 thread vs TP=1 x 2 threads
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import multiprocessing
+import os
+import socket
 import statistics
 import sys
 
@@ -72,7 +79,14 @@ import _harness as H
 
 sys.path.insert(0, str(H.REPO_ROOT / "examples"))
 import moe_generate  # noqa: E402
-from llama_generate import build_model, kernforge_generate, random_prompts, stock_generate, timed_generate  # noqa: E402
+from llama_generate import (  # noqa: E402
+    TimingStreamer,
+    build_model,
+    kernforge_generate,
+    random_prompts,
+    stock_generate,
+    timed_generate,
+)
 
 from kernforge.integrations import transformers as kft  # noqa: E402
 from kernforge.integrations.random_llama import random_llama  # noqa: E402
@@ -90,6 +104,66 @@ def make(name: str, stock, pages: int, int8_lm_head: bool = False):
         copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None, quant_lm_head=int8_lm_head
     )
     return kernforge_generate(model), model
+
+
+class TensorParallelColumn:
+    """The kf column with ``optimize(..., tp_group=...)`` over ``world`` ranks spawned here (a gloo
+    group), each bound to its share of the cores with ``threads / world`` threads (at least 1: more
+    ranks than cores share them). The ranks wait on a pipe, using no CPU, while the other columns
+    run; a generate call goes to every rank and is timed on rank 0 (perf_counter is the same
+    monotonic clock in every process), so it slots into the interleaved rounds like a local column."""
+
+    def __init__(self, args, world: int, pages: int):
+        context = multiprocessing.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        options = {"checkpoint": args.checkpoint, "layers": args.layers, "pages": pages, "threads": args.threads}
+        self.pipes, self.ranks = [], []
+        for rank in range(world):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=_tensor_parallel_rank, args=(rank, world, port, options, theirs))
+            process.start()
+            self.pipes.append(mine)
+            self.ranks.append(process)
+        self.bindings = [pipe.recv() for pipe in self.pipes]  # each rank's binding, once its model is ready
+
+    def __call__(self, ids, mask, new_tokens, streamer):
+        for pipe in self.pipes:
+            pipe.send((ids, mask, new_tokens))
+        replies = [pipe.recv() for pipe in self.pipes]
+        if isinstance(streamer, TimingStreamer):
+            streamer.start, streamer.times = replies[0]
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.ranks:
+            process.join(timeout=60)
+
+
+def _tensor_parallel_rank(rank: int, world: int, port: int, options: dict, pipe) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import torch
+    import torch.distributed as dist
+
+    import kernforge.distributed as kd
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    binding = kd.bind_threads(kd.rank_cpus(rank, world))
+    torch.set_num_threads(max(1, options["threads"] // world))
+    stock = build_model(options["checkpoint"], options["layers"])
+    stock.generation_config.eos_token_id = None
+    generate = kernforge_generate(kft.optimize(stock, kv_cache_pages=options["pages"], tp_group=dist.group.WORLD))
+    pipe.send(binding)
+    while (request := pipe.recv()) is not None:
+        ids, mask, new_tokens = request
+        dist.barrier()
+        streamer = TimingStreamer()
+        generate(ids, mask, new_tokens, streamer)
+        pipe.send((streamer.start, streamer.times))
+    dist.destroy_process_group()
 
 
 def measure(generates: dict, args, vocab: int) -> dict:
@@ -266,6 +340,10 @@ def targets(results: dict, limit: dict) -> list[str]:
             check(f"TPOT b{BATCH} / TPOT b1", kf["tpot_b8"] / kf["tpot_b1"], "<=", 1.5)
     if kf and q8 and not moe:
         check("int8 TPOT b1 / bf16 TPOT b1", q8["tpot_b1"] / kf["tpot_b1"], "<=", 0.6)
+    tp = next((name for name in results if name.startswith("kf tp")), None)
+    if kf and tp:  # issue 21: the overhead of tensor parallelism where it cannot win (ranks share the cores)
+        for key, label in (("ttft", "TTFT"), ("tpot_b1", "TPOT b1"), ("tpot_b8", f"TPOT b{BATCH}")):
+            check(f"{tp} {label} / kf {label}", results[tp][key] / kf[key], "<=", 1.15)
     print("\n".join(lines))
     return lines
 
@@ -283,6 +361,12 @@ def main() -> int:
     p.add_argument("--reps", type=int, help="TTFT runs per column after the warm-up (default 3; --quick 1)")
     p.add_argument("--rounds", type=int, help="TPOT runs per column, interleaved (default 2; --quick 1)")
     p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="add a column: kf with tensor parallelism over this many ranks (processes), --threads shared among them",
+    )
     p.add_argument(
         "--int8-lm-head",
         action="store_true",
@@ -326,8 +410,16 @@ def main() -> int:
     )
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
     generates = {name: make(name, stock, pages, args.int8_lm_head)[0] for name in args.impls}
-    with H.LoadMeter() as meter:
+    tensor_parallel = None
+    if args.tp > 1:
+        tensor_parallel = generates[f"kf tp{args.tp}"] = TensorParallelColumn(args, args.tp, pages)
+        for rank, binding in enumerate(tensor_parallel.bindings):
+            print(f"- kf tp{args.tp} rank {rank}: {binding}")
+        print()
+    with H.LoadMeter(tuple(p.pid for p in tensor_parallel.ranks) if tensor_parallel else ()) as meter:
         results = measure(generates, args, config.vocab_size)
+    if tensor_parallel is not None:
+        tensor_parallel.close()
     load = {name: meter.other for name in args.impls}
     for name, result in results.items():
         print(f"{name}: {result} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
