@@ -68,6 +68,7 @@ parallelism cannot win on 2 cores: this bounds its overhead).
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import multiprocessing
 import os
@@ -153,9 +154,15 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, options: dict, pipe)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     binding = kd.bind_threads(kd.rank_cpus(rank, world))
     torch.set_num_threads(max(1, options["threads"] // world))
-    stock = build_model(options["checkpoint"], options["layers"])
-    stock.generation_config.eos_token_id = None
-    generate = kernforge_generate(kft.optimize(stock, kv_cache_pages=options["pages"], tp_group=dist.group.WORLD))
+    comm = kd.Communicator()
+    for turn in range(world):  # one rank at a time holds a whole model while it builds and shards it
+        if turn == rank:
+            stock = build_model(options["checkpoint"], options["layers"])
+            stock.generation_config.eos_token_id = None
+            generate = kernforge_generate(kft.optimize(stock, kv_cache_pages=options["pages"], tp_group=comm))
+            del stock
+            gc.collect()
+        dist.barrier()
     pipe.send(binding)
     while (request := pipe.recv()) is not None:
         ids, mask, new_tokens = request

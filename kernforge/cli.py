@@ -10,6 +10,7 @@ import sys
 
 from kernforge import tune
 from kernforge.cache import disk
+from kernforge.distributed import threads
 from kernforge.jit import compiler, core, isa, loader, module, render
 from kernforge.ops._common import set_num_threads
 
@@ -34,6 +35,7 @@ def _info(args) -> int:
         f"{sum(meta is None for _, meta in found)} incomplete"
     )
     print(f"cache size:      {disk.size_bytes(root) / 2**20:.1f} MiB")
+    print(f"threads:         {threads.describe(threads.binding())}")
     return 0
 
 

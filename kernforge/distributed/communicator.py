@@ -118,23 +118,23 @@ class Communicator:
     # ---- the paths
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
+        self._check_usable()
         if self.world_size == 1 or tensor.numel() == 0:
             return
         reduce = self._reduce.get(tensor.dtype) or self._bind_reduce(tensor.dtype)
         if reduce is None:
             dist.all_reduce(tensor, group=self.group)
             return
-        self._check_usable()
         self._finish(reduce(tensor.data_ptr(), tensor.numel(), num_threads()), "all_reduce", tensor)
 
     def _all_gather(self, tensor: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+        self._check_usable()
         if self.world_size == 1:
             out.copy_(tensor.reshape(out.shape))
             return
         if self._segment is None:
             _gather_through_group(self.group, tensor, dim, out)
             return
-        self._check_usable()
         gather = self._gather or self._bind_gather()
         rows = tensor.shape[:dim].numel()
         row_bytes = tensor.shape[dim:].numel() * tensor.element_size()
@@ -165,7 +165,7 @@ class Communicator:
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise dist.DistBackendError(f"kernforge.distributed: this communicator failed earlier: {self._broken}")
+            raise dist.DistBackendError(f"kernforge.distributed: this communicator is unusable ({self._broken})")
 
     def _finish(self, status: int, what: str, tensor: torch.Tensor) -> None:
         if status == STATUS.kOk:
@@ -194,7 +194,7 @@ class Communicator:
             self._segment = None
         self._reduce.clear()
         self._gather = None
-        self._broken = self._broken or "closed"
+        self._broken = self._broken or "it was closed"
 
     def __repr__(self) -> str:
         path = "shared memory" if self._segment is not None else "the process group"
@@ -230,8 +230,9 @@ class _Segment:
         self.address = ctypes.addressof(self._anchor)
 
     def close(self) -> None:
-        del self._anchor
-        self._map.close()
+        if not self._map.closed:
+            del self._anchor  # the buffer export that mmap.close() would refuse
+            self._map.close()
 
 
 def _connect(comm: Communicator) -> _Segment | None:

@@ -91,6 +91,14 @@ def all_gather_matches(rank: int, world: int) -> int:
     dist.all_gather_into_tensor(expected, y)
     comm.all_gather_into_tensor(got, y)
     assert torch.equal(got, expected)
+    comm.close()
+    comm.close()  # twice: a no-op
+    try:
+        comm.all_reduce(y)
+    except dist.DistBackendError as exc:
+        assert "unusable (it was closed)" in str(exc)
+    else:
+        raise AssertionError("a closed communicator ran a collective")
     return len(cases)
 
 
@@ -148,7 +156,7 @@ def dies_or_waits(rank: int, world: int, victim: int, timeout: float) -> tuple[s
         try:
             comm.all_reduce(x)
         except dist.DistBackendError as again:
-            assert "failed earlier" in str(again)
+            assert "unusable (all_reduce on rank" in str(again)
             return str(exc), elapsed
     raise AssertionError("the collective with a dead peer did not fail")
 

@@ -600,6 +600,7 @@ def test_cli_info(cache):
     assert fields["cffi mode"] == "api"
     assert fields["compiler"].split()[0] == shutil.which("g++")
     assert set(fields["features"].split()) == {f for f in isa.FEATURES if f in isa.cpu_features()}
+    assert fields["threads"].startswith("not bound (") and "torch threads on CPUs" in fields["threads"]
     assert "compiling" not in proc.stderr, "info compiled something although the probe was cached"
 
 
