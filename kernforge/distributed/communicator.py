@@ -37,7 +37,7 @@ from kernforge.ops._registry import DTYPE_NAMES
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kernforge-comm-"
-DEFAULT_SLOT_BYTES = 1 << 20  # per rank and set: larger collectives run in chunks of it (fits a core's L2)
+DEFAULT_SLOT_BYTES = 1 << 20  # per rank and set: larger collectives run in chunks of it (a core's L2)
 DEFAULT_TIMEOUT_S = 300.0
 
 _NEXT_HANDLE = itertools.count(1)
