@@ -25,13 +25,14 @@ COMM = Module(
         Entry("attach", f"{_GROUP}, int64_t slot_bytes, int64_t pid, int64_t create", returns="int64_t"),
         Entry(
             "all_reduce",
-            f"{_GROUP}, int64_t data, int64_t count, double timeout_s, int64_t num_threads, int64_t report",
+            f"{_GROUP}, int64_t data, int64_t count, double timeout_s, int64_t shared_cores, int64_t num_threads, "
+            "int64_t report",
             returns="int64_t",
         ),
         Entry(
             "all_gather",
             f"{_GROUP}, int64_t src, int64_t rows, int64_t row_bytes, int64_t out, double timeout_s, "
-            "int64_t num_threads, int64_t report",
+            "int64_t shared_cores, int64_t num_threads, int64_t report",
             returns="int64_t",
         ),
         Entry("pin_threads", "int64_t cpus, int64_t count", returns="int64_t"),

@@ -66,6 +66,7 @@ class Communicator:
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = weakref.ref(self)
         self._segment: _Segment | None = None
+        self._shared_cores = False  # more ranks than the CPUs they may run on (set by _connect)
         self._broken: str | None = None
         self._report = torch.zeros(REPORT_INTS, dtype=torch.int64)
         self._reduce: dict[torch.dtype, object] = {}
@@ -160,6 +161,7 @@ class Communicator:
             "world": self.world_size,
             "rank": self.rank,
             "timeout_s": self.timeout,
+            "shared_cores": int(self._shared_cores),
             "report": self._report.data_ptr(),
         }
 
@@ -238,14 +240,16 @@ class _Segment:
 def _connect(comm: Communicator) -> _Segment | None:
     """Maps the group's segment on every rank, or returns None (on every rank) where the ranks are
     not all on this host or cannot share it; collective over the group."""
-    peers = _all_gather_object(comm.group, (_host_key(), os.getpid()))
-    if len({host for host, _ in peers}) != 1:
-        _warn_fallback(f"the ranks of the group are on {len({host for host, _ in peers})} hosts")
+    peers = _all_gather_object(comm.group, (_host_key(), os.getpid(), os.sched_getaffinity(0)))
+    hosts = {host for host, _, _ in peers}
+    if len(hosts) != 1:
+        _warn_fallback(f"the ranks of the group are on {len(hosts)} hosts")
         return None
+    comm._shared_cores = len(set().union(*(cpus for _, _, cpus in peers))) < comm.world_size
     kernel = COMM.variant(dtype="fp32").kernel()
     size = kernel.segment_bytes(comm.world_size, comm.slot_bytes)
     path, segment, error = _create_or_open(comm, size)
-    sees_peers = all(os.path.exists(f"/proc/{pid}/stat") for _, pid in peers)
+    sees_peers = all(os.path.exists(f"/proc/{pid}/stat") for _, pid, _ in peers)
     outcomes = _all_gather_object(comm.group, (error, sees_peers))
     if comm.rank == 0 and path is not None:
         os.unlink(path)  # every rank has it mapped (or failed): nothing stays in /dev/shm
