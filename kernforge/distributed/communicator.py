@@ -19,6 +19,7 @@ different shapes or dtypes get a ``ValueError`` naming both.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -251,8 +252,9 @@ def _connect(comm: Communicator) -> _Segment | None:
     path, segment, error = _create_or_open(comm, size)
     sees_peers = all(os.path.exists(f"/proc/{pid}/stat") for _, pid, _ in peers)
     outcomes = _all_gather_object(comm.group, (error, sees_peers))
-    if comm.rank == 0 and path is not None:
-        os.unlink(path)  # every rank has it mapped (or failed): nothing stays in /dev/shm
+    if path is not None:  # rank 0: every rank has it mapped (or failed): nothing stays in /dev/shm
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(outcomes) if e is not None]
     if failures:
         if segment is not None:
@@ -268,7 +270,8 @@ def _connect(comm: Communicator) -> _Segment | None:
 
 
 def _create_or_open(comm: Communicator, size: int):
-    """Rank 0 creates the segment and writes its header; the others open it: (path, segment, error)."""
+    """Rank 0 creates the segment and writes its header; the others open it: (the path rank 0 created,
+    else None; the segment; an error)."""
     kernel = COMM.variant(dtype="fp32").kernel()
     path, segment, error = None, None, None
     if comm.rank == 0:
@@ -289,7 +292,7 @@ def _create_or_open(comm: Communicator, size: int):
                 segment = _Segment(names[0], size, create=False)
             except (OSError, ValueError) as exc:
                 error = f"cannot open {names[0]}: {exc}"
-    return path if comm.rank == 0 and error is None else None, segment, error
+    return path, segment, error
 
 
 def _all_gather_object(group, value) -> list:

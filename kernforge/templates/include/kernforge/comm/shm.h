@@ -145,6 +145,7 @@ class Group {
 
   int64_t slot_bytes() const { return layout_.slot_bytes; }
   RankFlags& flags(int64_t rank) const { return reinterpret_cast<RankFlags*>(base_ + layout_.flags_offset())[rank]; }
+
   // In place: data[i] = the sum over ranks of data[i], for count elements.
   template <class T>
   Status all_reduce(T* data, int64_t count, Report* report) const {
