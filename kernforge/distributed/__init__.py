@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernforge.distributed.communicator import Communicator, by_handle
+from kernforge.distributed.communicator import Communicator, _gathered_shape, by_handle
 from kernforge.distributed.threads import bind_threads, binding, init_cpu_threads_env, rank_cpus
 
 __all__ = [
@@ -96,9 +96,7 @@ def shm_allgather(data: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _gathered_like(tensor, dim, world):
-    shape = list(tensor.shape)
-    shape[dim % tensor.dim()] *= world
-    return tensor.new_empty(shape)
+    return tensor.new_empty(_gathered_shape(tensor.shape, dim % tensor.dim(), world))
 
 
 _LIB = torch.library.Library("kernforge", "FRAGMENT")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kernforge.distributed import Communicator
+from kernforge.integrations.transformers._modules import _linear
 
 
 class RowParallel(nn.Module):
@@ -132,9 +133,3 @@ def _columns(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
     size = linear.in_features // world
     bias = None if linear.bias is None else (linear.bias.detach().clone() if rank == 0 else None)
     return _linear(linear.weight.detach()[:, rank * size : (rank + 1) * size].clone(), bias)
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    from kernforge.integrations.transformers._modules import _linear as linear_over
-
-    return linear_over(weight, bias)
