@@ -39,6 +39,13 @@ CASES = (
     "decode_fp8_l3",
     "decode_bf16_g1_l3",
     "decode_bf16_g8_l3",
+    "decode_bf16_hnd",
+    "decode_fp8_hnd",
+    "decode_bf16_hnd_l2",
+    "decode_bf16_hnd_l3",
+    "decode_fp8_hnd_l3",
+    "decode_bf16_hnd_b1_l3",
+    "decode_fp8_hnd_b1_l3",
     "prefill_2048",
     "gemm_m1",
     "gemm_m256",
@@ -65,11 +72,12 @@ def _measure(cases: list[str], threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
 
-    def decode(kv_dtype, batch=16, length=4096, heads=32, kv_heads=8, head_dim=128, page=16):
+    def decode(kv_dtype, batch=16, length=4096, heads=32, kv_heads=8, head_dim=128, page=16, layout="NHD"):
         per = length // page
-        cache = torch.randn(batch * per, 2, page, kv_heads, head_dim, generator=g).to(kv_dtype)
+        rows = (page, kv_heads) if layout == "NHD" else (kv_heads, page)
+        cache = torch.randn(batch * per, 2, *rows, head_dim, generator=g).to(kv_dtype)
         indices = torch.randperm(batch * per, generator=g).int()
-        wrapper = kf.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+        wrapper = kf.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8), kv_layout=layout)
         wrapper.plan(
             torch.arange(0, batch * per + 1, per).int(),
             indices,
@@ -110,6 +118,14 @@ def _measure(cases: list[str], threads: int) -> dict[str, float]:
         "decode_fp8_l3": lambda: decode(torch.float8_e4m3fn, length=64),
         "decode_bf16_g1_l3": lambda: decode(torch.bfloat16, length=64, heads=8),
         "decode_bf16_g8_l3": lambda: decode(torch.bfloat16, length=64, heads=64),
+        "decode_bf16_hnd": lambda: decode(torch.bfloat16, layout="HND"),
+        "decode_fp8_hnd": lambda: decode(torch.float8_e4m3fn, layout="HND"),
+        "decode_bf16_hnd_l2": lambda: decode(torch.bfloat16, batch=2, length=512, layout="HND"),
+        "decode_bf16_hnd_l3": lambda: decode(torch.bfloat16, length=64, layout="HND"),
+        "decode_fp8_hnd_l3": lambda: decode(torch.float8_e4m3fn, length=64, layout="HND"),
+        # one request of 2048 tokens (8 MB bf16): long items, as in long-context decode
+        "decode_bf16_hnd_b1_l3": lambda: decode(torch.bfloat16, batch=1, length=2048, layout="HND"),
+        "decode_fp8_hnd_b1_l3": lambda: decode(torch.float8_e4m3fn, batch=1, length=2048, layout="HND"),
         "prefill_2048": prefill,
         "gemm_m1": lambda: gemm(1),
         "gemm_m256": lambda: gemm(256),

@@ -45,10 +45,13 @@ inline VecF score_tile(const bf16* q, const bf16* const (&k)[kTokens]) {
   return reduce_lanes(sums);
 }
 
-// Rounds a block of 2 * 16 probabilities to bf16 pairs in place: word i of p becomes (p[2i], p[2i+1]).
-inline void pack_probabilities(float* p) {
-  const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
-  _mm512_storeu_si512(p, (__m512i)pairs);
+// Rounds `count` probabilities (a multiple of 32) to bf16 pairs in place: word i of p becomes
+// (p[2i], p[2i+1]). In address order, each step writes below what the later ones read.
+inline void pack_probabilities(float* p, int64_t count) {
+  for (int64_t j = 0; j < count; j += kChunk) {
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + j + 16), _mm512_loadu_ps(p + j));
+    _mm512_storeu_si512(p + j / 2, (__m512i)pairs);
+  }
 }
 
 // acc[h] (kChunks scrambled 32-element chunks, 2 vectors each) = acc[h] * alpha[h]

@@ -34,7 +34,7 @@
 namespace kf {
 namespace attention {
 
-constexpr int kDecodeBlock = 32;  // KV tokens per softmax block
+constexpr int kDecodeBlock = 64;  // KV tokens per softmax block
 
 // Heads per score tile: the group rounded up to a power of two, at most 8 and at most kWidth.
 constexpr int decode_head_tile(int group) {
@@ -329,26 +329,29 @@ class DecodeKernel {
   }
 
   // Online softmax: scores become probabilities relative to the new running max; alpha is what
-  // the accumulators must be rescaled by.
+  // the accumulators must be rescaled by. Only the vectors that hold the block's `count` tokens
+  // are computed (whole pairs of vectors where p.V reads the probabilities as bf16 pairs).
   void softmax_update(int64_t count, const HeadState& st, float* scores) const {
+    constexpr int64_t kStep = kBf16Operands ? 2 * kW : kW;
+    const int64_t span = (count + kStep - 1) / kStep * kStep;
     for (int64_t g = 0; g < padded_group_; ++g) {
       float* row = scores + g * kDecodeBlock;
-      for (int64_t j = count; j < kDecodeBlock; ++j) row[j] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = count; j < span; ++j) row[j] = -std::numeric_limits<float>::infinity();
       VecF block_max = VecF::load(row);
-      for (int64_t j = kW; j < kDecodeBlock; j += kW) block_max = max(block_max, VecF::load(row + j));
+      for (int64_t j = kW; j < span; j += kW) block_max = max(block_max, VecF::load(row + j));
       const float m_new = std::max(st.m[g], reduce_max(block_max));
       const VecF shift = VecF::broadcast(m_new);
       VecF sum = VecF::zero();
-      for (int64_t j = 0; j < kDecodeBlock; j += kW) {
+      for (int64_t j = 0; j < span; j += kW) {
         const VecF p = exp(VecF::load(row + j) - shift);
         p.store(row + j);
         if (j + kW <= count) sum += p;
       }
-      for (int64_t j = count; j < kDecodeBlock; ++j) row[j] = 0.0f;  // exp's floor is not exactly 0
+      for (int64_t j = count; j < span; ++j) row[j] = 0.0f;  // exp's floor is not exactly 0
       float block_sum = reduce_add(sum);
       for (int64_t j = count / kW * kW; j < count; ++j) block_sum += row[j];
 #if KF_HAS_DPBF16
-      if constexpr (kBf16Operands) bf16_dot::pack_probabilities(row);
+      if constexpr (kBf16Operands) bf16_dot::pack_probabilities(row, span);
 #endif
       st.alpha[g] = std::exp(st.m[g] - m_new);  // 0 on the first block (m = -inf)
       st.l[g] = st.l[g] * st.alpha[g] + block_sum;
