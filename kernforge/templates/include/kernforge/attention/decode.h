@@ -140,10 +140,15 @@ class DecodeKernel {
   void run_list(const kf_decode_layer& io, int64_t list) const {
     float* s = scratch(list);
     const int32_t* offsets = plan_.list_offsets();
-    for (int64_t i = offsets[list]; i < offsets[list + 1]; ++i) run_item(io, plan_.items()[i], s);
+    for (int64_t i = offsets[list]; i < offsets[list + 1]; ++i) {
+      const WorkItem* following = i + 1 < offsets[list + 1] ? &plan_.items()[i + 1] : nullptr;
+      run_item(io, plan_.items()[i], following, s);
+    }
   }
 
-  void run_item(const kf_decode_layer& io, const WorkItem& w, float* scratch) const {
+  // The item's blocks in order; while one computes, the next streams in: the item's next block,
+  // or after its last, the first block of the item that follows on this thread.
+  void run_item(const kf_decode_layer& io, const WorkItem& w, const WorkItem* following, float* scratch) const {
     float* scores = block_scores(scratch);
     for (int64_t h = 0; h < w.num_heads; ++h) start_head(io, w, h, head_state(scratch, h));
     Rows rows[2];
@@ -152,13 +157,17 @@ class DecodeKernel {
       const int64_t count = std::min<int64_t>(kDecodeBlock, w.end - t);
       const Rows& cur = rows[block & 1];
       Rows& next = rows[(block + 1) & 1];
-      const int64_t next_count = std::max<int64_t>(0, std::min<int64_t>(kDecodeBlock, w.end - t - kDecodeBlock));
-      if (next_count > 0) resolve_rows(io, w, t + kDecodeBlock, next);
+      const bool last = t + kDecodeBlock >= w.end;
+      const WorkItem& next_item = last && following ? *following : w;
+      const int64_t next_begin = last ? next_item.begin : t + kDecodeBlock;
+      const int64_t next_count =
+          last && !following ? 0 : std::min<int64_t>(kDecodeBlock, next_item.end - next_begin);
+      if (next_count > 0) resolve_rows(io, next_item, next_begin, next);
       // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass.
       const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;
       const int64_t steps =
           w.num_heads * ((padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile) + value_steps);
-      BlockPrefetcher prefetch(next, next_count, w.num_heads, io, steps);
+      BlockPrefetcher prefetch(next, next_count, next_item.num_heads, io, steps);
       for (int64_t h = 0; h < w.num_heads; ++h) {
         const HeadState st = head_state(scratch, h);
         const int64_t k_offset = h * io.k_stride_head, v_offset = h * io.v_stride_head;
