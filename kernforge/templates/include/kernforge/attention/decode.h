@@ -160,8 +160,7 @@ class DecodeKernel {
       const bool last = t + kDecodeBlock >= w.end;
       const WorkItem& next_item = last && following ? *following : w;
       const int64_t next_begin = last ? next_item.begin : t + kDecodeBlock;
-      const int64_t next_count =
-          last && !following ? 0 : std::min<int64_t>(kDecodeBlock, next_item.end - next_begin);
+      const int64_t next_count = last && !following ? 0 : std::min<int64_t>(kDecodeBlock, next_item.end - next_begin);
       if (next_count > 0) resolve_rows(io, next_item, next_begin, next);
       // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass.
       const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;

@@ -9,10 +9,10 @@
 // in "split" order: `first` has elements 16k..16k+7 in block k, `second` 16k+8..16k+15.
 //
 // q.k is a sum, so no reordering is needed if q is stored in the same split order (arrange_q,
-// once per head). p.V pairs tokens as bf16_dot does, interleaving two rows' split vectors with
-// unpacklo/hi_epi16: a 64-element chunk of the accumulator is four vectors, vector c holding
-// elements 16k + 4c .. 16k + 4c + 3 in block k; unscramble_chunk restores the order once, when the
-// output is written. NaN (e4m3 S.1111.111; e5m2 exponent 31 with a mantissa) becomes a NaN.
+// once per head). p.V pairs tokens as bf16_dot does: the two rows' bytes are interleaved first
+// and looked up together (convert_pair), so a 64-element chunk of the accumulator is four vectors,
+// vector c holding elements 16k + 4c .. 16k + 4c + 3 in block k; unscramble_chunk restores the
+// order once, when the output is written. NaN (e4m3 S.1111.111; e5m2 exponent 31 with a mantissa) becomes a NaN.
 #pragma once
 
 #include "kernforge/attention/bf16_dot.h"
@@ -102,6 +102,21 @@ struct Converter {
     first = _mm512_unpacklo_epi8(low, signed_high);
     second = _mm512_unpackhi_epi8(low, signed_high);
   }
+
+  // 64 fp8 of two rows a and b -> their bf16 interleaved by element for p.V: words[c] holds, in
+  // block k, the pairs (a[e], b[e]) of elements e = 16k + 4c .. 16k + 4c + 3. The bytes are paired
+  // before the lookup, so each lookup serves both rows: 12 instructions, not 2 x 5 + 4.
+  void convert_pair(const FP8* a, const FP8* b, __m512i (&words)[4]) const {
+    const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+    const __m512i paired[2] = {_mm512_unpacklo_epi8(x, y), _mm512_unpackhi_epi8(x, y)};
+    for (int half = 0; half < 2; ++half) {
+      const __m512i z = paired[half];
+      const __m512i low = _mm512_permutex2var_epi8(low0, z, low1);
+      const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, z, high1), z, sign, 0xF8);
+      words[2 * half] = _mm512_unpacklo_epi8(low, high);
+      words[2 * half + 1] = _mm512_unpackhi_epi8(low, high);
+    }
+  }
 };
 
 // 64 fp8 at src -> 64 bf16 at dst in element order (the split halves' 128-bit blocks interleaved).
@@ -175,20 +190,12 @@ inline void accumulate_values(const FP8* const* v, int64_t offset, const FP8* ze
     between();
     const FP8* first_row = v[j] + offset;
     const FP8* second_row = j + 1 < count ? v[j + 1] + offset : zero;
-    __m512bh words[kChunks][4];
-    for (int c = 0; c < kChunks; ++c) {
-      __m512i a_first, a_second, b_first, b_second;
-      table.convert(first_row + c * kChunk, a_first, a_second);
-      table.convert(second_row + c * kChunk, b_first, b_second);
-      words[c][0] = (__m512bh)_mm512_unpacklo_epi16(a_first, b_first);
-      words[c][1] = (__m512bh)_mm512_unpackhi_epi16(a_first, b_first);
-      words[c][2] = (__m512bh)_mm512_unpacklo_epi16(a_second, b_second);
-      words[c][3] = (__m512bh)_mm512_unpackhi_epi16(a_second, b_second);
-    }
+    __m512i words[kChunks][4];
+    for (int c = 0; c < kChunks; ++c) table.convert_pair(first_row + c * kChunk, second_row + c * kChunk, words[c]);
     for (int h = 0; h < kHeads; ++h) {
       const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pairs[h][j / 2]));
       for (int c = 0; c < kChunks; ++c) {
-        for (int i = 0; i < 4; ++i) sums[h][c][i] = _mm512_dpbf16_ps(sums[h][c][i], p, words[c][i]);
+        for (int i = 0; i < 4; ++i) sums[h][c][i] = _mm512_dpbf16_ps(sums[h][c][i], p, (__m512bh)words[c][i]);
       }
     }
   }
