@@ -12,7 +12,8 @@
 // once per head). p.V pairs tokens as bf16_dot does: the two rows' bytes are interleaved first
 // and looked up together (convert_pair), so a 64-element chunk of the accumulator is four vectors,
 // vector c holding elements 16k + 4c .. 16k + 4c + 3 in block k; unscramble_chunk restores the
-// order once, when the output is written. NaN (e4m3 S.1111.111; e5m2 exponent 31 with a mantissa) becomes a NaN.
+// order once, when the output is written. NaN (e4m3 S.1111.111; e5m2 exponent 31 with a
+// mantissa) becomes a NaN.
 #pragma once
 
 #include "kernforge/attention/bf16_dot.h"
@@ -105,7 +106,7 @@ struct Converter {
 
   // 64 fp8 of two rows a and b -> their bf16 interleaved by element for p.V: words[c] holds, in
   // block k, the pairs (a[e], b[e]) of elements e = 16k + 4c .. 16k + 4c + 3. The bytes are paired
-  // before the lookup, so each lookup serves both rows: 12 instructions, not 2 x 5 + 4.
+  // before the lookup, so each lookup serves both rows: 12 instructions after the loads, not 14.
   void convert_pair(const FP8* a, const FP8* b, __m512i (&words)[4]) const {
     const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
     const __m512i paired[2] = {_mm512_unpacklo_epi8(x, y), _mm512_unpackhi_epi8(x, y)};
