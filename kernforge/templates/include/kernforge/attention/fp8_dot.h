@@ -94,29 +94,26 @@ struct Converter {
         high1(_mm512_load_si512(kTables<FP8>.high + 64)),
         sign(_mm512_set1_epi8(char(0x80))) {}
 
-  // 64 fp8 at p -> 64 bf16 in split order (see the top of the file).
-  void convert(const FP8* p, __m512i& first, __m512i& second) const {
-    const __m512i x = _mm512_loadu_si512(p);
-    const __m512i low = _mm512_permutex2var_epi8(low0, x, low1);
-    const __m512i high = _mm512_permutex2var_epi8(high0, x, high1);
-    const __m512i signed_high = _mm512_ternarylogic_epi32(high, x, sign, 0xF8);  // high | (x & sign)
+  // 64 fp8 bytes -> their 64 bf16, unpacked within 128-bit blocks: `first` holds bytes
+  // 16k..16k+7 of each block k, `second` 16k+8..16k+15.
+  void widen(__m512i bytes, __m512i& first, __m512i& second) const {
+    const __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1);
+    const __m512i high = _mm512_permutex2var_epi8(high0, bytes, high1);
+    const __m512i signed_high = _mm512_ternarylogic_epi32(high, bytes, sign, 0xF8);  // high | (bytes & sign)
     first = _mm512_unpacklo_epi8(low, signed_high);
     second = _mm512_unpackhi_epi8(low, signed_high);
   }
+
+  // 64 fp8 at p -> 64 bf16 in split order (see the top of the file).
+  void convert(const FP8* p, __m512i& first, __m512i& second) const { widen(_mm512_loadu_si512(p), first, second); }
 
   // 64 fp8 of two rows a and b -> their bf16 interleaved by element for p.V: words[c] holds, in
   // block k, the pairs (a[e], b[e]) of elements e = 16k + 4c .. 16k + 4c + 3. The bytes are paired
   // before the lookup, so each lookup serves both rows: 12 instructions after the loads, not 14.
   void convert_pair(const FP8* a, const FP8* b, __m512i (&words)[4]) const {
     const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
-    const __m512i paired[2] = {_mm512_unpacklo_epi8(x, y), _mm512_unpackhi_epi8(x, y)};
-    for (int half = 0; half < 2; ++half) {
-      const __m512i z = paired[half];
-      const __m512i low = _mm512_permutex2var_epi8(low0, z, low1);
-      const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, z, high1), z, sign, 0xF8);
-      words[2 * half] = _mm512_unpacklo_epi8(low, high);
-      words[2 * half + 1] = _mm512_unpackhi_epi8(low, high);
-    }
+    widen(_mm512_unpacklo_epi8(x, y), words[0], words[1]);
+    widen(_mm512_unpackhi_epi8(x, y), words[2], words[3]);
   }
 };
 
