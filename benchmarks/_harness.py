@@ -368,9 +368,10 @@ def weight_streaming_call(seed: int = 0) -> tuple[Callable[[], object], int]:
     return (lambda: kernforge.weight_packed_linear(x, packed)), weight.numel() * weight.element_size()
 
 
-def streaming_rate(budget_s: float = 1.0) -> float:
-    """GB/s that :func:`weight_streaming_call` streams now (median of its calls)."""
-    stream, stream_bytes = weight_streaming_call()
+def streaming_rate(budget_s: float = 1.0, call: tuple[Callable[[], object], int] | None = None) -> float:
+    """GB/s that :func:`weight_streaming_call` streams now (median of its calls); ``call``: one the
+    caller already holds, as it returned it (no second 256 MiB weight built)."""
+    stream, stream_bytes = call or weight_streaming_call()
     return stream_bytes / measure(stream, budget_s=budget_s, min_samples=5, warmup=1, sample_ns=0).median_ns
 
 
