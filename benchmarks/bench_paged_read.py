@@ -13,7 +13,8 @@ prefetched row by row. Variants change one of: prefetch distance (none, 2, 4 blo
 left to the hardware prefetchers). Also kernforge's decode itself on the baseline's cache (q bf16,
 group 4), and on the page-size (64, 128, 256), HND (pages of 16 to 256) and fp8 caches, so the
 load-only figures have the real kernel beside them; and the kernel on 16 MB of KV (in the L3), the
-rate its arithmetic allows.
+rate its arithmetic allows, beside vdpbf16ps at its peak on every thread, stated as the KV bytes
+decode reads per as many dot products (the bound on that arithmetic).
 
     .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1 minute
 """
@@ -74,12 +75,13 @@ def probe():
                 "int64_t stride_head, int64_t order, int64_t streams, int64_t prefetch, int64_t hint, "
                 "int64_t num_threads",
                 returns="int64_t",
-            )
+            ),
+            Entry("dot_peak", "int64_t iterations, int64_t num_threads", returns="int64_t"),
         ],
         tiers={"avx512": "avx512"},
         register=False,
     )
-    return core.load_kernel(module, {}, "avx512").run
+    return core.load_kernel(module, {}, "avx512")
 
 
 def walker(run, c: PagedCache, threads: int, order: int = 0, streams: int = 1, prefetch: int = 1, hint: int = 0):
@@ -87,6 +89,13 @@ def walker(run, c: PagedCache, threads: int, order: int = 0, streams: int = 1, p
     arguments = (base, base + c.v_offset, c.indptr.data_ptr(), c.indices.data_ptr(), c.batch, c.tokens, c.page)
     rest = (HEADS, c.row_bytes, c.stride_page, c.stride_token, c.stride_head, order, streams, prefetch, hint, threads)
     return lambda: run(*arguments, *rest)
+
+
+def dot_peak_call(probe_kernel, threads: int, iterations: int = 400_000):
+    """vdpbf16ps at its peak on every thread, and the bf16 KV bytes decode would read doing as many:
+    group 4 and head dim 128 take 32 per token and KV head (16 for q.k, 16 for p.V) for 512 bytes."""
+    dots = 16 * iterations * threads
+    return (lambda: probe_kernel.dot_peak(iterations, threads)), dots // 32 * 512
 
 
 def decode_call(c: PagedCache, g: torch.Generator):
@@ -117,7 +126,8 @@ def main() -> int:
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
     g = torch.Generator().manual_seed(0)
-    run = probe()
+    kernel = probe()
+    run = kernel.run
     caches = {
         key: PagedCache(args.batch, args.tokens, page, layout, dtype, g)
         for key, (page, layout, dtype) in {
@@ -180,6 +190,8 @@ def main() -> int:
         "weight_packed_linear M=1 (256 MiB weight)": H.weight_streaming_call(),
         "torch sum, 1 GiB fp32": (lambda: big.sum(), big.numel() * 4),
     }
+    if H.machine_summary()["isa"]["avx512_bf16"]:
+        references["vdpbf16ps peak, as decode's bf16 KV bytes (32 per token x KV head)"] = dot_peak_call(kernel, t)
     everything = {**references, **variants}
     H.print_header(
         "bench_paged_read: load-only paged KV reads (issue 22)",

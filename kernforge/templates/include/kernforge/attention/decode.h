@@ -219,68 +219,72 @@ class DecodeKernel {
     }
   }
 
-  // Fetches the next block's K and V rows while this block computes, a few lines at every score
-  // tile and token pair of the first p.V pass, in address order: token by token (all heads of a
-  // token are one row in NHD) or head by head (HND). The page table hides the next rows from the
-  // hardware prefetcher; without these fetches the kernel reads its KV at half the rate. Spread
-  // out, they overlap the arithmetic: issued as one burst per block, or fetching every other line
-  // and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md). They go
-  // to L2 only (prefetcht1): into L1, a load-only walk of NHD pages head by head read 1.5-1.7x
-  // slower on Zen 4 and this kernel 1.4x slower (benchmarks/bench_paged_read.py, RESULTS.md issue
-  // 22); presumably each L1 prefetch holds one of the core's few L1 miss buffers (not counted:
-  // no PMU in that guest).
+  // Fetches the next block's K and V rows while this block computes, a few rows at every score
+  // tile and token pair of the first p.V pass, in the order the next block will read them: head by
+  // head, each head's tokens in order, K and V of a row together. The page table hides the next
+  // rows from the hardware prefetcher; without these fetches the kernel reads its KV at half the
+  // rate. Spread out, they overlap the arithmetic: issued as one burst per block, or fetching every
+  // other line and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md).
+  // They go to L2 only (prefetcht1): into L1, a load-only walk of NHD pages head by head read
+  // 1.5-1.7x slower on Zen 4 and this kernel 1.4x slower (benchmarks/bench_paged_read.py,
+  // RESULTS.md issue 22); presumably each L1 prefetch holds one of the core's few L1 miss buffers
+  // (not counted: no PMU in that guest). Whole rows a step, their lines unrolled: the walk line by
+  // line it replaces cost 4-17 % of the kernel's time with the KV in the caches.
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
         : rows_(rows),
           k_head_(io.k_stride_head),
           v_head_(io.v_stride_head),
-          token_major_(io.k_stride_head < io.k_stride_token),
-          outer_end_(count == 0     ? 0
-                     : token_major_ ? count
-                                    : heads),
-          inner_end_(token_major_ ? heads : count),
-          lines_per_step_(1 + count * heads * kRowLines / std::max<int64_t>(1, steps)) {}
+          count_(count),
+          total_(count * heads),
+          steps_(std::max<int64_t>(1, steps)) {}
 
-    // The next lines_per_step lines of K and of V, walked with counters (a division per line would
-    // cost as much as the arithmetic around it); prefetcht1: (address, read, locality 2).
+    // total / steps of the rows (K and V of one token and head) a step, evenly: each step adds
+    // `total` to a credit that every row fetched spends `steps` of (no division per step).
     void step() {
-      for (int64_t n = 0; n < lines_per_step_ && outer_ < outer_end_; ++n) {
-        const int64_t token = token_major_ ? outer_ : inner_, head = token_major_ ? inner_ : outer_;
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.k[token] + head * k_head_) + line_offset(line_), 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(rows_.v[token] + head * v_head_) + line_offset(line_), 0, 2);
-        if (++line_ < kRowLines) continue;
-        line_ = 0;
-        if (++inner_ == inner_end_) inner_ = 0, ++outer_;
-      }
+      for (credit_ += total_; credit_ >= steps_ && fetched_ < total_; credit_ -= steps_) fetch_row();
     }
     // Whatever the steps did not reach.
     void finish() {
-      while (outer_ < outer_end_) step();
+      while (fetched_ < total_) fetch_row();
     }
 
    private:
+    // The lines of the next row, K and V; prefetcht1: (address, read, locality 2).
+    void fetch_row() {
+      const char* k = reinterpret_cast<const char*>(rows_.k[token_] + head_ * k_head_);
+      const char* v = reinterpret_cast<const char*>(rows_.v[token_] + head_ * v_head_);
+      for (int64_t line = 0; line < kRowLines; ++line) {
+        __builtin_prefetch(k + line_offset(line), 0, 2);
+        __builtin_prefetch(v + line_offset(line), 0, 2);
+      }
+      ++fetched_;
+      if (++token_ == count_) token_ = 0, ++head_;
+    }
     // Rows of a head_dim that is a multiple of 16 start on a multiple of their size (up to a line),
     // so they span ceil(bytes / 64) lines. Others start anywhere in a line and may touch one line
     // more: the last fetch is of the row's last byte (no fetch lands past the row).
     static constexpr bool kMisaligned = kHeadDim % 16 != 0;
     static constexpr int64_t kRowBytes = kHeadDim * int64_t(sizeof(KVT));
     static constexpr int64_t kRowLines = (kRowBytes + 63) / 64 + (kMisaligned ? 1 : 0);
-    static int64_t line_offset(int64_t line) {
+    static constexpr int64_t line_offset(int64_t line) {
       if constexpr (kMisaligned) return std::min<int64_t>(64 * line, kRowBytes - 1);
       return 64 * line;
     }
     const Rows& rows_;
     const int64_t k_head_, v_head_;
-    const bool token_major_;
-    const int64_t outer_end_, inner_end_, lines_per_step_;
-    int64_t outer_ = 0, inner_ = 0, line_ = 0;
+    const int64_t count_, total_, steps_;
+    int64_t credit_ = 0, fetched_ = 0, token_ = 0, head_ = 0;
   };
 
   // scores[g][j] = logit of group head g against token j, for j < count (tiles past count read
-  // token 0 again; their scores are never used).
-  void compute_scores(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, float* scores,
-                      BlockPrefetcher& prefetch, float qk_scale) const {
+  // token 0 again; their scores are never used). Not inlined into run_item, so that its registers
+  // are allocated on their own: inlined, GCC 12 stored and reloaded q around every dot product of
+  // group 8's tiles (1.09x the time).
+  __attribute__((noinline)) void compute_scores(const Rows& rows, int64_t head_offset, int64_t count,
+                                                const HeadState& st, float* scores, BlockPrefetcher& prefetch,
+                                                float qk_scale) const {
     const bool capped = p_.soft_cap > 0.0;
     const VecF cap = VecF::broadcast(float(p_.soft_cap)), scale = VecF::broadcast(qk_scale);
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
