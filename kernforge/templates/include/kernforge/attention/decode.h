@@ -229,7 +229,7 @@ class DecodeKernel {
   // 1.5-1.7x slower on Zen 4 and this kernel 1.4x slower (benchmarks/bench_paged_read.py,
   // RESULTS.md issue 22); presumably each L1 prefetch holds one of the core's few L1 miss buffers
   // (not counted: no PMU in that guest). Whole rows a step, their lines unrolled: the walk line by
-  // line it replaces cost 4-17 % of the kernel's time with the KV in the caches.
+  // line it replaces cost 4-16 % of the kernel's time with the KV in the caches.
   class BlockPrefetcher {
    public:
     BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
