@@ -907,7 +907,17 @@ RUN_ERRORS = {
         r"Invalid shape of out",
     ),
     "out_dtype": (lambda q, c: dict(out=torch.full((2, 8, 128), SENTINEL)), ValueError, r"Invalid dtype of out"),
+    "out_rows_overlap": (  # an expanded out: both rows are one memory, written by two threads
+        lambda q, c: dict(out=torch.full((1, 8, 128), SENTINEL, dtype=q.dtype).expand(2, 8, 128)),
+        ValueError,
+        r"out's rows overlap",
+    ),
     "lse_shape": (lambda q, c: dict(lse=torch.empty(2, 4), return_lse=True), ValueError, r"Invalid shape of lse"),
+    "lse_rows_overlap": (
+        lambda q, c: dict(lse=torch.empty(1, 8).expand(2, 8), return_lse=True),
+        ValueError,
+        r"lse's rows overlap",
+    ),
     "lse_dtype": (
         lambda q, c: dict(lse=torch.empty(2, 8, dtype=torch.float16), return_lse=True),
         ValueError,
