@@ -325,12 +325,8 @@ def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_ls
         out = torch.empty(shape, dtype=dtype)
     else:
         _check_out(out, shape, dtype, "out")
-        if not out.is_contiguous():  # a contiguous tensor's rows cannot overlap (one C call, not ~1 us)
-            writable_rows(out.shape, out.stride(), "out")
     if lse is not None:
         _check_out(lse, shape[:2], torch.float32, "lse")
-        if not lse.is_contiguous():
-            writable_rows(lse.shape, lse.stride(), "lse")
     elif return_lse:
         lse = torch.empty(shape[:2], dtype=torch.float32)
     return out, lse
@@ -375,9 +371,10 @@ def fill_layer(
 
 
 def _check_out(t, shape, dtype, name: str) -> None:
-    """FlashInfer's check_shape_dtype_device, plus the layout a kernel writes through."""
-    try:  # warm path: attribute reads
-        if t.dtype is dtype and t.shape == shape and t.is_cpu and t.stride(-1) == 1:
+    """FlashInfer's check_shape_dtype_device, plus the layout a kernel writes through: a contiguous
+    last dimension and rows that do not overlap."""
+    try:  # warm path: attribute reads and one C call (a contiguous tensor's rows cannot overlap)
+        if t.dtype is dtype and t.shape == shape and t.is_cpu and t.is_contiguous():
             return
     except AttributeError:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
@@ -389,6 +386,7 @@ def _check_out(t, shape, dtype, name: str) -> None:
         raise ValueError(f"Invalid device of {name}: expected cpu, got {t.device}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    writable_rows(t.shape, t.stride(), name)
 
 
 def _check_workspace(buffer) -> None:
