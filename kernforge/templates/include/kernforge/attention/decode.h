@@ -84,6 +84,21 @@ class DecodeKernel {
                                   (std::is_same<KVT, fp8_e4m3>::value || std::is_same<KVT, fp8_e5m2>::value) &&
                                   kHeadDim % 64 == 0;
   static constexpr bool kBf16Operands = kBf16Dot || kFp8Dot;  // q and p in bf16, q unscaled
+  // p.V's passes: kValueHeads heads by kValueChunks chunks of head_dim (bf16: 32-element chunks, two
+  // at a time for up to 4 heads: with one, 4 heads ran 10 % slower on Zen 4 with 8 accumulators;
+  // fp8: 64-element chunks of 4 vectors, at most 16 accumulators; otherwise vectors, four
+  // independent FMA chains for small head tiles).
+  static constexpr int kValueHeads = kFp8Dot && kHeadTile > 4 ? 4 : kHeadTile;
+  static constexpr int kValueChunks = kBf16Dot  ? (kHeadTile <= 4 ? 2 : 1)
+                                      : kFp8Dot ? std::min(4 / kValueHeads, kHeadDim / 64)
+                                                : (kHeadTile >= 4 ? 1 : 4 / kHeadTile);
+  // The vector multiply-adds of a score tile and of a step of p.V's first pass (a token pair on
+  // the bf16 paths, a token otherwise): the prefetcher's pace, so that its fetches follow the
+  // block's time. With every step fetching alike, a score tile (about 5x a p.V step's instructions)
+  // fetched no more than one; weighted, bf16 decode from DRAM took 0.88-0.89x the time and fp8
+  // 0.94-0.98x (RESULTS.md, issue 22, fifth pass).
+  static constexpr int64_t kScoreStepWork = kW * (kBf16Operands ? kHeadDim / 32 : (kHeadDim + kW - 1) / kW);
+  static constexpr int64_t kValueStepWork = kValueHeads * kValueChunks * (kBf16Dot ? 2 : kFp8Dot ? 4 : 1);
 
  public:
   explicit DecodeKernel(const kf_decode_planned& p)
@@ -162,11 +177,12 @@ class DecodeKernel {
       const int64_t next_begin = last ? next_item.begin : t + kDecodeBlock;
       const int64_t next_count = last && !following ? 0 : std::min<int64_t>(kDecodeBlock, next_item.end - next_begin);
       if (next_count > 0) resolve_rows(io, next_item, next_begin, next);
-      // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass.
+      // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass,
+      // each weighted by the vector multiply-adds it stands for.
+      const int64_t score_tiles = (padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile);
       const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;
-      const int64_t steps =
-          w.num_heads * ((padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile) + value_steps);
-      BlockPrefetcher prefetch(next, next_count, next_item.num_heads, io, steps);
+      const int64_t work = w.num_heads * (score_tiles * kScoreStepWork + value_steps * kValueStepWork);
+      BlockPrefetcher prefetch(next, next_count, next_item.num_heads, io, work);
       for (int64_t h = 0; h < w.num_heads; ++h) {
         const HeadState st = head_state(scratch, h);
         const int64_t k_offset = h * io.k_stride_head, v_offset = h * io.v_stride_head;
@@ -232,18 +248,19 @@ class DecodeKernel {
   // line it replaces cost 4-16 % of the kernel's time with the KV in the caches.
   class BlockPrefetcher {
    public:
-    BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t steps)
+    BlockPrefetcher(const Rows& rows, int64_t count, int64_t heads, const kf_decode_layer& io, int64_t work)
         : rows_(rows),
           k_head_(io.k_stride_head),
           v_head_(io.v_stride_head),
           count_(count),
           total_(count * heads),
-          steps_(std::max<int64_t>(1, steps)) {}
+          work_(std::max<int64_t>(1, work)) {}
 
-    // total / steps of the rows (K and V of one token and head) a step, evenly: each step adds
-    // `total` to a credit that every row fetched spends `steps` of (no division per step).
-    void step() {
-      for (credit_ += total_; credit_ >= steps_ && fetched_ < total_; credit_ -= steps_) fetch_row();
+    // total * done / work of the rows (K and V of one token and head) for `done` of the block's
+    // `work`, evenly: each step adds total * done to a credit that every row fetched spends `work`
+    // of (no division per step).
+    void step(int64_t done) {
+      for (credit_ += total_ * done; credit_ >= work_ && fetched_ < total_; credit_ -= work_) fetch_row();
     }
     // Whatever the steps did not reach.
     void finish() {
@@ -274,7 +291,7 @@ class DecodeKernel {
     }
     const Rows& rows_;
     const int64_t k_head_, v_head_;
-    const int64_t count_, total_, steps_;
+    const int64_t count_, total_, work_;
     int64_t credit_ = 0, fetched_ = 0, token_ = 0, head_ = 0;
   };
 
@@ -290,7 +307,7 @@ class DecodeKernel {
     const VecF cap = VecF::broadcast(float(p_.soft_cap)), scale = VecF::broadcast(qk_scale);
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       for (int64_t j0 = 0; j0 < count; j0 += kTokenTile) {
-        prefetch.step();
+        prefetch.step(kScoreStepWork);
         const KVT* k[kTokenTile];
         for (int jj = 0; jj < kTokenTile; ++jj) k[jj] = rows.k[j0 + jj < count ? j0 + jj : 0] + head_offset;
         VecF tile = score_tile(st, g0, k, scale);
@@ -382,37 +399,32 @@ class DecodeKernel {
   template <class Pass>
   static void paced(bool first, BlockPrefetcher& prefetch, const Pass& pass) {
     if (first) {
-      pass([&] { prefetch.step(); });
+      pass([&] { prefetch.step(kValueStepWork); });
     } else {
       pass([] {});
     }
   }
 
-  // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], head tile by head tile, kChunks vectors of
-  // head_dim at a time so that small head tiles still have four independent FMA chains.
+  // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j], in passes of kValueHeads heads by
+  // kValueChunks chunks of head_dim.
   void accumulate_values(const Rows& rows, int64_t head_offset, int64_t count, const HeadState& st, const float* scores,
                          BlockPrefetcher& prefetch) const {
 #if KF_HAS_DPBF16
-    // 32-element chunks, two at a time for up to 4 heads (16 accumulators; with one chunk, 4 heads
-    // ran 10 % slower on Zen 4 with 8 accumulators), one at a time for 8 heads.
     if constexpr (kBf16Dot) {
-      return accumulate_pairs<Bf16Pairs, kHeadTile, kHeadTile <= 4 ? 2 : 1>(rows, head_offset, count, st, scores,
-                                                                            prefetch);
+      return accumulate_pairs<Bf16Pairs, kValueHeads, kValueChunks>(rows, head_offset, count, st, scores, prefetch);
     }
 #endif
 #if KF_HAS_FP8_DOT
-    if constexpr (kFp8Dot) {  // 64-element chunks of 4 vectors: at most 4 heads (16 accumulators) at a time
-      constexpr int kHeads = kHeadTile < 4 ? kHeadTile : 4;
-      constexpr int kChunks = std::min(4 / kHeads, kHeadDim / fp8_dot::kChunk);
-      return accumulate_pairs<Fp8Pairs, kHeads, kChunks>(rows, head_offset, count, st, scores, prefetch);
+    if constexpr (kFp8Dot) {
+      return accumulate_pairs<Fp8Pairs, kValueHeads, kValueChunks>(rows, head_offset, count, st, scores, prefetch);
     }
 #endif
-    constexpr int kChunks = kHeadTile >= 4 ? 1 : 4 / kHeadTile;
     for (int64_t g0 = 0; g0 < padded_group_; g0 += kHeadTile) {
       int64_t d = 0;
-      for (; d + kChunks * kW <= kHeadDim; d += kChunks * kW) {
-        paced(g0 == 0 && d == 0, prefetch,
-              [&](const auto& between) { value_step<kChunks>(rows, head_offset, count, st, scores, g0, d, between); });
+      for (; d + kValueChunks * kW <= kHeadDim; d += kValueChunks * kW) {
+        paced(g0 == 0 && d == 0, prefetch, [&](const auto& between) {
+          value_step<kValueChunks>(rows, head_offset, count, st, scores, g0, d, between);
+        });
       }
       for (; d < kFullDim; d += kW) value_step<1>(rows, head_offset, count, st, scores, g0, d, [] {});
       if constexpr (kTail > 0) {  // the rows' last partial vector (all of them when head_dim < kW)
