@@ -15,8 +15,9 @@ cases, where the two processes share the memory bandwidth unevenly.
 
 Cases (2 threads, bf16 unless named): paged decode B=16, L=4096, 32/8 heads, head_dim 128, pages of
 16 shuffled (bf16 and fp8 e4m3 KV, and head_dim 64; _hnd: FlashInfer's HND layout, _b64: B=64
-L=1024, _g1 / _g8: GQA groups 1 and 8), and with the KV in the caches (_l2: B=2 L=512, 4 MB; _l3: B=16 L=64, 4 MB, one block per
-request; _b1_l3: B=1 L=2048, 8 MB, long requests; groups 1 and 8 too); causal ragged prefill of 2048 tokens; the
+L=1024, _g1 / _g8: GQA groups 1 and 8), and with the KV in the caches (_l2: B=2 L=512, 4 MB; _l3:
+B=16 L=64, 4 MB, one block per request; _b1_l3: B=1 L=2048, 8 MB, long requests; groups 1 and 8
+too); causal ragged prefill of 2048 tokens; the
 prepacked GEMM at M=1 (a 32 MiB weight, streamed) and M=256 on 4096x4096. Times are medians of
 one process's calls after warm-up (out= preallocated); GB/s is the KV or weight bytes over time.
 """
