@@ -16,7 +16,7 @@ load-only figures have the real kernel beside them; and the kernel on 16 MB of K
 rate its arithmetic allows, beside vdpbf16ps at its peak on every thread, stated as the KV bytes
 decode reads per as many dot products (the bound on that arithmetic).
 
-    .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1 minute
+    .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 2 minutes
 """
 
 from __future__ import annotations

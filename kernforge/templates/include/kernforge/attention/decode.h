@@ -180,7 +180,7 @@ class DecodeKernel {
       // Prefetch steps: one per score tile, one per token (pair) of each head's first p.V pass,
       // each weighted by the vector multiply-adds it stands for.
       const int64_t score_tiles = (padded_group_ / kHeadTile) * ((count + kTokenTile - 1) / kTokenTile);
-      const int64_t value_steps = kBf16Dot || kFp8Dot ? (count + 1) / 2 : count;
+      const int64_t value_steps = kBf16Operands ? (count + 1) / 2 : count;
       const int64_t work = w.num_heads * (score_tiles * kScoreStepWork + value_steps * kValueStepWork);
       BlockPrefetcher prefetch(next, next_count, next_item.num_heads, io, work);
       for (int64_t h = 0; h < w.num_heads; ++h) {
