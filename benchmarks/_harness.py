@@ -25,6 +25,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -272,8 +273,10 @@ def roof_level(working_set_bytes: float, threads: int = THREADS) -> str:
 
 
 def roof_gbs(roof: dict, level: str, kind: str = "rw", threads: int = THREADS) -> float:
-    """Bandwidth limit in GB/s; ``kind`` 'rw' (copy) or 'r' (read-only)."""
-    return roof[str(threads)][f"{level}_{kind}"]
+    """Bandwidth limit in GB/s; ``kind`` 'rw' (copy) or 'r' (read-only); nan where roof.json was not
+    measured at this many threads (it is the development machine's: on another, compare against the
+    streaming rate the benchmarks measure in the same run instead)."""
+    return roof.get(str(threads), {}).get(f"{level}_{kind}", math.nan)
 
 
 # The working sets of the in-run copy: well inside L2 (2 cores), inside L3, far beyond L3.

@@ -63,11 +63,13 @@ append_paged_kv_cache) are looked up by name: when missing, their columns read "
 says so; nothing else changes.
 
     .venv/bin/python benchmarks/bench_decode.py [--quick] [--batch 1 16] [--kv-len 4096]
+        [--cases 16:4096 ... | --cases target]
         [--vllm DIR] [--no-compile] [--max-gib 6] [--wait-quiet S] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import itertools
@@ -350,7 +352,7 @@ def read_bandwidth(args) -> dict[str, float]:
 # --------------------------------------------------------------------------- decode grid
 
 
-# Issue 22's cases for the streaming target (B, L); the grid runs those it includes.
+# Issue 22's cases for the streaming target (B, L); the grid runs those it includes (--cases target: all).
 STREAM_TARGET_CASES = ((16, 4096), (64, 1024), (1, 32768))
 
 
@@ -677,10 +679,29 @@ def print_grid(rows: list[dict], roof_dram: float, args) -> None:
     print(H.table(headers, table, "r" * (len(headers) - 1) + "l"))
 
 
+def parse_case(text: str) -> list[tuple[int, int]]:
+    """'B:L' -> [(B, L)]; 'target' -> issue 22's streaming cases and its fp8 case."""
+    if text == "target":
+        return [*STREAM_TARGET_CASES, (16, FP8_LEN)]
+    try:
+        B, L = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B:L (e.g. 16:4096) or 'target', got {text!r}") from None
+    return [(B, L)]
+
+
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--batch", nargs="*", type=int, help="batch sizes (default 1 16 64; quick 1 4)")
     p.add_argument("--kv-len", nargs="*", type=int, help="KV lengths (default 1024 4096 16384; quick 1024 16384)")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        metavar="B:L",
+        type=parse_case,
+        help="exact (batch, KV length) cases instead of the --batch x --kv-len grid; 'target' stands for "
+        "issue 22's streaming cases and its fp8 case (16:4096 64:1024 1:32768 16:16384)",
+    )
     p.add_argument("--uneven-batch", type=int, help="requests in the uneven/even batches (default 16, quick 4)")
     p.add_argument(
         "--vllm",
@@ -707,6 +728,7 @@ def main() -> int:
     args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
     batches = args.batch or ((1, 4) if args.quick else BATCHES)
     kv_lens = args.kv_len or ((1024, FP8_LEN) if args.quick else KV_LENS)
+    cases = list(itertools.chain(*args.cases)) if args.cases else list(itertools.product(batches, kv_lens))
     uneven_b = args.uneven_batch or (4 if args.quick else 16)
     if uneven_b < 2 or uneven_b % 2:
         p.error("--uneven-batch must be even: half short, half long requests, the same total as the even batch")
@@ -731,8 +753,8 @@ def main() -> int:
         "bench_decode: paged-KV batch decode, kernforge vs torch vs vLLM",
         args,
         {
-            "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; batches "
-            f"{' '.join(map(str, batches))} x KV lengths {' '.join(map(str, kv_lens))}; pages shuffled",
+            "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; (B, L) "
+            f"{' '.join(f'{B}:{L}' for B, L in cases)}; pages shuffled",
             "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
             "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
             "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
@@ -748,24 +770,23 @@ def main() -> int:
 
     t_start = time.perf_counter()
     grid, skipped = [], []
-    for B in batches:
-        for L in kv_lens:
-            nbytes = kv_bytes(B * L)
-            need = case_memory(B, L, layers_for(nbytes), vllm is not None)
-            if need > args.max_gib * (1 << 30):
-                skipped.append(f"B={B} L={L}: needs ~{need / (1 << 30):.1f} GiB (> --max-gib {args.max_gib:g})")
-                print(f"  B={B} L={L}: skipped ({skipped[-1].split(': ', 1)[1]})", file=sys.stderr, flush=True)
-                continue
-            r = bench_decode_case(B, L, args, vllm)
-            gc.collect()
-            grid.append(r)
-            print(
-                f"  B={B} L={L}: "
-                + ", ".join(f"{n} {cell(v)} µs" for n, v in r["us"].items())
-                + f" [{', '.join(f'{n} {c}' for n, c in r['checks'].items())}]",
-                file=sys.stderr,
-                flush=True,
-            )
+    for B, L in cases:
+        nbytes = kv_bytes(B * L)
+        need = case_memory(B, L, layers_for(nbytes), vllm is not None)
+        if need > args.max_gib * (1 << 30):
+            skipped.append(f"B={B} L={L}: needs ~{need / (1 << 30):.1f} GiB (> --max-gib {args.max_gib:g})")
+            print(f"  B={B} L={L}: skipped ({skipped[-1].split(': ', 1)[1]})", file=sys.stderr, flush=True)
+            continue
+        r = bench_decode_case(B, L, args, vllm)
+        gc.collect()
+        grid.append(r)
+        print(
+            f"  B={B} L={L}: "
+            + ", ".join(f"{n} {cell(v)} µs" for n, v in r["us"].items())
+            + f" [{', '.join(f'{n} {c}' for n, c in r['checks'].items())}]",
+            file=sys.stderr,
+            flush=True,
+        )
     uneven = bench_uneven(uneven_b, args, vllm)
     gc.collect()
     dispatch = bench_dispatch(args, vllm)
