@@ -592,7 +592,11 @@ def narrowing_inputs(dtype: str, gen: np.random.Generator) -> np.ndarray:
 
 
 def to_storage(dtype: str, x: np.ndarray) -> np.ndarray:
-    """torch's narrowing of fp32 x to an fp8 dtype, as raw bytes."""
+    """torch's narrowing of fp32 x to an fp8 dtype, as raw bytes, e4m3 saturating (+-Inf and finite
+    overflow to +-448) as torch 2.13 does whatever torch is installed: torch 2.11 turns e4m3
+    overflow into NaN (pytorch#178817 made the CPU cast saturate)."""
+    if dtype == "fp8_e4m3":
+        x = np.clip(x, -448.0, 448.0)  # NaN stays NaN
     return torch.from_numpy(np.ascontiguousarray(x)).to(FP8[dtype]).view(torch.uint8).numpy()
 
 

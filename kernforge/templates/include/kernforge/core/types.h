@@ -123,9 +123,10 @@ inline float fp8_e5m2_bits_to_float(uint8_t b) {
   return bit_cast<float>(sign | value);
 }
 
-// Narrowing, as torch does it (c10's fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value):
+// Narrowing, as torch 2.13 does it (c10's fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value):
 // round to nearest even; NaN -> S.1111111 (0x7f with the sign); e4m3 saturates everything finite
-// or infinite beyond 448 to +-448, e5m2 rounds to +-Inf from 61440 up (Inf stays Inf).
+// or infinite beyond 448 to +-448 (torch 2.11 gave NaN there: pytorch#178817), e5m2 rounds to
+// +-Inf from 61440 up (Inf stays Inf).
 inline uint8_t float_to_fp8_e4m3_bits(float f) {
   const uint32_t x = bit_cast<uint32_t>(f);
   const uint8_t sign = uint8_t((x >> 24) & 0x80u);
