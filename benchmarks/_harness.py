@@ -40,8 +40,30 @@ REPO_ROOT = BENCH_DIR.parent
 ROOF_PATHS = (REPO_ROOT.parent / "shared" / "roofline" / "roof.json", BENCH_DIR / "roof.json")
 
 KiB, MiB = 1 << 10, 1 << 20
-L2_PER_CORE = 1 * MiB
-L3_SIZE = 32 * MiB
+
+
+def _cache_bytes(level: int, default: int) -> int:
+    """Size of cpu0's data or unified cache of `level` (sysfs), or `default` where sysfs has none."""
+    units = {"K": KiB, "M": MiB}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if int((index / "level").read_text()) != level or (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+    return default
+
+
+# This machine's caches (the development VM: 1 MiB L2 per core, 32 MiB L3; a Xeon's L3 is 10x that).
+L2_PER_CORE = _cache_bytes(2, 1 * MiB)
+L3_SIZE = _cache_bytes(3, 32 * MiB)
+# Working sets that the caches cannot serve: one pass over DRAM_SPAN reads DRAM (256 MiB, 8x the
+# development VM's L3; 4x a larger L3), and buffers rotated over COLD_SPAN are evicted before their
+# next turn (3x the L3).
+DRAM_SPAN = max(256 * MiB, 4 * L3_SIZE)
+COLD_SPAN = 3 * L3_SIZE
 
 THREADS = 2
 
@@ -300,9 +322,9 @@ def copy_bandwidth(levels=("L2", "L3", "DRAM"), budget_s: float = 0.4) -> dict[s
 
 
 # Working sets of the in-run stream probe, as roofline.c: L2 2 x 256 KiB per thread, L3 2 x 3 MiB
-# per thread, DRAM 2 x 256 MiB.
+# per thread, DRAM 2 x DRAM_SPAN.
 def _stream_sizes(threads: int) -> dict[str, int]:
-    return {"L2": 256 * KiB * threads, "L3": 3 * MiB * threads, "DRAM": 256 * MiB}
+    return {"L2": 256 * KiB * threads, "L3": 3 * MiB * threads, "DRAM": DRAM_SPAN}
 
 
 def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str, dict[str, float]] | None:
@@ -358,22 +380,22 @@ def stream_bandwidth(threads: int = THREADS, budget_s: float = 0.3) -> dict[str,
 
 
 def weight_streaming_call(seed: int = 0) -> tuple[Callable[[], object], int]:
-    """kernforge's M=1 GEMM on a 256 MiB bf16 weight (8x the L3 here) and the bytes it streams per
-    call: the rate DEVELOPERS.md states bandwidth-bound results against (it reads faster than the
-    roofline's DRAM probe)."""
+    """kernforge's M=1 GEMM on a bf16 weight of DRAM_SPAN (256 MiB here, 8x the L3) and the bytes it
+    streams per call: the rate DEVELOPERS.md states bandwidth-bound results against (it reads faster
+    than the roofline's DRAM probe)."""
     import torch
 
     import kernforge
 
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(16384, 8192, generator=g).bfloat16()
+    weight = torch.randn(DRAM_SPAN // (8192 * 2), 8192, generator=g).bfloat16()
     packed, x = kernforge.convert_weight_packed(weight), torch.randn(1, 8192, generator=g).bfloat16()
     return (lambda: kernforge.weight_packed_linear(x, packed)), weight.numel() * weight.element_size()
 
 
 def streaming_rate(budget_s: float = 1.0, call: tuple[Callable[[], object], int] | None = None) -> float:
     """GB/s that :func:`weight_streaming_call` streams now (median of its calls); ``call``: one the
-    caller already holds, as it returned it (no second 256 MiB weight built)."""
+    caller already holds, as it returned it (no second weight of DRAM_SPAN built)."""
     stream, stream_bytes = call or weight_streaming_call()
     return stream_bytes / measure(stream, budget_s=budget_s, min_samples=5, warmup=1, sample_ns=0).median_ns
 
@@ -524,7 +546,10 @@ def print_header(title: str, args=None, extra: dict | None = None) -> dict:
     print(f"# {title}")
     print()
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["isa"].items())
-    print(f"- date {info['date']}; {info['cpu']}, {info['cores']} cores ({flags})")
+    print(
+        f"- date {info['date']}; {info['cpu']}, {info['cores']} cores ({flags}); L2 {L2_PER_CORE // KiB} KiB "
+        f"per core, L3 {L3_SIZE // MiB} MiB"
+    )
     print(
         f"- python {info['python']}, torch {info['torch']}, kernforge {info['kernforge']} "
         f"(tier {info['kernforge_tier']})"

@@ -26,9 +26,9 @@ Paths compared per case (round-robin in one run, see _harness.compare)
              column is skipped with one line saying why.
 
 Cold cache: every call must read its KV from DRAM, as a decode step does (a model's KV is far
-larger than the L3). A case whose KV is smaller than 96 MiB rotates over enough copies
-("layers": the same page table, a different cache tensor per layer, as an engine calls one plan
-for every layer) that the calls of one implementation together stream >= 96 MiB, 3x the L3.
+larger than the L3). A case whose KV is smaller than 3x the L3 (96 MiB here) rotates over enough
+copies ("layers": the same page table, a different cache tensor per layer, as an engine calls one
+plan for every layer) that the calls of one implementation together stream >= 3x the L3.
 Every implementation rotates over its own copies alike.
 
 Memory: a case holds, per layer, the paged cache, its HND copy, the dense copy and vLLM's cache
@@ -37,7 +37,8 @@ needs 10 GiB or more: skipped by default).
 
 Figures
     GB/s      bytes of K and V read once (B x L x 8 x 128 x 2 x 2 bytes) / time.
-    stream    the rate kernforge's M=1 GEMM (weight_packed_linear) streams a 256 MiB weight, timed
+    stream    the rate kernforge's M=1 GEMM (weight_packed_linear) streams a 256 MiB weight (4x the
+              L3 where that is more), timed
               as one more implementation in each case's rounds: the DRAM rate of the same minutes
               (it drifts by tens of percent between minutes here). The run's start and end also
               print it beside a STREAM-like probe and torch's x.sum() over 1 GiB.
@@ -99,7 +100,6 @@ BATCHES = (1, 16, 64)
 KV_LENS = (1024, 4096, 16384)
 FP8_LEN = 16384
 UNEVEN_SHORT, UNEVEN_LONG = 128, 16384
-COLD_SPAN = 96 * H.MiB  # a case's layers together span >= 3x the 32 MiB L3
 WORKSPACE_BYTES = 128 * H.MiB  # FlashInfer's recommended float workspace
 COSINE_MIN = 0.999
 VLLM_BLOCK = 128  # vLLM's default block size on CPU
@@ -336,8 +336,8 @@ STREAM_KEY = "M=1 GEMM stream"
 
 def read_bandwidth(args) -> dict[str, float]:
     """DRAM read GB/s now, printed as context (each case holds decode to the M=1 GEMM timed in its own
-    rounds): kernforge's M=1 GEMM over the 256 MiB weight the cases time, kernforge's stream probe
-    (read-only sum, 256 MiB) and torch x.sum() over 1 GiB fp32, at the current thread count."""
+    rounds): kernforge's M=1 GEMM over the weight the cases time, kernforge's stream probe (read-only
+    sum over as many bytes) and torch x.sum() over 1 GiB fp32, at the current thread count."""
     found = {STREAM_KEY: H.streaming_rate(budget_s=0.3 if args.quick else 1.0, call=streaming_call())}
     probe = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
     if probe:
@@ -366,12 +366,12 @@ def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
 
 
 def layers_for(nbytes: int) -> int:
-    return max(1, -(-COLD_SPAN // nbytes))
+    return max(1, -(-H.COLD_SPAN // nbytes))
 
 
 @functools.cache
 def streaming_call() -> tuple[Callable[[], object], int]:
-    """The M=1 GEMM over a 256 MiB weight (made once) and the bytes it streams per call."""
+    """The M=1 GEMM over a weight of H.DRAM_SPAN (made once) and the bytes it streams per call."""
     return H.weight_streaming_call()
 
 
@@ -760,7 +760,7 @@ def main() -> int:
             "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
             "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
             f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each; "
-            f"KV rotated over layers spanning >= {COLD_SPAN // H.MiB} MiB (cold)",
+            f"KV rotated over layers spanning >= {H.COLD_SPAN // H.MiB} MiB (cold)",
             "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else vllm_why,
             "kernforge": "decode and append present"
             if not missing
@@ -802,13 +802,16 @@ def main() -> int:
     print("µs: median per call (one layer). x/kf: path x's time / kernforge's (> 1: kernforge faster).")
     print(
         "kf GB/s: K and V bytes read once / kf time; stream GB/s: the rate weight_packed_linear M=1 "
-        "streamed a 256 MiB weight in the same rounds as the case's other calls; % now: kf GB/s (or kf "
-        "HND's) against it (the machine's read rate drifts between minutes: at the run's "
+        f"streamed a {H.DRAM_SPAN // H.MiB} MiB weight in the same rounds as the case's other calls; % now: "
+        "kf GB/s (or kf HND's) against it (the machine's read rate drifts between minutes: at the run's "
         f"start: {', '.join(f'{k} {v:.1f}' for k, v in bw_start.items())}; end: "
         f"{', '.join(f'{k} {v:.1f}' for k, v in bw_end.items())}); % roof: against roof.json's DRAM_r "
         f"{roof_dram:.1f} GB/s."
     )
-    print("layers: copies of the KV the calls rotate over (>= 96 MiB in all: every call reads from DRAM).")
+    print(
+        f"layers: copies of the KV the calls rotate over (>= {H.COLD_SPAN // H.MiB} MiB in all, 3x the L3: "
+        "every call reads from DRAM)."
+    )
     print(
         "sdpa: F.scaled_dot_product_attention(enable_gqa=True) on a dense copy; gmm: grouped matmul (4 query "
         "heads per KV head as matmul rows, fp32 softmax) on the dense copy; compile: torch.compile of gmm; "

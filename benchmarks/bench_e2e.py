@@ -410,7 +410,7 @@ def main() -> int:
             + (", {} experts (k {}) of intermediate {}".format(*experts_of(config)) if experts_of(config)[0] else "")
             + (f" ({args.checkpoint})" if args.checkpoint else ", random weights"),
             "bounds": f"bf16 peak {limit['peak_gflops']:.0f} GFLOP/s ({peak_source}), weight streaming "
-            f"{limit['dram_gbs']:.1f} GB/s (kernforge's M=1 GEMM, 256 MiB, now)",
+            f"{limit['dram_gbs']:.1f} GB/s (kernforge's M=1 GEMM, {H.DRAM_SPAN // H.MiB} MiB, now)",
             "cases": f"TTFT {args.prompt} tokens (median of {args.reps}); TPOT over {args.new} tokens at batch 1 "
             f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
         },

@@ -13,7 +13,8 @@ Columns
                               weight read, compared with the DRAM read bandwidth measured in this
                               run (the STREAM-like probe's read-only sum, else roof.json's DRAM_r).
                               Each call reads another copy of the weight (copies rotate over
-                              >= 256 MiB, 8x the L3), so no weight is served from the cache.
+                              >= 256 MiB, 8x the L3 here; 4x a larger L3), so no weight is served
+                              from the cache.
     GFLOP/s, % bf16 peak      2 * M * N * K / kernforge time, against the bf16 peak for the thread
                               count (the figure for large M), measured in the run
                               (_harness.bf16_peak: the AMX tile unit's on the amx tier, the
@@ -55,7 +56,7 @@ import _harness as H  # noqa: E402
 SHAPES = [(4096, 4096), (4096, 28672), (14336, 4096), (2048, 2048), (2048, 16384)]  # K x N
 ROWS = [1, 16, 128, 1024]
 QUICK_SHAPES, QUICK_ROWS = [(2048, 2048), (4096, 4096)], [1, 16, 128, 1024]
-ROTATE_BYTES = 256 * H.MiB  # 8x the L3: no weight copy survives in the cache until its next turn
+ROTATE_BYTES = H.DRAM_SPAN  # 8x the L3 here: no weight copy survives in the cache until its next turn
 MAX_WEIGHT_BYTES = 2 << 30  # skip bigger weights (this VM has little memory to spare)
 
 HEADERS = [

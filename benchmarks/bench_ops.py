@@ -18,10 +18,10 @@ Modes
     inplace fused_add_rmsnorm / gemma_fused_add_rmsnorm: kernforge writes
             input and residual in place (nothing allocated); the torch
             reference ``r.add_(x); rms_norm(r)`` allocates the normalized output.
-    ... cold  rows for working sets that count as DRAM (>= 32 MiB) but are
-            < 96 MiB: called over the same buffers again and again they stay
-            partly in the 32 MiB L3, so hot figures can beat the DRAM roof.
-            Cold rows rotate over enough buffer sets (>= 96 MiB in all) that
+    ... cold  rows for working sets that count as DRAM (>= the L3, 32 MiB here)
+            but are < 3x the L3: called over the same buffers again and again
+            they stay partly in the L3, so hot figures can beat the DRAM roof.
+            Cold rows rotate over enough buffer sets (>= 3x the L3) that
             every call streams from DRAM; every implementation rotates alike.
 
 Speedups are torch time / kernforge time (> 1: kernforge faster). GB/s counts
@@ -191,9 +191,6 @@ def timed(fns, args):
     return t, m.other
 
 
-COLD_SPAN = 96 * H.MiB  # cold rows rotate over buffer sets spanning >= 3x the L3
-
-
 class Rotation:
     """Cycles through ``n`` buffer sets, one per call (cold rows); n = 1: always the same set."""
 
@@ -317,8 +314,8 @@ def bench_case(op, dname, T, args, now_bw, compile_stats):
     first = make_set(op, dtype, T, g)
     check = check_case(op, dtype, first)
     passes = [("", [first], True)]
-    if level == "DRAM" and fbytes < COLD_SPAN and not args.no_cold:
-        n_sets = -(-COLD_SPAN // fbytes)
+    if level == "DRAM" and fbytes < H.COLD_SPAN and not args.no_cold:
+        n_sets = -(-H.COLD_SPAN // fbytes)
         passes.append((" cold", [first] + [make_set(op, dtype, T, g) for _ in range(n_sets - 1)], False))
     record = []
     for suffix, sets, with_alloc in passes:

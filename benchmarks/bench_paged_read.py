@@ -31,6 +31,7 @@ import kernforge
 import _harness as H
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 32
+STREAM_NAME = f"weight_packed_linear M=1 ({H.DRAM_SPAN // H.MiB} MiB weight)"
 
 
 class PagedCache:
@@ -190,7 +191,7 @@ def main() -> int:
     }
     big = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
     references = {
-        "weight_packed_linear M=1 (256 MiB weight)": H.weight_streaming_call(),
+        STREAM_NAME: H.weight_streaming_call(),
         "torch sum, 1 GiB fp32": (lambda: big.sum(), big.numel() * 4),
     }
     if H.machine_summary()["isa"]["avx512_bf16"]:
@@ -209,7 +210,7 @@ def main() -> int:
             min_samples=3,
             sample_ns=1e6,
         )
-    stream = references["weight_packed_linear M=1 (256 MiB weight)"][1] / times[next(iter(references))].median_ns
+    stream = references[STREAM_NAME][1] / times[next(iter(references))].median_ns
     rows = []
     for name, (_, nbytes) in everything.items():
         gbs = nbytes / times[name].median_ns
