@@ -286,7 +286,7 @@ def load_roof() -> tuple[dict, Path]:
 
 
 def roof_level(working_set_bytes: float, threads: int = THREADS) -> str:
-    """L2 if the working set fits 1 MiB per core in use, L3 if < 32 MiB, else DRAM."""
+    """L2 if the working set fits the L2 of the cores in use, L3 if it is smaller than the L3, else DRAM."""
     if working_set_bytes <= L2_PER_CORE * threads:
         return "L2"
     if working_set_bytes < L3_SIZE:
