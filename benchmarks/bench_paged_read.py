@@ -202,6 +202,11 @@ def main() -> int:
         args,
         {"KV": f"batch {args.batch} x {args.tokens} tokens, {HEADS} KV heads x {HEAD_DIM}: {base.bytes / 1e6:.0f} MB"},
     )
+    if base.bytes < H.COLD_SPAN:  # each variant walks its own cache once per call, again and again
+        print(
+            f"NOTE: the KV ({base.bytes / 1e6:.0f} MB) is smaller than 3x this CPU's L3 ({H.L3_SIZE // H.MiB} MiB): "
+            "the walks partly read it from the L3. Raise --batch or --tokens for DRAM figures.\n"
+        )
     with H.LoadMeter() as meter:
         times = H.compare(
             {name: fn for name, (fn, _) in everything.items()},
