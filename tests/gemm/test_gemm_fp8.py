@@ -40,7 +40,7 @@ def path(request, monkeypatch):
 
 def _weight(n, k, block=BLOCK, key=()):
     g = seeded("gemm-fp8-w", n, k, *block, *key)
-    # clamped: a checkpoint's weights are finite, and torch before 2.13 casts overflow to NaN
+    # clamped: a checkpoint's weights are finite, and torch 2.11 casts overflow to NaN (2.13 saturates)
     w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 1e-2 + 1e-3
     return w, scale
