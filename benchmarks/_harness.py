@@ -301,8 +301,9 @@ def roof_gbs(roof: dict, level: str, kind: str = "rw", threads: int = THREADS) -
     return roof.get(str(threads), {}).get(f"{level}_{kind}", math.nan)
 
 
-# The working sets of the in-run copy: well inside L2 (2 cores), inside L3, far beyond L3.
-_COPY_SIZES = {"L2": 512 * KiB, "L3": 16 * MiB, "DRAM": 512 * MiB}
+# The working sets of the in-run copy (source and destination): well inside L2 (2 cores), inside
+# L3, and DRAM_SPAN each way as the stream probe's DRAM level (512 MiB in all here).
+_COPY_SIZES = {"L2": 512 * KiB, "L3": 16 * MiB, "DRAM": 2 * DRAM_SPAN}
 
 
 def copy_bandwidth(levels=("L2", "L3", "DRAM"), budget_s: float = 0.4) -> dict[str, float]:
