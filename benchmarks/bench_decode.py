@@ -31,6 +31,11 @@ copies ("layers": the same page table, a different cache tensor per layer, as an
 plan for every layer) that the calls of one implementation together stream >= 3x the L3.
 Every implementation rotates over its own copies alike.
 
+Pages of memory: the paged caches are torch.empty's (4 KiB pages) unless --huge-pages puts every
+paged cache, kernforge's and vLLM's, in 2 MiB huge pages (kernforge.empty_kv_cache, what kernforge's
+transformers and vLLM integrations use): fewer TLB misses over the scattered KV pages. The dense
+copies of the torch paths and the stream's weight stay torch's.
+
 Memory: a case holds, per layer, the paged cache, its HND copy, the dense copy and vLLM's cache
 (and the fp8 cache at 16K); cases above --max-gib (default 6 GiB) are skipped and listed (B=64 at 16K
 needs 10 GiB or more: skipped by default).
@@ -65,7 +70,7 @@ says so; nothing else changes.
 
     .venv/bin/python benchmarks/bench_decode.py [--quick] [--batch 1 16] [--kv-len 4096]
         [--cases 16:4096 ... | --cases target]
-        [--vllm DIR] [--no-compile] [--max-gib 6] [--wait-quiet S] [--json out.json]
+        [--huge-pages] [--vllm DIR] [--no-compile] [--max-gib 6] [--wait-quiet S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -147,8 +152,17 @@ def kv_bytes(tokens: int, esize: int = 2) -> int:
     return tokens * HKV * D * 2 * esize
 
 
+# --huge-pages: every paged cache (kernforge's and vLLM's) in 2 MiB huge pages, as kernforge's
+# integrations allocate theirs (kernforge.empty_kv_cache); otherwise torch's 4 KiB pages.
+HUGE_PAGES = False
+
+
+def empty_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return kernforge.empty_kv_cache(shape, dtype=dtype) if HUGE_PAGES else torch.empty(shape, dtype=dtype)
+
+
 def random_cache(num_pages: int, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(num_pages, 2, PAGE, HKV, D, generator=g, dtype=BF16)
+    return torch.randn((num_pages, 2, PAGE, HKV, D), generator=g, out=empty_cache((num_pages, 2, PAGE, HKV, D), BF16))
 
 
 def request_tokens(cache: torch.Tensor, batch: PagedBatch, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +187,7 @@ def quantize_fp8(cache: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, 
     """An e4m3 copy of a bf16 cache with per-tensor scales (absmax / 448) for K and V."""
     k_scale = cache[:, 0].abs().amax().float().item() / FP8_MAX
     v_scale = cache[:, 1].abs().amax().float().item() / FP8_MAX
-    out = torch.empty(cache.shape, dtype=FP8)
+    out = empty_cache(cache.shape, FP8)
     for s in range(0, cache.shape[0], chunk):  # in slices: no full-size fp32 temporary
         out[s : s + chunk, 0] = (cache[s : s + chunk, 0] / k_scale).to(FP8)
         out[s : s + chunk, 1] = (cache[s : s + chunk, 1] / v_scale).to(FP8)
@@ -285,7 +299,7 @@ class VllmBatch:
 
     def cache_from(self, token_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
         """A cache filled by vLLM's own cpu_attn_reshape_and_cache; token_kv(i) -> K, V [L_i, 8, 128]."""
-        cache = torch.zeros(self.num_blocks, HKV, VLLM_BLOCK, 2 * D, dtype=BF16)
+        cache = empty_cache((self.num_blocks, HKV, VLLM_BLOCK, 2 * D), BF16).zero_()
         k_cache, v_cache = cache.view(self.num_blocks, HKV, 2 * VLLM_BLOCK, D).chunk(2, dim=2)
         for i, n in enumerate(self.seq_lens):
             pos = torch.arange(n)
@@ -413,7 +427,7 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
             w, plans["kf"] = kf_wrapper(batch, BF16)
             calls["kf"] = lambda i: w.run(q, caches[i], out=out)
             # the same pages in FlashInfer's HND layout (a head's rows of a page contiguous)
-            hnd = [c.transpose(2, 3).contiguous() for c in caches]
+            hnd = [empty_cache(c.transpose(2, 3).shape, BF16).copy_(c.transpose(2, 3)) for c in caches]
             out_hnd = torch.empty(B, HQ, D, dtype=BF16)
             w_hnd, plans["kf HND"] = kf_wrapper(batch, BF16, "HND")
             calls["kf HND"] = lambda i: w_hnd.run(q, hnd[i], out=out_hnd)
@@ -711,6 +725,12 @@ def main() -> int:
         "$KERNFORGE_BENCH_VLLM, else an installed vllm, else no vllm column",
     )
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the grouped-matmul path")
+    p.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="paged caches (kernforge's and vLLM's) in 2 MiB huge pages (kernforge.empty_kv_cache), as "
+        "kernforge's integrations allocate them; default: torch.empty's 4 KiB pages",
+    )
     p.add_argument("--max-gib", type=float, default=6.0, help="skip grid cases needing more memory (6 GiB)")
     p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.5, quick 0.05)")
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
@@ -733,6 +753,8 @@ def main() -> int:
     if uneven_b < 2 or uneven_b % 2:
         p.error("--uneven-batch must be even: half short, half long requests, the same total as the even batch")
 
+    global HUGE_PAGES
+    HUGE_PAGES = args.huge_pages
     H.setup_threads(args.threads)
     warnings.filterwarnings("ignore")
     torch._dynamo.config.cache_size_limit = 64  # one graph per shape (dynamic=False)
@@ -755,6 +777,9 @@ def main() -> int:
         {
             "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; (B, L) "
             f"{' '.join(f'{B}:{L}' for B, L in cases)}; pages shuffled",
+            "KV memory": "2 MiB huge pages (--huge-pages: kernforge.empty_kv_cache, kernforge's and vLLM's caches)"
+            if HUGE_PAGES
+            else "4 KiB pages (torch.empty; --huge-pages: 2 MiB, as kernforge's integrations allocate)",
             "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
             "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
             "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",

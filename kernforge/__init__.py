@@ -15,14 +15,17 @@ from kernforge.jit import (
     set_isa,
     use_isa,
 )
+from kernforge.memory import advise_huge_pages, empty_kv_cache  # KV caches in huge pages
 from kernforge.ops import *  # noqa: F401,F403  (the registered ops, listed once in kernforge.ops)
 from kernforge.prewarm import prewarm
 from kernforge.tune import tune_gemm, tune_prefill  # tools: time the tile candidates, record the winners
 
 __all__ = [
     "__version__",
+    "advise_huge_pages",
     "CompilerNotFoundError",
     "cpu_info",
+    "empty_kv_cache",
     "IsaError",
     "KernelCompileError",
     "KernelNotCachedError",

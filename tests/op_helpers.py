@@ -1,6 +1,7 @@
 """Test helpers shared by the op tests: seeded inputs and strided row layouts."""
 
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -78,3 +79,21 @@ def assert_outside_untouched(backing, before, mask, what):
     assert torch.equal(backing[outside], before[outside]), (
         f"{what}: the op wrote to memory outside the tensor's view (row padding / gaps)"
     )
+
+
+def thp_eligible(address: int) -> bool:
+    """Whether the mapping holding ``address`` may be backed by transparent huge pages: what
+    /proc/self/smaps says once the memory was advised (``MADV_HUGEPAGE``), or always where THP is."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            mapping = start <= address < end
+        elif mapping and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_OFF = not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text()  # or not Linux

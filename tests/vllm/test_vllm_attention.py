@@ -10,6 +10,7 @@ import torch
 
 from kernforge.integrations.vllm.attention import KernforgeAttentionImpl, KernforgeStep, StepPlanner
 
+from op_helpers import THP_OFF, thp_eligible
 from references import attention_reference
 
 HEADS, KV_HEADS, HEAD = 8, 2, 64
@@ -126,3 +127,30 @@ def test_one_plan_per_step_and_layer_kind(vllm_config):
     assert step.wrapper(twin, torch.bfloat16) is first and len(step.plans) == 1
     assert step.wrapper(windowed, torch.bfloat16) is not first and len(step.plans) == 2
     assert not planner.step(metadata).plans  # a new step starts unplanned
+
+
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are disabled or not Linux's here")
+def test_first_forward_moves_the_cache_into_huge_pages(vllm_config):
+    """vLLM writes its cache (zeros) when it allocates it; the backend's first forward on it asks
+    for huge pages (MADV_COLLAPSE), and the cache's contents stay what they were."""
+    generator = torch.Generator().manual_seed(3)
+    block_size, dtype = 32, torch.bfloat16
+    metadata, blocks = _scheduler_step(DECODES, block_size, generator)
+    blocks += 600  # 10 MB: whole huge pages inside
+    kv_cache = torch.randn(blocks, KV_HEADS, block_size, 2 * HEAD, generator=generator).to(dtype)
+    huge_page = 2 << 20
+    inside = -(-kv_cache.data_ptr() // huge_page) * huge_page
+    assert not thp_eligible(inside) or "[always]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    before = kv_cache.clone()
+    tokens = metadata.num_actual_tokens
+    query = torch.randn(tokens, HEADS, HEAD, generator=generator).to(dtype)
+    key = torch.randn(tokens, KV_HEADS, HEAD, generator=generator).to(dtype)
+    value = torch.randn(tokens, KV_HEADS, HEAD, generator=generator).to(dtype)
+    impl = KernforgeAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto", None)
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    impl.forward(layer, query, key, value, kv_cache, StepPlanner(block_size, dtype).step(metadata), query.clone())
+    assert thp_eligible(inside)
+    written = torch.zeros(blocks, dtype=torch.bool)
+    for row, (_, seq_len) in enumerate(DECODES):  # the step's one new token per request, in its last block
+        written[metadata.block_table_tensor[row, (seq_len - 1) // block_size].long()] = True
+    assert torch.equal(kv_cache[~written], before[~written])

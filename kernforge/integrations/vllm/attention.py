@@ -14,7 +14,9 @@ plans once per step:
   prefill with paged KV and ragged q (chunked-prefill pieces and decodes together, causal as
   vLLM's: a request's queries are its last tokens); every later layer with the same head shape,
   scale, window and soft cap runs that plan;
-* ``forward`` writes the new K/V with ``append_paged_kv_cache``, then runs the plan.
+* ``forward`` writes the new K/V with ``append_paged_kv_cache``, then runs the plan;
+* the first ``forward`` on a layer's cache (vLLM's warm-up) moves it into 2 MiB huge pages
+  (``kernforge.advise_huge_pages``): decode's reads of scattered blocks then miss the TLB less.
 
 What kernforge does not run (ALiBi, attention sinks, encoder and cross attention, a per-request
 causal mask) stays on vLLM's own kernels: the whole KV-cache group falls back, said once.
@@ -22,6 +24,7 @@ causal mask) stays on vLLM's own kernels: the whole KV-cache group falls back, s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +220,7 @@ class KernforgeAttentionImpl(CPUAttentionBackendImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by kernforge's attention backend")
         tokens = attn_metadata.num_actual_tokens
+        in_huge_pages(kv_cache)
         k_cache, v_cache, cache_dtype = self._cache_halves(kv_cache)
         k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
         if key is not None and self.kv_sharing_target_layer_name is None:
@@ -249,6 +253,25 @@ class KernforgeAttentionImpl(CPUAttentionBackendImpl):
             kv_cache = kv_cache.view(fp8)
         halves = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
         return halves[0], halves[1], kv_cache.dtype
+
+
+_advised_caches: set[int] = set()  # data_ptr of each cache seen
+
+
+def in_huge_pages(kv_cache: torch.Tensor) -> None:
+    """The first time a layer's cache is seen, its memory advised into huge pages. vLLM wrote it
+    (zeros) when it allocated it, so the pages move now (``MADV_COLLAPSE``), not at first touch."""
+    if kv_cache.data_ptr() in _advised_caches:
+        return
+    _advised_caches.add(kv_cache.data_ptr())
+    start = time.perf_counter()
+    advised = kernforge.advise_huge_pages(kv_cache)
+    if advised:
+        logger.info_once(
+            "kernforge: a layer's KV cache (%.2f GiB) moved into huge pages in %.2f s",
+            advised / 2**30,
+            time.perf_counter() - start,
+        )
 
 
 def _stored(rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:

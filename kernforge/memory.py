@@ -1,0 +1,92 @@
+"""KV caches in huge pages: fewer TLB misses for attention's scattered page reads.
+
+Decode reads a paged KV cache in pages of a few KiB scattered over gigabytes, so with the OS's
+4 KiB pages nearly every KV page costs a TLB miss and a page walk (nested, in a VM). Where the
+kernel's arithmetic is the bound (fp8 KV) the walks do not hide behind the reads: on a Zen 4 VM,
+decode over a cache in 2 MiB transparent huge pages took 0.90-0.96x the time with fp8 KV and
+0.93-0.98x with bf16 (benchmarks/RESULTS.md, issue 22).
+
+Linux backs memory with transparent huge pages where the process asks (``madvise``) or always,
+as ``/sys/kernel/mm/transparent_hugepage/enabled`` says; elsewhere these functions change nothing.
+torch's own switch, ``THP_MEM_ALLOC_ENABLE=1`` in the environment before torch starts, does the
+same for every allocation of 2 MiB or more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+_MADV_HUGEPAGE = 14  # back this range with huge pages from now on (at first touch, or by khugepaged)
+_MADV_COLLAPSE = 25  # Linux 6.1+: move the range's populated pages into huge pages now
+
+
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise
+
+
+_madvise_fn = _madvise()
+
+
+def _advise(start: int, length: int, advice: int) -> bool:
+    return _madvise_fn is not None and length > 0 and _madvise_fn(start, length, advice) == 0
+
+
+def _check_size(size: tuple) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in size):
+        raise TypeError(f"size must be ints, got {size!r}")
+    if any(s < 0 for s in size):
+        raise ValueError(f"size must be non-negative, got {size!r}")
+    return tuple(size)
+
+
+def empty_kv_cache(*size, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``torch.empty(*size, dtype=dtype)`` for a KV cache, its memory in 2 MiB huge pages where Linux
+    allows: the tensor starts on a 2 MiB boundary of a fresh allocation that is advised
+    (``MADV_HUGEPAGE``) before anything touches it, so its pages fault in as huge pages. Any shape
+    (FlashInfer's ``[num_pages, 2, page_size, num_kv_heads, head_dim]``, one per layer or all layers
+    at once); below 2 MiB, plain ``torch.empty``. Contiguous; like ``torch.empty``, uninitialized."""
+    size = _check_size(size)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    nbytes = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or _madvise_fn is None:
+        return torch.empty(size, dtype=dtype)
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside the allocation
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    _advise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE)
+    return raw[offset : offset + nbytes].view(dtype).view(size)
+
+
+def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
+    """Asks Linux to back ``tensor``'s memory with 2 MiB huge pages, for a KV cache allocated
+    elsewhere (an engine's): ``MADV_HUGEPAGE`` over the whole 2 MiB pages inside the tensor's
+    storage, then, with ``collapse``, ``MADV_COLLAPSE`` (Linux 6.1+), which moves pages already
+    written into huge pages at once (about 1 s per 500 MiB on the Zen 4 VM; without it, only pages
+    first touched later, or the kernel's background scan, become huge). Returns the bytes advised:
+    0 where nothing was (a storage smaller than a huge page, or not Linux)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU, got {tensor.device}")
+    storage = tensor.untyped_storage()
+    begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
+    length = max(0, (end - start) // HUGE_PAGE * HUGE_PAGE)
+    if not _advise(start, length, _MADV_HUGEPAGE):
+        return 0
+    if collapse:
+        _advise(start, length, _MADV_COLLAPSE)  # best effort: EINVAL before Linux 6.1, EAGAIN under memory pressure
+    return length
