@@ -1,10 +1,12 @@
 """KV caches in huge pages: fewer TLB misses for attention's scattered page reads.
 
 Decode reads a paged KV cache in pages of a few KiB scattered over gigabytes, so with the OS's
-4 KiB pages nearly every KV page costs a TLB miss and a page walk (nested, in a VM). Where the
-kernel's arithmetic is the bound (fp8 KV) the walks do not hide behind the reads: on a Zen 4 VM,
-decode over a cache in 2 MiB transparent huge pages took 0.90-0.96x the time with fp8 KV and
-0.93-0.98x with bf16 (benchmarks/RESULTS.md, issue 22).
+4 KiB pages nearly every KV page costs TLB misses and page walks (two-dimensional in a VM), taken
+at the prefetches that first touch it; where the arithmetic is the bound (fp8 KV) they do not hide
+behind the reads. On a Zen 4 VM, decode over a cache in 2 MiB transparent huge pages took
+0.83-0.98x the time of the same cache in 4 KiB pages written in decode order
+(benchmarks/bench_kv_pages.py), fp8 KV 0.72x on a cache written in slices (bench_decode.py;
+RESULTS.md, issue 22).
 
 Linux backs memory with transparent huge pages where the process asks (``madvise``) or always,
 as ``/sys/kernel/mm/transparent_hugepage/enabled`` says; elsewhere these functions change nothing.
