@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kernforge.integrations.vllm.attention import KernforgeAttentionImpl, KernforgeStep, StepPlanner
+from kernforge.memory import HUGE_PAGE
 
-from op_helpers import THP_OFF, thp_eligible
+from op_helpers import THP_OFF, THP_SETTING, thp_eligible
 from references import attention_reference
 
 HEADS, KV_HEADS, HEAD = 8, 2, 64
@@ -138,9 +139,8 @@ def test_first_forward_moves_the_cache_into_huge_pages(vllm_config):
     metadata, blocks = _scheduler_step(DECODES, block_size, generator)
     blocks += 600  # 10 MB: whole huge pages inside
     kv_cache = torch.randn(blocks, KV_HEADS, block_size, 2 * HEAD, generator=generator).to(dtype)
-    huge_page = 2 << 20
-    inside = -(-kv_cache.data_ptr() // huge_page) * huge_page
-    assert not thp_eligible(inside) or "[always]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    inside = -(-kv_cache.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    assert not thp_eligible(inside) or "[always]" in THP_SETTING.read_text()
     before = kv_cache.clone()
     tokens = metadata.num_actual_tokens
     query = torch.randn(tokens, HEADS, HEAD, generator=generator).to(dtype)
