@@ -10,7 +10,7 @@ from conftest import REPO_ROOT
 # Lowest first; a module belongs to the first layer whose prefix it has.
 LAYERS = (
     ("kernforge._version", "kernforge.cache", "kernforge.jit"),
-    ("kernforge.ops", "kernforge.distributed"),
+    ("kernforge.ops", "kernforge.distributed", "kernforge.memory"),
     ("kernforge.model_spec", "kernforge.prewarm", "kernforge.tune", "kernforge.torch_library"),
     ("kernforge.nn", "kernforge.cli", "kernforge.__main__", "kernforge.integrations"),
 )
