@@ -4,7 +4,7 @@ Decode reads a paged KV cache in pages of a few KiB scattered over gigabytes, so
 4 KiB pages nearly every KV page costs TLB misses and page walks (two-dimensional in a VM), taken
 at the prefetches that first touch it; where the arithmetic is the bound (fp8 KV) they do not hide
 behind the reads. On a Zen 4 VM, decode over a cache in 2 MiB transparent huge pages took
-0.83-0.98x the time of the same cache in 4 KiB pages written in decode order
+0.83-1.00x the time of the same cache in 4 KiB pages written in decode order
 (benchmarks/bench_kv_pages.py), fp8 KV 0.72x on a cache written in slices (bench_decode.py;
 RESULTS.md, issue 22).
 
