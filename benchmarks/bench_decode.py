@@ -162,7 +162,8 @@ def empty_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def random_cache(num_pages: int, g: torch.Generator) -> torch.Tensor:
-    return torch.randn((num_pages, 2, PAGE, HKV, D), generator=g, out=empty_cache((num_pages, 2, PAGE, HKV, D), BF16))
+    shape = (num_pages, 2, PAGE, HKV, D)
+    return torch.randn(shape, generator=g, out=empty_cache(shape, BF16))
 
 
 def request_tokens(cache: torch.Tensor, batch: PagedBatch, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ is copied until the copies the calls rotate over are not, so every call reads fr
 Shape: 32 query heads, 8 KV heads, head dim 128, pages of 16 tokens shuffled (bench_decode's).
 Check (untimed): each decode's output on huge pages equals its output on 4 KiB pages bit for bit.
 
-    .venv/bin/python benchmarks/bench_kv_pages.py [--cases 16:16384 16:4096 ...] [--rounds 5]  # ~3 min
+    .venv/bin/python benchmarks/bench_kv_pages.py [--cases 16:16384 16:4096 ...] [--rounds 5]  # about 1 minute
 """
 
 from __future__ import annotations
@@ -24,7 +24,19 @@ import statistics
 import sys
 
 import torch
-from bench_decode import BF16, FP8, HQ, PAGE, D, PagedBatch, kf_wrapper, kv_bytes, parse_case, quantize_fp8
+from bench_decode import (
+    BF16,
+    FP8,
+    HQ,
+    PAGE,
+    D,
+    PagedBatch,
+    kf_wrapper,
+    kv_bytes,
+    parse_case,
+    quantize_fp8,
+    random_cache,
+)
 
 import kernforge
 
@@ -54,7 +66,7 @@ def bench_case(B: int, L: int, layouts: list[str], args) -> dict:
     q = torch.randn(B, HQ, D, generator=g, dtype=BF16)
     calls, bytes_of = {}, {}
     for layout in layouts:
-        nhd = torch.randn(batch.num_pages, 2, PAGE, 8, D, generator=g, dtype=BF16)
+        nhd = random_cache(batch.num_pages, g)
         bf16 = nhd if layout == "NHD" else nhd.transpose(2, 3).contiguous()
         del nhd
         fp8, k_scale, v_scale = quantize_fp8(bf16)
@@ -76,7 +88,12 @@ def bench_case(B: int, L: int, layouts: list[str], args) -> dict:
     calls["stream"] = stream
     t, bg = H.timed(calls, args, 0.02)
     us = {n: v.us for n, v in t.items()}
-    return {"B": B, "L": L, "us": us, "bytes": bytes_of, "stream_gbs": stream_bytes / (us["stream"] * 1e3)} | {
+    return {
+        "B": B,
+        "L": L,
+        "us": us,
+        "bytes": bytes_of,
+        "stream_gbs": stream_bytes / (us["stream"] * 1e3),
         "checks": checks,
         "background_load": bg,
         "rounds": {n: v.to_json() for n, v in t.items()},
