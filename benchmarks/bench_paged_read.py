@@ -10,13 +10,15 @@ prefetched row by row. Variants change one of: prefetch distance (none, 2, 4 blo
 (token-major: every head of a token at once), streams (2, 4 requests per thread in turn), page size
 (64, 256), layout (HND, pages of 16 to 256), dtype (fp8: 128-byte rows), the prefetch hint
 (prefetcht1: into L2 only on Zen 4 and later; or prefetcht1 of a row's first line only, the rest
-left to the hardware prefetchers). Also kernforge's decode itself on the baseline's cache (q bf16,
-group 4), and on the page-size (64, 128, 256), HND (pages of 16 to 256) and fp8 caches, so the
-load-only figures have the real kernel beside them; and the kernel on 16 MB of KV (in the L3), the
-rate its arithmetic allows, beside vdpbf16ps at its peak on every thread, stated as the KV bytes
-decode reads per as many dot products (the bound on that arithmetic).
+left to the hardware prefetchers), the OS's pages (the same values in 2 MiB huge pages from
+kernforge.empty_kv_cache, against torch.empty's 4 KiB pages written front to back). Also
+kernforge's decode itself on the baseline's cache (q bf16, group 4), and on the page-size (64, 128,
+256), HND (pages of 16 to 256), fp8 and huge-page caches, so the load-only figures have the real
+kernel beside them; and the kernel on 16 MB of KV (in the L3), the rate its arithmetic allows,
+beside vdpbf16ps at its peak on every thread, stated as the KV bytes decode reads per as many dot
+products (the bound on that arithmetic).
 
-    .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 2 minutes
+    .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1.5 minutes
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ STREAM_NAME = f"weight_packed_linear M=1 ({H.DRAM_SPAN // H.MiB} MiB weight)"
 class PagedCache:
     """K and V of `batch` requests of `tokens` each in pages of `page` tokens, shuffled."""
 
-    def __init__(self, batch: int, tokens: int, page: int, layout: str, dtype: torch.dtype, g: torch.Generator):
+    def __init__(
+        self, batch: int, tokens: int, page: int, layout: str, dtype: torch.dtype, g: torch.Generator, huge=False
+    ):
         pages_per_request = tokens // page
         num_pages = batch * pages_per_request
         shape = (num_pages, 2, page, HEADS, HEAD_DIM) if layout == "NHD" else (num_pages, 2, HEADS, page, HEAD_DIM)
@@ -45,6 +49,8 @@ class PagedCache:
             self.cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
         else:  # fp8 bytes: finite e4m3 values
             self.cache = torch.randint(0, 0x7F, shape, dtype=torch.uint8, generator=g)
+        if huge:  # the same values in 2 MiB pages (torch.empty's are 4 KiB)
+            self.cache = kernforge.empty_kv_cache(shape, dtype=self.cache.dtype).copy_(self.cache)
         self.indices = torch.randperm(num_pages, generator=g).to(torch.int32)
         self.indptr = torch.arange(0, num_pages + 1, pages_per_request, dtype=torch.int32)
         self.batch, self.tokens, self.page, self.layout = batch, tokens, page, layout
@@ -143,6 +149,14 @@ def main() -> int:
             "fp8": (16, "NHD", torch.uint8),
         }.items()
     }
+    huge = {
+        key: PagedCache(args.batch, args.tokens, 16, layout, dtype, g, huge=True)
+        for key, (layout, dtype) in {
+            "nhd16": ("NHD", torch.bfloat16),
+            "hnd16": ("HND", torch.bfloat16),
+            "fp8": ("NHD", torch.uint8),
+        }.items()
+    }
     base = caches["nhd16"]
     # 16 MB of KV, half the L3: decode's rate with no DRAM in the way
     hot = PagedCache(args.batch, 256, 16, "NHD", torch.bfloat16, g)
@@ -160,6 +174,7 @@ def main() -> int:
         "prefetcht1 (L2) 4 blocks ahead": (walker(run, base, t, prefetch=4, hint=1), base.bytes),
         "token order (all heads of a token)": (walker(run, base, t, order=1), base.bytes),
         "token order, no prefetch": (walker(run, base, t, order=1, prefetch=0), base.bytes),
+        "token order, prefetcht1": (walker(run, base, t, order=1, hint=1), base.bytes),
         "2 requests per thread in turn": (walker(run, base, t, streams=2), base.bytes),
         "4 requests per thread in turn": (walker(run, base, t, streams=4), base.bytes),
         "token order, page 256": (walker(run, caches["nhd256"], t, order=1, prefetch=0), base.bytes),
@@ -177,6 +192,10 @@ def main() -> int:
         "HND, page 256, prefetcht1": (walker(run, caches["hnd256"], t, hint=1), base.bytes),
         "fp8 rows (128 B), page 16": (walker(run, caches["fp8"], t), caches["fp8"].bytes),
         "fp8 rows (128 B), page 16, prefetcht1": (walker(run, caches["fp8"], t, hint=1), caches["fp8"].bytes),
+        "2 MiB pages: prefetcht1 (L2) 1 block ahead": (walker(run, huge["nhd16"], t, hint=1), base.bytes),
+        "2 MiB pages: token order, prefetcht1": (walker(run, huge["nhd16"], t, order=1, hint=1), base.bytes),
+        "2 MiB pages: HND, page 16, prefetcht1": (walker(run, huge["hnd16"], t, hint=1), base.bytes),
+        "2 MiB pages: fp8 rows, prefetcht1": (walker(run, huge["fp8"], t, hint=1), huge["fp8"].bytes),
         "kernforge decode (bf16, group 4)": (decode_call(base, g), base.bytes),
         "kernforge decode, page 64": (decode_call(caches["nhd64"], g), base.bytes),
         "kernforge decode, page 256": (decode_call(caches["nhd256"], g), base.bytes),
@@ -186,6 +205,9 @@ def main() -> int:
         "kernforge decode, HND, page 128": (decode_call(caches["hnd128"], g), base.bytes),
         "kernforge decode, HND, page 256": (decode_call(caches["hnd256"], g), base.bytes),
         "kernforge decode, fp8 KV": (decode_call(caches["fp8"], g), caches["fp8"].bytes),
+        "kernforge decode, 2 MiB pages": (decode_call(huge["nhd16"], g), base.bytes),
+        "kernforge decode, HND, 2 MiB pages": (decode_call(huge["hnd16"], g), base.bytes),
+        "kernforge decode, fp8 KV, 2 MiB pages": (decode_call(huge["fp8"], g), huge["fp8"].bytes),
         "kernforge decode, KV in L3 (16 MB): its arithmetic's rate": (decode_call(hot, g), hot.bytes),
         "kernforge decode, fp8 KV in L3 (16 MB)": (decode_call(hot_fp8, g), hot_fp8.bytes),
     }
