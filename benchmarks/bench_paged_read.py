@@ -40,7 +40,14 @@ class PagedCache:
     """K and V of `batch` requests of `tokens` each in pages of `page` tokens, shuffled."""
 
     def __init__(
-        self, batch: int, tokens: int, page: int, layout: str, dtype: torch.dtype, g: torch.Generator, huge=False
+        self,
+        batch: int,
+        tokens: int,
+        page: int,
+        layout: str,
+        dtype: torch.dtype,
+        g: torch.Generator,
+        huge: bool = False,
     ):
         pages_per_request = tokens // page
         num_pages = batch * pages_per_request
@@ -136,7 +143,7 @@ def main() -> int:
     kernel = probe()
     run = kernel.run
     caches = {
-        key: PagedCache(args.batch, args.tokens, page, layout, dtype, g)
+        key: PagedCache(args.batch, args.tokens, page, layout, dtype, g, huge=key.endswith("_2m"))
         for key, (page, layout, dtype) in {
             "nhd16": (16, "NHD", torch.bfloat16),
             "nhd64": (64, "NHD", torch.bfloat16),
@@ -147,14 +154,9 @@ def main() -> int:
             "hnd256": (256, "HND", torch.bfloat16),
             "nhd128": (128, "NHD", torch.bfloat16),
             "fp8": (16, "NHD", torch.uint8),
-        }.items()
-    }
-    huge = {
-        key: PagedCache(args.batch, args.tokens, 16, layout, dtype, g, huge=True)
-        for key, (layout, dtype) in {
-            "nhd16": ("NHD", torch.bfloat16),
-            "hnd16": ("HND", torch.bfloat16),
-            "fp8": ("NHD", torch.uint8),
+            "nhd16_2m": (16, "NHD", torch.bfloat16),  # in 2 MiB huge pages
+            "hnd16_2m": (16, "HND", torch.bfloat16),
+            "fp8_2m": (16, "NHD", torch.uint8),
         }.items()
     }
     base = caches["nhd16"]
@@ -192,10 +194,10 @@ def main() -> int:
         "HND, page 256, prefetcht1": (walker(run, caches["hnd256"], t, hint=1), base.bytes),
         "fp8 rows (128 B), page 16": (walker(run, caches["fp8"], t), caches["fp8"].bytes),
         "fp8 rows (128 B), page 16, prefetcht1": (walker(run, caches["fp8"], t, hint=1), caches["fp8"].bytes),
-        "2 MiB pages: prefetcht1 (L2) 1 block ahead": (walker(run, huge["nhd16"], t, hint=1), base.bytes),
-        "2 MiB pages: token order, prefetcht1": (walker(run, huge["nhd16"], t, order=1, hint=1), base.bytes),
-        "2 MiB pages: HND, page 16, prefetcht1": (walker(run, huge["hnd16"], t, hint=1), base.bytes),
-        "2 MiB pages: fp8 rows, prefetcht1": (walker(run, huge["fp8"], t, hint=1), huge["fp8"].bytes),
+        "2 MiB pages: prefetcht1 (L2) 1 block ahead": (walker(run, caches["nhd16_2m"], t, hint=1), base.bytes),
+        "2 MiB pages: token order, prefetcht1": (walker(run, caches["nhd16_2m"], t, order=1, hint=1), base.bytes),
+        "2 MiB pages: HND, page 16, prefetcht1": (walker(run, caches["hnd16_2m"], t, hint=1), base.bytes),
+        "2 MiB pages: fp8 rows, prefetcht1": (walker(run, caches["fp8_2m"], t, hint=1), caches["fp8_2m"].bytes),
         "kernforge decode (bf16, group 4)": (decode_call(base, g), base.bytes),
         "kernforge decode, page 64": (decode_call(caches["nhd64"], g), base.bytes),
         "kernforge decode, page 256": (decode_call(caches["nhd256"], g), base.bytes),
@@ -205,9 +207,9 @@ def main() -> int:
         "kernforge decode, HND, page 128": (decode_call(caches["hnd128"], g), base.bytes),
         "kernforge decode, HND, page 256": (decode_call(caches["hnd256"], g), base.bytes),
         "kernforge decode, fp8 KV": (decode_call(caches["fp8"], g), caches["fp8"].bytes),
-        "kernforge decode, 2 MiB pages": (decode_call(huge["nhd16"], g), base.bytes),
-        "kernforge decode, HND, 2 MiB pages": (decode_call(huge["hnd16"], g), base.bytes),
-        "kernforge decode, fp8 KV, 2 MiB pages": (decode_call(huge["fp8"], g), huge["fp8"].bytes),
+        "kernforge decode, 2 MiB pages": (decode_call(caches["nhd16_2m"], g), base.bytes),
+        "kernforge decode, HND, 2 MiB pages": (decode_call(caches["hnd16_2m"], g), base.bytes),
+        "kernforge decode, fp8 KV, 2 MiB pages": (decode_call(caches["fp8_2m"], g), caches["fp8_2m"].bytes),
         "kernforge decode, KV in L3 (16 MB): its arithmetic's rate": (decode_call(hot, g), hot.bytes),
         "kernforge decode, fp8 KV in L3 (16 MB)": (decode_call(hot_fp8, g), hot_fp8.bytes),
     }
