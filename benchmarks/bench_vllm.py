@@ -40,6 +40,10 @@ uniform routing.
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the same model, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --mla --quick --columns stock=0 kf-mla=mla
     .venv-vllm/bin/python benchmarks/bench_vllm.py --serve --rounds 1 --columns stock=0 kf=
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --each-part     # + a column per part alone
+
+The default columns are stock (``KERNFORGE_VLLM=0``) and kf (unset: each part where the plugin's
+self-check measured it faster on this CPU; the verdicts each engine logged are printed).
 """
 
 from __future__ import annotations
@@ -90,6 +94,11 @@ def moe_experts(log: str) -> str | None:
     return found.group(1) if found else None
 
 
+def self_check_verdicts(log: str) -> list[str]:
+    """The plugin's self-check verdicts a process logged (kernforge.integrations.vllm.selfcheck)."""
+    return sorted(set(re.findall(r"kernforge (?:attention|linear|layers) \(.*?\): .*", log)))
+
+
 def check_engine(column: str, parts: str, result: dict) -> None:
     """The plugin is on exactly where KERNFORGE_VLLM says (and runs the MoE layers where it should)."""
     assert result["plugin_active"] == (parts != "0"), f"{column}: the plugin's state is not KERNFORGE_VLLM's"
@@ -97,6 +106,12 @@ def check_engine(column: str, parts: str, result: dict) -> None:
     if experts is not None:
         wanted = parts in ("", "1") or "moe" in parts.split(",")
         assert (experts == "KernforgeCPUUnquantizedExperts") == wanted, f"{column}: MoE layers on {experts}"
+
+
+def model_parts(shape_name: str) -> tuple[str, ...]:
+    """The plugin's parts that a model of this shape runs."""
+    extra = {"deepseek-v2-lite": ("moe", "mla"), "qwen3-30b-a3b": ("moe",)}.get(shape_name, ())
+    return ("attention", "layers", "linear", *extra)
 
 
 def engine_environment(parts: str, threads: int) -> dict:
@@ -127,6 +142,7 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
         result["wall_s"] = time.monotonic() - started
         result["plugin_active"] = plugin_active(run.stdout + run.stderr)
         result["moe_experts"] = moe_experts(run.stdout + run.stderr)
+        result["verdicts"] = self_check_verdicts(run.stdout + run.stderr)
         return result
 
 
@@ -280,8 +296,12 @@ def main() -> None:
     parser.add_argument(
         "--columns",
         nargs="+",
-        default=["stock=0", "kf=1"],
-        help="NAME=KERNFORGE_VLLM per column, the first the baseline (e.g. kf-no-linear=attention,layers)",
+        default=["stock=0", "kf="],
+        help="NAME=KERNFORGE_VLLM per column, the first the baseline (kf=: unset, the self-checked default; "
+        "e.g. kf-no-linear=attention,layers)",
+    )
+    parser.add_argument(
+        "--each-part", action="store_true", help="a column per part alone (KERNFORGE_VLLM=<part>) after --columns"
     )
     parser.add_argument("--serve", action="store_true", help="the serving benchmark instead (see above)")
     parser.add_argument("--serve-prompts", type=int, default=32)
@@ -311,6 +331,8 @@ def main() -> None:
         capture_output=True,
     )
     columns = dict(column.split("=", 1) for column in args.columns)
+    if args.each_part:
+        columns.update((part, part) for part in model_parts(shape_name))
     if args.serve:
         return serve_main(model, columns, args)
     rates = measured_rates(args.threads)
@@ -331,6 +353,8 @@ def main() -> None:
                     f"{result['tokens_per_second']:7.1f} tok/s{experts}",
                     flush=True,
                 )
+                for verdict in result["verdicts"] if round_ == 0 else ():
+                    print(f"    {verdict}", flush=True)
     rows, summary = [], {}
     for case, (prompts, input_len, output_len) in cases.items():
         tokens = prompts * (input_len + output_len)

@@ -11,6 +11,7 @@ compared before their prompts' near-ties.
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,15 @@ def test_plugin_replaces_what_it_says_in_every_process(model_dir, tmp_path, stoc
     assert "runs vLLM's attention (CPU_ATTN), RMSNorm, SiluAndMul" in run["log"]
     assert "Llama3RotaryEmbedding" in run["log"] and "bf16 linear layers" in run["log"]
     assert "runs vLLM's" not in stock_run["log"]  # KERNFORGE_VLLM=0: nothing replaced
+    _check_against_stock(stock_run, run)
+
+
+def test_default_self_checks_the_parts_and_serves_what_it_chose(model_dir, tmp_path, stock_run):
+    """KERNFORGE_VLLM unset: the engine measures attention and each linear shape against vLLM's
+    kernels, logs each verdict, and gives stock's tokens whichever side each part got."""
+    run = generate(model_dir, tmp_path, plugin="", **CHUNKED)
+    assert re.search(r"kernforge attention \(.* layers \d+\): (kernforge's|vLLM's) kernels", run["log"])
+    assert re.search(r"kernforge linear \(bf16 N=\d+ K=\d+\): (kernforge's|vLLM's) kernels", run["log"])
     _check_against_stock(stock_run, run)
 
 

@@ -5,13 +5,17 @@ rather than mis-serve."""
 
 import functools
 import inspect
+import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import kernforge
 import kernforge.integrations.vllm as plugin
 from kernforge.integrations import _versions
-from kernforge.integrations.vllm import layers, moe
+from kernforge.integrations.vllm import attention, layers, moe, selfcheck
 
 from references import linear_reference
 
@@ -67,14 +71,107 @@ def test_environment_picks_parts(monkeypatch, value, parts):
     assert plugin.enabled_parts() == parts
 
 
-def test_default_leaves_linear_layers_to_onednn_on_amx(monkeypatch):
-    from kernforge.jit import isa
-
+def test_unset_registers_every_part_for_the_self_check(monkeypatch):
     monkeypatch.delenv(plugin.ENABLE_VARIABLE, raising=False)
-    expected = ("attention", "layers", "moe") if isa.selected_tier() == "amx" else plugin.PARTS
-    assert plugin.enabled_parts() == plugin.default_parts() == expected
-    with isa.use_isa("avx512" if isa.runnable("avx512") else "generic"):
-        assert plugin.default_parts() == plugin.PARTS
+    assert plugin.forced_parts() is None and plugin.enabled_parts() == plugin.PARTS
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "linear")
+    assert plugin.forced_parts() == ("linear",)
+
+
+@pytest.fixture
+def self_check(monkeypatch, tmp_path):
+    """KERNFORGE_VLLM unset, verdicts recorded in a fresh cache and forgotten by this process."""
+    monkeypatch.delenv(plugin.ENABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    return tmp_path / "cache"
+
+
+def _sleeping(seconds):
+    return lambda: time.sleep(seconds)
+
+
+def _never_called():
+    raise AssertionError("a recorded or forced verdict was measured again")
+
+
+@pytest.mark.parametrize("kernforge_s, vllm_s, verdict", [(0.001, 0.004, True), (0.004, 0.001, False)])
+def test_self_check_picks_the_faster_side_and_records_it(self_check, kernforge_s, vllm_s, verdict):
+    cases = {"one": (_sleeping(kernforge_s), _sleeping(vllm_s)), "two": (_sleeping(kernforge_s), _sleeping(vllm_s))}
+    assert selfcheck.kernforge_is_faster("linear", "N=8 K=8", lambda: cases) is verdict
+    record = json.loads((self_check / "tuning" / "vllm-linear.json").read_text())
+    (entry,) = record.values()
+    assert entry["winner"]["kernforge"] is verdict and entry["bucket"].startswith("N=8 K=8|vllm ")
+    assert set(entry["seconds"]) == {"one", "two"}
+    selfcheck._verdicts.clear()  # a new process: the record is read, nothing measured
+    assert selfcheck.kernforge_is_faster("linear", "N=8 K=8", _never_called) is verdict
+
+
+def test_self_check_geometric_mean_decides_across_cases(self_check):
+    """kernforge 4x faster on one case and 2x slower on another: faster overall."""
+    cases = {"fast": (_sleeping(0.001), _sleeping(0.004)), "slow": (_sleeping(0.004), _sleeping(0.002))}
+    assert selfcheck.kernforge_is_faster("attention", "one group", lambda: cases)
+
+
+def test_environment_overrides_the_self_check(self_check, monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "layers")
+    assert not selfcheck.kernforge_is_faster("linear", "N=8 K=8", _never_called)
+    assert selfcheck.kernforge_is_faster("layers", "N=8 K=8", _never_called)
+    assert not (self_check / "tuning").exists()
+
+
+def test_linear_self_check_times_vllms_own_kernel_on_the_same_weight(registered, self_check):
+    """Both sides of the linear check compute the same product (vLLM's kernel prepared on a
+    stand-in layer); then the layer gets the side the check chose."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    weight = _rows(256, 512, 11)
+    packed = kernforge.convert_weight_packed(weight)
+    cases = layers._linear_cases(layer_utils.dispatch_cpu_unquantized_gemm.kernforge_original, weight, packed)
+    assert set(cases) == {f"M={m}" for m in layers.LINEAR_CHECK_ROWS}
+    for rows, (kernforge_call, vllm_call) in zip(layers.LINEAR_CHECK_ROWS, cases.values()):
+        expected = linear_reference(kernforge_call.args[0], weight, None)
+        torch.testing.assert_close(kernforge_call().float(), expected, atol=3e-2, rtol=2e-2, msg=f"M={rows}")
+        torch.testing.assert_close(vllm_call().float(), expected, atol=3e-2, rtol=2e-2, msg=f"M={rows}")
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    (entry,) = json.loads((self_check / "tuning" / "vllm-linear.json").read_text()).values()
+    assert hasattr(layer, "kernforge_packed_weight") is entry["winner"]["kernforge"]
+
+
+def test_attention_self_check_runs_both_backends_on_one_step(vllm_config):
+    """The attention check's two sides on a stand-in builder: kernforge's step writes its new K/V
+    into its cache and both sides write every output row."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kernforge.integrations.vllm.attention import CheckStep, KernforgeAttentionImpl, StepPlanner
+
+    heads, kv_heads, head, block = 4, 2, 64, 32
+    builder = SimpleNamespace(
+        block_size=block,
+        dtype=torch.bfloat16,
+        isa=_get_attn_isa(torch.bfloat16, block, head, "auto"),
+        planner=StepPlanner(block, torch.bfloat16),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head,
+        window_size=-1,
+        kv_cache_dtype="auto",
+        is_cross_attention=False,
+        is_encoder_only_attention=False,
+    )
+    impl = KernforgeAttentionImpl(heads, head, head**-0.5, kv_heads, None, None, "auto", None)
+    for name, requests in attention.ATTENTION_CHECK_STEPS.items():
+        check = CheckStep(builder, impl, 2, requests)
+        for run in (check.kernforge, check.vllm):
+            check.out.fill_(float("nan"))
+            run()
+            assert not check.out.isnan().any(), name
+        m, last = check.metadata, int(check.metadata.seq_lens[-1]) - 1  # the last new token's K in its slot
+        block_id = int(m.block_table_tensor[-1, last // block])
+        k_half = check.kernforge_cache.view(-1, kv_heads, 2 * block, head)  # HND: K rows, then V rows
+        assert torch.equal(k_half[block_id, :, last % block], check.k[-1]), name
 
 
 def test_unknown_part_is_an_error_naming_the_choices(monkeypatch):
@@ -223,7 +320,8 @@ def test_vllms_cpu_rope_kernel_mis_rotates_the_mla_layout(registered, vllm_confi
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 77])
-def test_linear_dispatch_packs_bf16_weights_for_kernforge(registered, tokens):
+def test_linear_dispatch_packs_bf16_weights_for_kernforge(registered, tokens, monkeypatch):
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")
     from vllm.model_executor.layers import utils as layer_utils
 
     layer = torch.nn.Module()

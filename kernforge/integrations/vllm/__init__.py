@@ -2,10 +2,10 @@
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
 :func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: ``1`` all of them, ``0``
-none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, ``mla``, or unset:
-the parts that were measured faster than vLLM's own on this kind of CPU, all but ``linear`` where
-the kernels run on AMX: there vLLM's oneDNN GEMM is faster than kernforge's, benchmarks/RESULTS.md;
-``moe`` and ``mla`` are on by default until measured otherwise):
+none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, ``mla``; unset:
+every part, each running kernforge's kernels only where a self-check on the served model's shapes
+measured them faster than vLLM's own on this CPU, once per machine, kept in kernforge's cache and
+logged: :mod:`kernforge.integrations.vllm.selfcheck`):
 
 * makes kernforge vLLM's CPU attention backend (``register_backend(CPU_ATTN, ...)``, the platform's
   only choice on CPU): :mod:`kernforge.integrations.vllm.attention`;
@@ -37,18 +37,18 @@ MLA_PREFILL_BACKEND = "kernforge.integrations.vllm.mla.KernforgeMLAPrefillBacken
 _registered: list[str] | None = None
 
 
-def default_parts() -> tuple[str, ...]:
-    """The parts measured faster than vLLM's own kernels on this CPU's best kernforge tier."""
-    from kernforge.jit import isa
-
-    return tuple(part for part in PARTS if not (part == "linear" and isa.selected_tier() == "amx"))
-
-
 def enabled_parts() -> tuple[str, ...]:
-    """The parts ``KERNFORGE_VLLM`` turns on."""
+    """The parts registered: those ``KERNFORGE_VLLM`` names, or every part where it is unset (each
+    then self-checked against vLLM's kernels where it meets the model)."""
+    forced = forced_parts()
+    return PARTS if forced is None else forced
+
+
+def forced_parts() -> tuple[str, ...] | None:
+    """The parts ``KERNFORGE_VLLM`` turns on, or None where it is unset (the self-check decides)."""
     value = os.environ.get(ENABLE_VARIABLE, "").strip()
     if value == "":
-        return default_parts()
+        return None
     if value == "1":
         return PARTS
     if value == "0":

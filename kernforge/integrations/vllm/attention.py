@@ -19,13 +19,17 @@ plans once per step:
   (``kernforge.advise_huge_pages``): decode's reads of scattered blocks then miss the TLB less.
 
 What kernforge does not run (ALiBi, attention sinks, encoder and cross attention, a per-request
-causal mask) stays on vLLM's own kernels: the whole KV-cache group falls back, said once.
+causal mask) stays on vLLM's own kernels: the whole KV-cache group falls back, said once. So does a
+group where the plugin's self-check measured vLLM's backend faster on this CPU
+(:mod:`kernforge.integrations.vllm.selfcheck`; ``KERNFORGE_VLLM`` unset).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 import kernforge
+from kernforge.integrations.vllm import selfcheck
 from kernforge.ops.attention.decode import BatchDecodeWithPagedKVCacheWrapper
 from kernforge.ops.attention.prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -170,10 +175,10 @@ class KernforgeMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.fallback = self._fallback_reason(layer_names)
+        self.planner = StepPlanner(self.block_size, vllm_config.model_config.dtype)
+        self.fallback = self._fallback_reason(layer_names) or self._measured_slower(layer_names)
         if self.fallback is not None:
             logger.info_once("vLLM's CPU attention runs %s (%s)", ", ".join(layer_names[:3]), self.fallback)
-        self.planner = StepPlanner(self.block_size, vllm_config.model_config.dtype)
 
     def _fallback_reason(self, layer_names: list[str]) -> str | None:
         if self.is_cross_attention or self.is_encoder_only_attention:
@@ -181,6 +186,17 @@ class KernforgeMetadataBuilder(CPUAttentionMetadataBuilder):
         layers = get_layers_from_vllm_config(self.vllm_config, Attention, layer_names)
         reasons = {_unsupported(layer.impl) for layer in layers.values()} - {None}
         return ", ".join(sorted(reasons)) or None
+
+    def _measured_slower(self, layer_names: list[str]) -> str | None:
+        """The self-check's verdict for this group (:mod:`kernforge.integrations.vllm.selfcheck`)."""
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention, layer_names)
+        impl = next(iter(layers.values())).impl
+        shapes = (
+            f"{self.dtype} cache {self.kv_cache_dtype} heads {impl.num_heads}/{impl.num_kv_heads} head "
+            f"{impl.head_size} block {self.block_size} window {impl.sliding_window} layers {len(layers)}"
+        )
+        cases = functools.partial(_attention_cases, self, impl, len(layers))
+        return None if selfcheck.kernforge_is_faster("attention", shapes, cases) else "measured faster on this CPU"
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         m = common_attn_metadata
@@ -219,23 +235,27 @@ class KernforgeAttentionImpl(CPUAttentionBackendImpl):
             )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by kernforge's attention backend")
-        tokens = attn_metadata.num_actual_tokens
         in_huge_pages(kv_cache)
+        return self.run_step(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    def run_step(self, layer, query, key, value, kv_cache: torch.Tensor, step: KernforgeStep, output: torch.Tensor):
+        """The new tokens' K/V written into ``kv_cache``, then attention over it into ``output``."""
+        tokens = step.num_actual_tokens
         k_cache, v_cache, cache_dtype = self._cache_halves(kv_cache)
         k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
         if key is not None and self.kv_sharing_target_layer_name is None:
             kernforge.append_paged_kv_cache(
                 _stored(key[:tokens], k_scale, cache_dtype),
                 _stored(value[:tokens], v_scale, cache_dtype),
-                attn_metadata.batch_indices,
-                attn_metadata.positions,
+                step.batch_indices,
+                step.positions,
                 (k_cache, v_cache),
-                attn_metadata.kv_indices,
-                attn_metadata.kv_indptr,
-                attn_metadata.kv_last_page_len,
+                step.kv_indices,
+                step.kv_indptr,
+                step.kv_last_page_len,
                 "HND",
             )
-        wrapper = attn_metadata.wrapper(self, cache_dtype)
+        wrapper = step.wrapper(self, cache_dtype)
         scales = dict(k_scale=k_scale, v_scale=v_scale) if cache_dtype in FP8_CACHE_DTYPES.values() else {}
         wrapper.run(query[:tokens], (k_cache, v_cache), out=output[:tokens], **scales)
         return output
@@ -253,6 +273,81 @@ class KernforgeAttentionImpl(CPUAttentionBackendImpl):
             kv_cache = kv_cache.view(fp8)
         halves = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
         return halves[0], halves[1], kv_cache.dtype
+
+
+# The attention self-check's scheduler steps: (query tokens, sequence length) per request.
+ATTENTION_CHECK_STEPS = {
+    "decode 1 x 2048": [(1, 2048)],
+    "decode 8 x 512": [(1, 512)] * 8,
+    "prefill 256": [(256, 256)],
+}
+
+
+def _attention_cases(builder: KernforgeMetadataBuilder, impl: KernforgeAttentionImpl, layers: int) -> dict:
+    """The attention self-check: a scheduler step of ``layers`` layers like ``impl``'s, each writing
+    its K/V and attending, kernforge's (one plan, then its append and run per layer) against vLLM's
+    (its metadata builder, then its cache write and kernel per layer), each on its own cache."""
+    checks = {name: CheckStep(builder, impl, layers, requests) for name, requests in ATTENTION_CHECK_STEPS.items()}
+    return {name: (check.kernforge, check.vllm) for name, check in checks.items()}
+
+
+class CheckStep:
+    """One scheduler step of the attention self-check, its inputs made once."""
+
+    def __init__(self, builder, impl: KernforgeAttentionImpl, layers: int, requests: list[tuple[int, int]]) -> None:
+        self.builder, self.impl, self.layers = builder, impl, layers
+        self.metadata, blocks = _check_step(requests, builder.block_size)
+        tokens, dtype = self.metadata.num_actual_tokens, builder.dtype
+        self.q = torch.randn(tokens, impl.num_heads, impl.head_size, dtype=dtype)
+        self.k, self.v = (torch.randn(tokens, impl.num_kv_heads, impl.head_size, dtype=dtype) for _ in "kv")
+        self.out = torch.empty_like(self.q)
+        self.layer = SimpleNamespace(isa=builder.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        self.kernforge_cache, self.vllm_cache = (_check_cache(blocks, impl, builder) for _ in "kv")
+
+    def kernforge(self) -> None:
+        step = self.builder.planner.step(self.metadata)
+        for _ in range(self.layers):
+            self.impl.run_step(self.layer, self.q, self.k, self.v, self.kernforge_cache, step, self.out)
+
+    def vllm(self) -> None:
+        metadata = CPUAttentionMetadataBuilder.build(self.builder, 0, self.metadata)
+        for _ in range(self.layers):
+            self.impl.forward(self.layer, self.q, self.k, self.v, self.vllm_cache, metadata, self.out)
+
+
+def _check_step(requests: list[tuple[int, int]], block_size: int) -> tuple[SimpleNamespace, int]:
+    """vLLM's metadata of a scheduler step over consecutive blocks (the fields both builders
+    read), and the number of blocks it uses."""
+    q_lens = torch.tensor([q for q, _ in requests], dtype=torch.int32)
+    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
+    width = (int(seq_lens.max()) + block_size - 1) // block_size
+    table = torch.arange(len(requests) * width, dtype=torch.int32).view(len(requests), width)
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    positions = torch.cat([torch.arange(s - q, s) for q, s in requests])
+    request = torch.repeat_interleave(torch.arange(len(requests)), q_lens.long())
+    slots = table[request, positions // block_size].long() * block_size + positions % block_size
+    step = SimpleNamespace(
+        num_reqs=len(requests),
+        num_actual_tokens=int(query_start_loc[-1]),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=seq_lens,
+        block_table_tensor=table,
+        slot_mapping=slots,
+        causal=True,
+    )
+    return step, table.numel()
+
+
+def _check_cache(blocks: int, impl: KernforgeAttentionImpl, builder: KernforgeMetadataBuilder) -> torch.Tensor:
+    """A layer's cache as vLLM allocates it (fp8 caches as bytes), written with random values."""
+    shape = (blocks, impl.num_kv_heads, builder.block_size, 2 * impl.head_size)
+    if impl.kv_cache_dtype in FP8_CACHE_DTYPES:
+        return torch.randn(shape).to(FP8_CACHE_DTYPES[impl.kv_cache_dtype]).view(torch.uint8)
+    return torch.randn(shape, dtype=builder.dtype)
 
 
 _advised_caches: set[int] = set()  # data_ptr of each cache seen

@@ -14,7 +14,8 @@
   ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, for which vLLM has no
   extension point. :func:`patch_linear_dispatch` replaces that function (checked against the
   signature it was written for) with one that packs bf16 weights for kernforge's
-  ``weight_packed_linear`` and hands every other weight to vLLM's.
+  ``weight_packed_linear`` where the plugin's self-check found it faster for that weight's shape
+  (:mod:`kernforge.integrations.vllm.selfcheck`) and hands every other weight to vLLM's.
 * int8 w8a8 linear layers (compressed-tensors and other int8 checkpoints vLLM loads): vLLM picks
   the first kernel of its CPU int8 list that can implement a layer. :func:`register_int8_linear`
   adds :class:`KernforgeInt8ScaledMMLinearKernel` through ``register_linear_kernel`` and moves it
@@ -44,6 +45,7 @@ from vllm.platforms import PlatformEnum, current_platform
 
 import kernforge
 from kernforge import torch_library as ops
+from kernforge.integrations.vllm import selfcheck
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -141,6 +143,10 @@ def _kernforge_dispatch(original):
         if weight.is_meta or weight.ndim != 2 or weight.dtype != torch.bfloat16:
             return original(layer, remove_weight)
         packed = kernforge.convert_weight_packed(weight.detach())
+        n, k = weight.shape
+        cases = functools.partial(_linear_cases, original, weight.detach(), packed)
+        if not selfcheck.kernforge_is_faster("linear", f"bf16 N={n} K={k}", cases):
+            return original(layer, remove_weight)
         layer.kernforge_packed_weight = packed
         layer.cpu_linear = lambda x, weight, bias: ops.weight_packed_linear(x, packed, bias)
         if remove_weight:
@@ -148,6 +154,25 @@ def _kernforge_dispatch(original):
 
     dispatch_cpu_unquantized_gemm.kernforge_original = original
     return dispatch_cpu_unquantized_gemm
+
+
+LINEAR_CHECK_ROWS = (1, 128)  # a decode step's row, a prefill chunk's rows
+
+
+def _linear_cases(original, weight: torch.Tensor, packed) -> dict:
+    """The linear self-check: ``weight_packed_linear`` against the kernel vLLM's own dispatch picks
+    for ``weight`` (prepared on a stand-in layer, so the real one is left as it is)."""
+    stand_in = torch.nn.Module()
+    stand_in.weight = torch.nn.Parameter(weight, requires_grad=False)
+    original(stand_in, False)
+    cases = {}
+    for rows in LINEAR_CHECK_ROWS:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        cases[f"M={rows}"] = (
+            functools.partial(kernforge.weight_packed_linear, x, packed),
+            functools.partial(stand_in.cpu_linear, x, weight, None),
+        )
+    return cases
 
 
 class KernforgeInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
