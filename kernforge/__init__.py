@@ -15,7 +15,7 @@ from kernforge.jit import (
     set_isa,
     use_isa,
 )
-from kernforge.memory import advise_huge_pages, empty_kv_cache  # KV caches in huge pages
+from kernforge.memory import advise_huge_pages, empty_kv_cache, zero_in_huge_pages  # KV caches in huge pages
 from kernforge.ops import *  # noqa: F401,F403  (the registered ops, listed once in kernforge.ops)
 from kernforge.prewarm import prewarm
 from kernforge.tune import tune_gemm, tune_prefill  # tools: time the tile candidates, record the winners
@@ -35,5 +35,6 @@ __all__ = [
     "tune_gemm",
     "tune_prefill",
     "use_isa",
+    "zero_in_huge_pages",
     *ops.__all__,
 ]

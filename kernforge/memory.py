@@ -23,6 +23,7 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+_MADV_DONTNEED = 4  # drop the range's pages: private anonymous memory reads zeros at the next touch
 _MADV_HUGEPAGE = 14  # back this range with huge pages from now on (at first touch, or by khugepaged)
 _MADV_COLLAPSE = 25  # Linux 6.1+: move the range's populated pages into huge pages now
 
@@ -91,4 +92,30 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
         return 0
     if collapse:
         _advise(start, length, _MADV_COLLAPSE)  # best effort: EINVAL before Linux 6.1, EAGAIN under memory pressure
+    return length
+
+
+def zero_in_huge_pages(tensor: torch.Tensor) -> int:
+    """``tensor.zero_()``, its memory in 2 MiB huge pages from the next touch on: the whole huge pages
+    inside the tensor's bytes are advised (``MADV_HUGEPAGE``) and handed back to Linux
+    (``MADV_DONTNEED``), so they read as zeros and come back as huge pages where they are first
+    touched; the bytes before and after them are zeroed in place. For a cache an engine allocated
+    and has not written yet: where :func:`advise_huge_pages` would copy every page of zeros into
+    huge pages (about 5 s per 4 GiB on the Zen 4 VM), this takes no time. Contiguous tensors only
+    (other views of the same storage keep their bytes). Returns the bytes handed back."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous (its bytes, not its storage's, are zeroed)")
+    data = tensor.reshape(-1).view(torch.uint8)
+    begin = data.data_ptr()
+    head = min(-begin % HUGE_PAGE, data.numel())
+    length = (data.numel() - head) // HUGE_PAGE * HUGE_PAGE
+    released = _advise(begin + head, length, _MADV_HUGEPAGE) and _advise(begin + head, length, _MADV_DONTNEED)
+    if not released:
+        head, length = data.numel(), 0
+    data[:head].zero_()
+    data[head + length :].zero_()
     return length

@@ -1,5 +1,5 @@
-"""Tests for KV caches in huge pages (``kernforge.memory``): ``empty_kv_cache`` and
-``advise_huge_pages``.
+"""Tests for KV caches in huge pages (``kernforge.memory``): ``empty_kv_cache``,
+``advise_huge_pages`` and ``zero_in_huge_pages``.
 
 What Linux does with the advice (whether a fault finds a free huge page) is not the library's to
 promise, so the checks are what the library does: the tensor's shape, dtype, alignment and memory,
@@ -7,6 +7,8 @@ and, where transparent huge pages are not disabled, that the kernel took the adv
 holding the tensor is THP-eligible in /proc/self/smaps). A decode over a cache from
 ``empty_kv_cache`` must equal the same decode over ``torch.empty``'s.
 """
+
+import sys
 
 import pytest
 import torch
@@ -62,6 +64,28 @@ def test_advise_huge_pages_keeps_the_contents():
     assert kernforge.advise_huge_pages(cache[1::3], collapse=False) == advised  # a view: its storage's pages
 
 
+@pytest.mark.parametrize("offset", [0, 4, 4100])
+def test_zero_in_huge_pages_zeroes_the_tensor_and_leaves_its_neighbours(offset):
+    """Every byte of the tensor reads zero (the whole huge pages handed back, the ends zeroed in
+    place); the storage's bytes around it keep theirs; on Linux with THP, huge pages from then on."""
+    storage = torch.randint(1, 255, (offset + (12 << 20) + 333,), dtype=torch.uint8)  # ~12 MiB, no zeros
+    before = storage.clone()
+    view = storage[offset : offset + (12 << 20)].view(torch.float32)  # the storage's bytes around it kept
+    released = kernforge.zero_in_huge_pages(view)
+    assert not view.any()
+    assert torch.equal(storage[:offset], before[:offset]) and torch.equal(storage[-333:], before[-333:])
+    if released:
+        assert released % HUGE_PAGE == 0 and (12 << 20) - 2 * HUGE_PAGE <= released <= 12 << 20
+        assert THP_OFF or thp_eligible(-(-view.data_ptr() // HUGE_PAGE) * HUGE_PAGE)
+    else:
+        assert not sys.platform.startswith("linux")
+
+
+def test_zero_in_huge_pages_below_a_huge_page_zeroes_in_place():
+    small = torch.ones(1000)
+    assert kernforge.zero_in_huge_pages(small) == 0 and not small.any()
+
+
 def test_advise_huge_pages_below_a_huge_page_advises_nothing():
     assert kernforge.advise_huge_pages(torch.zeros(1000)) == 0
 
@@ -75,6 +99,9 @@ def test_advise_huge_pages_below_a_huge_page_advises_nothing():
         (lambda: kernforge.empty_kv_cache(4, 8, dtype="bfloat16"), TypeError, "dtype"),
         (lambda: kernforge.advise_huge_pages([1.0]), TypeError, "tensor"),
         (lambda: kernforge.advise_huge_pages(torch.zeros(4, device="meta")), ValueError, "tensor"),
+        (lambda: kernforge.zero_in_huge_pages(b"kv"), TypeError, "tensor"),
+        (lambda: kernforge.zero_in_huge_pages(torch.zeros(4, 4).t()), ValueError, "contiguous"),
+        (lambda: kernforge.zero_in_huge_pages(torch.zeros(4, device="meta")), ValueError, "tensor"),
     ],
 )
 def test_bad_arguments(call, error, match):

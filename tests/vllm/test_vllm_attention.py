@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernforge.integrations.vllm.attention import KernforgeAttentionImpl, KernforgeStep, StepPlanner
+from kernforge.integrations.vllm.attention import KernforgeAttentionImpl, KernforgeStep, StepPlanner, _in_huge_pages
 from kernforge.memory import HUGE_PAGE
 
-from op_helpers import THP_OFF, THP_SETTING, thp_eligible
+from op_helpers import THP_OFF, thp_eligible
 from references import attention_reference
 
 HEADS, KV_HEADS, HEAD = 8, 2, 64
@@ -131,26 +131,15 @@ def test_one_plan_per_step_and_layer_kind(vllm_config):
 
 
 @pytest.mark.skipif(THP_OFF, reason="transparent huge pages are disabled or not Linux's here")
-def test_first_forward_moves_the_cache_into_huge_pages(vllm_config):
-    """vLLM writes its cache (zeros) when it allocates it; the backend's first forward on it asks
-    for huge pages (MADV_COLLAPSE), and the cache's contents stay what they were."""
-    generator = torch.Generator().manual_seed(3)
-    block_size, dtype = 32, torch.bfloat16
-    metadata, blocks = _scheduler_step(DECODES, block_size, generator)
-    blocks += 600  # 10 MB: whole huge pages inside
-    kv_cache = torch.randn(blocks, KV_HEADS, block_size, 2 * HEAD, generator=generator).to(dtype)
-    inside = -(-kv_cache.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    assert not thp_eligible(inside) or "[always]" in THP_SETTING.read_text()
-    before = kv_cache.clone()
-    tokens = metadata.num_actual_tokens
-    query = torch.randn(tokens, HEADS, HEAD, generator=generator).to(dtype)
-    key = torch.randn(tokens, KV_HEADS, HEAD, generator=generator).to(dtype)
-    value = torch.randn(tokens, KV_HEADS, HEAD, generator=generator).to(dtype)
-    impl = KernforgeAttentionImpl(HEADS, HEAD, HEAD**-0.5, KV_HEADS, None, None, "auto", None)
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
-    impl.forward(layer, query, key, value, kv_cache, StepPlanner(block_size, dtype).step(metadata), query.clone())
-    assert thp_eligible(inside)
-    written = torch.zeros(blocks, dtype=torch.bool)
-    for row, (_, seq_len) in enumerate(DECODES):  # the step's one new token per request, in its last block
-        written[metadata.block_table_tensor[row, (seq_len - 1) // block_size].long()] = True
-    assert torch.equal(kv_cache[~written], before[~written])
+def test_kv_cache_allocation_starts_in_huge_pages():
+    """vLLM allocates one buffer of zeros and views it per layer; the wrapped allocation returns the
+    same views, still all zeros, over memory advised into huge pages."""
+    buffer = torch.zeros(12 << 20, dtype=torch.int8)
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        return {f"layer.{i}": buffer[i << 20 : (i + 4) << 20].view(torch.bfloat16) for i in range(3)}
+
+    caches = _in_huge_pages(allocate_kv_cache)("config", "cpu", "layout", [32])
+    assert [c.data_ptr() for c in caches.values()] == [buffer.data_ptr() + (i << 20) for i in range(3)]
+    assert not buffer.any()
+    assert thp_eligible(-(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE)

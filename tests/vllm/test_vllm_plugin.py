@@ -31,12 +31,13 @@ def registered():
 def test_register_replaces_attention_layers_and_linear_once(registered):
     assert registered[:3] == ["attention (CPU_ATTN)", "RMSNorm", "SiluAndMul"]
     assert {"RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"} <= set(registered)
-    assert registered[-5:] == [
+    assert registered[-6:] == [
         "bf16 linear layers",
         "int8 w8a8 linear layers (dynamic, symmetric)",
         "unquantized MoE experts (bf16, SiLU)",
         "MoE routing (softmax top-k, grouped top-k)",
         "MLA attention (CPU_MLA decode, CPU MLA prefill)",
+        "KV cache allocation (huge pages)",
     ]
     assert plugin.register() == registered  # vLLM loads plugins in every process, maybe twice
 
@@ -585,6 +586,16 @@ def test_vllm_internals_the_plugin_relies_on_are_unchanged():
         "vLLM's CPU KV cache per layer is no longer [blocks, kv_heads, block, content]"
     )
     assert not CPUAttentionBackend.forward_includes_kv_cache_update  # ours does; vLLM's writes separately
+    from vllm.v1.worker import gpu_model_runner
+
+    original = getattr(gpu_model_runner.allocate_kv_cache, "kernforge_original", None)
+    assert original is not None, "attention.patch_kv_cache_allocation did not wrap allocate_kv_cache"
+    assert list(inspect.signature(original).parameters) == attention.ALLOCATE_KV_CACHE_PARAMETERS
+    allocation = inspect.getsource(original)
+    assert "buf = torch.zeros(buf_size" in allocation, "vLLM's KV cache no longer starts as one buffer of zeros"
+    assert "kv_caches = allocate_kv_cache(" in inspect.getsource(gpu_model_runner.GPUModelRunner), (
+        "the model runner no longer looks allocate_kv_cache up at call time: the wrapper would not reach it"
+    )
 
     from vllm.model_executor.kernels import linear as linear_kernels
     from vllm.platforms import PlatformEnum

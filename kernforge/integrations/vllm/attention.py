@@ -15,8 +15,9 @@ plans once per step:
   vLLM's: a request's queries are its last tokens); every later layer with the same head shape,
   scale, window and soft cap runs that plan;
 * ``forward`` writes the new K/V with ``append_paged_kv_cache``, then runs the plan;
-* the first ``forward`` on a layer's cache (vLLM's warm-up) moves it into 2 MiB huge pages
-  (``kernforge.advise_huge_pages``): decode's reads of scattered blocks then miss the TLB less.
+* vLLM's KV-cache buffer starts in 2 MiB huge pages (:func:`patch_kv_cache_allocation`: handed
+  back to Linux as huge pages of zeros right after vLLM allocates it, so nothing is copied):
+  decode's reads of scattered blocks then miss the TLB less.
 
 What kernforge does not run (ALiBi, attention sinks, encoder and cross attention, a per-request
 causal mask) stays on vLLM's own kernels: the whole KV-cache group falls back, said once. So does a
@@ -27,7 +28,7 @@ group where the plugin's self-check measured vLLM's backend faster on this CPU
 from __future__ import annotations
 
 import functools
-import time
+import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -235,7 +236,6 @@ class KernforgeAttentionImpl(CPUAttentionBackendImpl):
             )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by kernforge's attention backend")
-        in_huge_pages(kv_cache)
         return self.run_step(layer, query, key, value, kv_cache, attn_metadata, output)
 
     def run_step(self, layer, query, key, value, kv_cache: torch.Tensor, step: KernforgeStep, output: torch.Tensor):
@@ -350,23 +350,38 @@ def _check_cache(blocks: int, impl: KernforgeAttentionImpl, builder: KernforgeMe
     return torch.randn(shape, dtype=builder.dtype)
 
 
-_advised_caches: set[int] = set()  # data_ptr of each cache seen
+ALLOCATE_KV_CACHE_PARAMETERS = ["kv_cache_config", "device", "layout", "kernel_block_sizes"]  # vLLM 0.32's
 
 
-def in_huge_pages(kv_cache: torch.Tensor) -> None:
-    """The first time a layer's cache is seen, its memory advised into huge pages. vLLM wrote it
-    (zeros) when it allocated it, so the pages move now (``MADV_COLLAPSE``), not at first touch."""
-    if kv_cache.data_ptr() in _advised_caches:
-        return
-    _advised_caches.add(kv_cache.data_ptr())
-    start = time.perf_counter()
-    advised = kernforge.advise_huge_pages(kv_cache)
-    if advised:
-        logger.info_once(
-            "kernforge: a layer's KV cache (%.2f GiB) moved into huge pages in %.2f s",
-            advised / 2**30,
-            time.perf_counter() - start,
-        )
+def patch_kv_cache_allocation() -> bool:
+    """Have vLLM's KV caches start in huge pages: wraps ``allocate_kv_cache`` as vLLM's model runner
+    calls it (checked against the signature it was written for; False: nothing wrapped)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    original = getattr(gpu_model_runner, "allocate_kv_cache", None)
+    if original is None or list(inspect.signature(original).parameters) != ALLOCATE_KV_CACHE_PARAMETERS:
+        return False
+    if getattr(original, "kernforge_original", None) is None:
+        gpu_model_runner.allocate_kv_cache = _in_huge_pages(original)
+    return True
+
+
+def _in_huge_pages(original):
+    @functools.wraps(original)
+    def allocate_kv_cache(*args, **kwargs) -> dict[str, torch.Tensor]:
+        """vLLM's allocation (one buffer of zeros, viewed per layer), whose buffer is then handed back
+        to Linux as huge pages of zeros (``kernforge.zero_in_huge_pages``): decode's reads of
+        scattered blocks miss the TLB less. Not written yet, so nothing is copied."""
+        caches = original(*args, **kwargs)
+        storages = (cache.untyped_storage() for cache in caches.values() if cache.device.type == "cpu")
+        for storage in {storage.data_ptr(): storage for storage in storages}.values():
+            released = kernforge.zero_in_huge_pages(torch.empty(0, dtype=torch.uint8).set_(storage))
+            if released:
+                logger.info_once("kernforge: vLLM's KV cache (%.2f GiB) starts in huge pages", released / 2**30)
+        return caches
+
+    allocate_kv_cache.kernforge_original = original
+    return allocate_kv_cache
 
 
 def _stored(rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -38,7 +38,6 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
 import kernforge
-from kernforge.integrations.vllm.attention import in_huge_pages
 
 logger = init_logger(__name__)
 
@@ -180,7 +179,6 @@ class KernforgeMLAImpl(CPUMLAImpl):
             or cache.shape[-1] != self.kv_lora_rank + q_pe.shape[-1]
         ):
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        in_huge_pages(cache)
         kind = (self.num_heads, self.kv_lora_rank, q_pe.shape[-1], self.scale, q_nope.dtype, cache.dtype)
         wrapper = step.wrapper(kind)
         out = wrapper.run(q_nope, q_pe, cache[..., : self.kv_lora_rank], cache[..., self.kv_lora_rank :])
