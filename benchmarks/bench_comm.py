@@ -1,4 +1,5 @@
-"""kernforge.distributed against gloo on the same group: all_reduce latency and bandwidth, all_gather.
+"""kernforge.distributed against gloo on the same group: all_reduce latency and bandwidth, all_gather,
+reduce_scatter_tensor.
 
     .venv/bin/python benchmarks/bench_comm.py [--world 2] [--calls 10000] [--quick] [--json out.json]
 
@@ -14,7 +15,9 @@ noise on this shared VM hits both alike:
   bytes (``dst.copy_(src)``) timed on every rank at once in the same rounds;
 * all_gather of ``[1, 64128]`` bf16 (Llama-3.2-1B's vocabulary shard at TP=2) and ``[1024, 4096]``
   along the last dim into a preallocated ``out=``, against gloo's ``all_gather_into_tensor`` (along
-  dim 0, so without the reordering copy a last-dim gather needs on top).
+  dim 0, so without the reordering copy a last-dim gather needs on top);
+* reduce_scatter_tensor of ``[world * rows, 4096]`` bf16 into ``[rows, 4096]`` (1 row: a decode
+  step's; 256: a prefill chunk's), against gloo's.
 
 Times are per call of runs of back-to-back calls; allocating calls are not measured (every figure
 here writes into a preallocated tensor: all_reduce in place, all_gather with ``out=``).
@@ -39,6 +42,7 @@ import _harness as H  # noqa: E402
 LATENCY_SHAPE = (1, 4096)
 BANDWIDTH_MIB = (0.0625, 0.25, 1, 4, 8, 16, 64)
 GATHER_SHAPES = ((1, 64128), (1024, 4096))
+SCATTER_ROWS = (1, 256)  # reduce_scatter_tensor's output rows of 4096 bf16 per rank
 ROUNDS = 5
 
 
@@ -91,15 +95,20 @@ def median_time(call, reps: int, nbytes: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(calls: dict, reps: int, nbytes: int) -> dict:
+    """Each call's median over ROUNDS rounds of median_time, the calls taking turns in every round."""
+    samples = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            samples[name].append(median_time(call, reps, nbytes))
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
 def bandwidth(comm, mib: float, reps: int) -> dict:
     n = int(mib * 2**20) // 2
     x, src, dst = (torch.randn(n).to(torch.bfloat16) for _ in range(3))
     calls = {"kf": lambda: comm.all_reduce(x), "gloo": lambda: dist.all_reduce(x), "copy": lambda: dst.copy_(src)}
-    samples = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            samples[name].append(median_time(call, reps, 2 * n))
-    return {name: statistics.median(t) for name, t in samples.items()} | {"bytes": 2 * n}
+    return interleaved(calls, reps, 2 * n) | {"bytes": 2 * n}
 
 
 def gather(comm, shape: tuple[int, int], reps: int) -> dict:
@@ -110,11 +119,17 @@ def gather(comm, shape: tuple[int, int], reps: int) -> dict:
         "kf": lambda: comm.all_gather(x, -1, out=gathered),
         "gloo": lambda: dist.all_gather_into_tensor(out, x),  # along dim 0: no reordering copy
     }
-    samples = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            samples[name].append(median_time(call, reps, x.numel() * 2))
-    return {name: statistics.median(t) for name, t in samples.items()}
+    return interleaved(calls, reps, x.numel() * 2)
+
+
+def reduce_scatter(comm, rows: int, reps: int) -> dict:
+    x = torch.randn(rows * comm.world_size, 4096).to(torch.bfloat16)
+    out = torch.empty(rows, 4096, dtype=torch.bfloat16)
+    calls = {
+        "kf": lambda: comm.reduce_scatter_tensor(out, x),
+        "gloo": lambda: dist.reduce_scatter_tensor(out, x),
+    }
+    return interleaved(calls, reps, x.numel() * 2)
 
 
 def rank_main(rank: int, world: int, port: int, args) -> None:
@@ -131,6 +146,7 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
         "latency": latency(comm, 1000 if quick else args.calls),
         "bandwidth": {mib: bandwidth(comm, mib, 3 if quick else 10) for mib in BANDWIDTH_MIB[: 3 if quick else None]},
         "gather": {shape: gather(comm, shape, 3 if quick else 10) for shape in GATHER_SHAPES},
+        "scatter": {rows: reduce_scatter(comm, rows, 3 if quick else 10) for rows in SCATTER_ROWS},
     }
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
@@ -185,6 +201,12 @@ def report(everyone: list[dict], args) -> None:
             [str(list(shape)), H.fmt(t["kf"] * 1e6, 1), H.fmt(t["gloo"] * 1e6, 1), H.fmt(t["gloo"] / t["kf"], 1)]
         )
     print(H.table(["per rank", "kf µs", "gloo µs", "gloo / kf"], rows))
+    print(f"\n## reduce_scatter_tensor bf16, [{world} * rows, 4096] -> [rows, 4096] (median of rounds; worst rank)\n")
+    rows = []
+    for n in SCATTER_ROWS:
+        t = {name: worst(everyone, "scatter", n, name) for name in ("kf", "gloo")}
+        rows.append([str(n), H.fmt(t["kf"] * 1e6, 1), H.fmt(t["gloo"] * 1e6, 1), H.fmt(t["gloo"] / t["kf"], 1)])
+    print(H.table(["rows", "kf µs", "gloo µs", "gloo / kf"], rows))
     H.write_json(args.json, {"world": world, "ranks": everyone})
 
 

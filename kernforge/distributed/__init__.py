@@ -8,12 +8,15 @@ keep one per group::
     kernforge.distributed.bind_threads()           # this rank's share of the cores
     kernforge.distributed.all_reduce(hidden)        # in place, as torch.distributed.all_reduce
     logits = kernforge.distributed.all_gather(part, dim=-1)
+    kernforge.distributed.reduce_scatter_tensor(out, hidden)  # out = this rank's rows of the sum
 
 sgl-kernel's CPU names work too: ``initialize(size, rank)``, ``shm_allreduce(data, op)``,
-``shm_allgather(data, dim)``, ``init_cpu_threads_env(cpu_ids)``. Each collective is also the
-custom op ``torch.ops.kernforge.<name>`` (``all_reduce(Tensor(a!) tensor, int communicator)``,
-``all_gather(Tensor tensor, int dim, int communicator)``, ``shm_allreduce``, ``shm_allgather``
-with sgl-kernel's schemas), so a compiled model keeps one graph.
+``shm_allgather(data, dim)``, ``shm_allgather_into_tensor(output_tensor, data)``,
+``shm_reduce_scatter_tensor(output_tensor, data, op)``, ``init_cpu_threads_env(cpu_ids)``. Each
+collective is also the custom op ``torch.ops.kernforge.<name>`` (``all_reduce(Tensor(a!) tensor,
+int communicator)``, ``all_gather(Tensor tensor, int dim, int communicator)``,
+``reduce_scatter_tensor(Tensor(a!) output, Tensor input, int communicator)``, and the ``shm_*``
+names with sgl-kernel's schemas), so a compiled model keeps one graph.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ __all__ = [
     "init_cpu_threads_env",
     "initialize",
     "rank_cpus",
+    "reduce_scatter_tensor",
     "shm_allgather",
+    "shm_allgather_into_tensor",
     "shm_allreduce",
+    "shm_reduce_scatter_tensor",
 ]
 
 _BY_GROUP: dict = {}  # process group -> its communicator
@@ -67,6 +73,11 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     communicator_for(group).all_gather_into_tensor(output_tensor, input_tensor)
 
 
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", group=None) -> None:
+    """As ``torch.distributed.reduce_scatter_tensor(output, input, op, group)`` (sum only)."""
+    communicator_for(group).reduce_scatter_tensor(output, input, op)
+
+
 # ---- sgl-kernel's CPU names (sgl-kernel/csrc/cpu/shm.cpp)
 
 
@@ -92,6 +103,18 @@ def shm_allgather(data: torch.Tensor, dim: int) -> torch.Tensor:
     return communicator_for(None).all_gather(data, dim)
 
 
+def shm_allgather_into_tensor(output_tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """sgl-kernel's ``shm_allgather_into_tensor(output_tensor, data)``: every rank's ``data`` in rank
+    order along dim 0 into ``output_tensor``, over the world group."""
+    communicator_for(None).all_gather_into_tensor(output_tensor, data)
+
+
+def shm_reduce_scatter_tensor(output_tensor: torch.Tensor, data: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """sgl-kernel's ``shm_reduce_scatter_tensor(output_tensor, data, op)``: this rank's part (along
+    dim 0) of the sum of every rank's ``data`` into ``output_tensor``, over the world group."""
+    communicator_for(None).reduce_scatter_tensor(output_tensor, data, op)
+
+
 # ---- torch.ops.kernforge.*: one graph node per collective
 
 
@@ -110,9 +133,22 @@ _LIB.impl(
     lambda tensor, dim, handle: _gathered_like(tensor, dim, by_handle(handle).world_size),
     "Meta",
 )
+_LIB.define("reduce_scatter_tensor(Tensor(a!) output, Tensor input, int communicator) -> ()")
+_LIB.impl(
+    "reduce_scatter_tensor",
+    lambda output, input, handle: by_handle(handle)._reduce_scatter(output, input.contiguous()),
+    "CPU",
+)
+_LIB.impl("reduce_scatter_tensor", lambda output, input, handle: None, "Meta")
 _LIB.define("shm_allreduce(Tensor(a!) data, int op) -> ()")
 _LIB.impl("shm_allreduce", lambda data, op: shm_allreduce(data, op), "CPU")
 _LIB.impl("shm_allreduce", lambda data, op: None, "Meta")
 _LIB.define("shm_allgather(Tensor data, int dim) -> Tensor")
 _LIB.impl("shm_allgather", shm_allgather, "CPU")
 _LIB.impl("shm_allgather", lambda data, dim: _gathered_like(data, dim, dist.get_world_size()), "Meta")
+_LIB.define("shm_allgather_into_tensor(Tensor(a!) output_tensor, Tensor data) -> ()")
+_LIB.impl("shm_allgather_into_tensor", shm_allgather_into_tensor, "CPU")
+_LIB.impl("shm_allgather_into_tensor", lambda output_tensor, data: None, "Meta")
+_LIB.define("shm_reduce_scatter_tensor(Tensor(a!) output_tensor, Tensor data, int reduce_op) -> ()")
+_LIB.impl("shm_reduce_scatter_tensor", shm_reduce_scatter_tensor, "CPU")
+_LIB.impl("shm_reduce_scatter_tensor", lambda output_tensor, data, reduce_op: None, "Meta")

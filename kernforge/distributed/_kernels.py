@@ -8,8 +8,8 @@ from kernforge.jit.module import Codes, DType, Entry, Module
 STATUS = Codes(
     "kf::comm::Status", (("kOk", 0), ("kTimeout", 1), ("kPeerExited", 2), ("kMismatch", 3), ("kBadSegment", 4))
 )
-# What a call does, as ranks compare it: kind * 16 + all_reduce's element type (REDUCED_DTYPES[i - 1]).
-KIND = Codes("kf::comm::Kind", (("kAllReduce", 1), ("kAllGather", 2)))
+# What a call does, as ranks compare it: kind * 16 + a reduction's element type (REDUCED_DTYPES[i - 1]).
+KIND = Codes("kf::comm::Kind", (("kAllReduce", 1), ("kAllGather", 2), ("kReduceScatter", 3)))
 REDUCED_DTYPES = ("fp32", "bf16", "fp16")  # kf::comm::dtype_code
 # A failed call's report: the peer, then its descriptor (kind, bytes, row_bytes).
 REPORT_INTS = 4
@@ -27,6 +27,12 @@ COMM = Module(
             "all_reduce",
             f"{_GROUP}, int64_t data, int64_t count, double timeout_s, int64_t shared_cores, int64_t num_threads, "
             "int64_t report",
+            returns="int64_t",
+        ),
+        Entry(
+            "reduce_scatter",
+            f"{_GROUP}, int64_t src, int64_t out, int64_t count, double timeout_s, int64_t shared_cores, "
+            "int64_t num_threads, int64_t report",
             returns="int64_t",
         ),
         Entry(

@@ -7,10 +7,11 @@ has mapped it, so nothing is left there after an exit or a crash: the memory liv
 it.
 
 Semantics follow ``torch.distributed`` on the same group: ``all_reduce`` sums in place (bf16/fp16
-summed in fp32 and rounded once; every rank gets the same bits), ``all_gather_into_tensor`` fills a
-``[world * n, ...]`` output, ``all_gather(t, dim)`` concatenates along ``dim`` as sgl-kernel's
-``shm_allgather`` does. Dtypes the kernels do not reduce, and groups whose ranks are not all on this
-host, go through the group itself (the latter said once).
+summed in fp32 and rounded once; every rank gets the same bits), ``reduce_scatter_tensor`` gives rank
+r the part r (along dim 0) of that same sum, ``all_gather_into_tensor`` fills a ``[world * n, ...]``
+output, ``all_gather(t, dim)`` concatenates along ``dim`` as sgl-kernel's ``shm_allgather`` does.
+Dtypes the kernels do not reduce, and groups whose ranks are not all on this host, go through the
+group itself (the latter said once).
 
 A peer that exits, or stays away longer than ``timeout`` seconds, ends the call with
 ``torch.distributed.DistBackendError`` (and the communicator is unusable after it); ranks that pass
@@ -70,7 +71,7 @@ class Communicator:
         self._shared_cores = False  # more ranks than the CPUs they may run on (set by _connect)
         self._broken: str | None = None
         self._report = torch.zeros(REPORT_INTS, dtype=torch.int64)
-        self._reduce: dict[torch.dtype, object] = {}
+        self._reductions: dict[tuple[str, torch.dtype], object] = {}  # (entry, dtype) -> bound kernel
         self._gather = None
         if self.world_size > 1:
             self._segment = _connect(self)
@@ -90,6 +91,19 @@ class Communicator:
             torch.ops.kernforge.all_reduce(tensor, self.handle)
             return
         self._all_reduce(tensor)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> None:
+        """``torch.distributed.reduce_scatter_tensor``: ``input`` ``[world * n, ...]`` is split along
+        dim 0 in world parts, and ``output`` ``[n, ...]`` gets the sum over ranks of part ``rank``,
+        with ``all_reduce``'s bits (fp32 sums in rank order, rounded once)."""
+        _check_sum(op)
+        _check_tensor(output, "output")
+        _check_tensor(input, "input", contiguous=False)
+        _check_scattered(output, input, self.world_size)
+        if torch.compiler.is_compiling():
+            torch.ops.kernforge.reduce_scatter_tensor(output, input, self.handle)
+            return
+        self._reduce_scatter(output, input.contiguous())
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along ``dim``, in rank order (sgl-kernel's
@@ -123,11 +137,27 @@ class Communicator:
         self._check_usable()
         if self.world_size == 1 or tensor.numel() == 0:
             return
-        reduce = self._reduce.get(tensor.dtype) or self._bind_reduce(tensor.dtype)
+        key = ("all_reduce", tensor.dtype)
+        reduce = self._reductions.get(key) or self._bind_reduction(*key)
         if reduce is None:
             dist.all_reduce(tensor, group=self.group)
             return
         self._finish(reduce(tensor.data_ptr(), tensor.numel(), num_threads()), "all_reduce", tensor)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._check_usable()
+        if self.world_size == 1:
+            output.copy_(input.view_as(output))
+            return
+        if output.numel() == 0:
+            return
+        key = ("reduce_scatter", input.dtype)
+        scatter = self._reductions.get(key) or self._bind_reduction(*key)
+        if scatter is None:
+            dist.reduce_scatter_tensor(output, input, group=self.group)
+            return
+        status = scatter(input.data_ptr(), output.data_ptr(), output.numel(), num_threads())
+        self._finish(status, "reduce_scatter_tensor", input)
 
     def _all_gather(self, tensor: torch.Tensor, dim: int, out: torch.Tensor) -> None:
         self._check_usable()
@@ -145,12 +175,13 @@ class Communicator:
         status = gather(tensor.data_ptr(), rows, row_bytes, out.data_ptr(), num_threads())
         self._finish(status, "all_gather", tensor)
 
-    def _bind_reduce(self, dtype: torch.dtype):
+    def _bind_reduction(self, entry: str, dtype: torch.dtype):
+        """The kernel's ``entry`` (all_reduce, reduce_scatter) for ``dtype``, bound once."""
         if self._segment is None or dtype not in DTYPE_NAMES:
             return None  # through the group: on another host, or a dtype the kernels do not sum
         kernel = COMM.variant(dtype=DTYPE_NAMES[dtype]).kernel()
-        self._reduce[dtype] = kernel.bind("all_reduce", **self._call_args())
-        return self._reduce[dtype]
+        self._reductions[entry, dtype] = kernel.bind(entry, **self._call_args())
+        return self._reductions[entry, dtype]
 
     def _bind_gather(self):
         self._gather = COMM.variant(dtype="fp32").kernel().bind("all_gather", **self._call_args())
@@ -195,7 +226,7 @@ class Communicator:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-        self._reduce.clear()
+        self._reductions.clear()
         self._gather = None
         self._broken = self._broken or "it was closed"
 
@@ -336,13 +367,27 @@ def _check_tensor(tensor, name: str, contiguous: bool = True) -> None:
     if tensor.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got {tensor.device}")
     if contiguous and not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is reduced in place)")
+        raise ValueError(f"{name} must be contiguous (it is written in place)")
 
 
 def _checked_dim(dim: int, ndim: int) -> int:
     if not isinstance(dim, int) or not -ndim <= dim < max(ndim, 1):
         raise ValueError(f"dim must be an int in [{-ndim}, {ndim}), got {dim!r}")
     return dim % ndim if ndim else 0
+
+
+def _check_scattered(output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+    """reduce_scatter_tensor's rule, as gloo's: ``input`` is ``output`` with ``world`` times its rows."""
+    if output.dtype != input.dtype:
+        raise TypeError(f"output must have input's dtype ({input.dtype}), got {output.dtype}")
+    if output.dim() == 0:
+        raise ValueError("output must have at least one dimension (input is split along dim 0)")
+    expected = _gathered_shape(output.shape, 0, world)
+    if input.shape != expected:
+        raise ValueError(
+            f"input must have shape {tuple(expected)} (world_size {world} times output's "
+            f"{tuple(output.shape)} along dim 0), got {tuple(input.shape)}"
+        )
 
 
 def _gathered_shape(shape: torch.Size, dim: int, world: int) -> torch.Size:
@@ -358,9 +403,12 @@ def _gather_through_group(group, tensor: torch.Tensor, dim: int, out: torch.Tens
     out.copy_(stacked.reshape(world, *tensor.shape).movedim(0, dim).reshape(out.shape))
 
 
+_REDUCTIONS = {KIND.kAllReduce: "all_reduce", KIND.kReduceScatter: "reduce_scatter_tensor"}
+
+
 def _describe_descriptor(kind: int, nbytes: int, row_bytes: int) -> str:
     if kind // 16 == KIND.kAllGather:
-        return f"passed {nbytes} bytes in rows of {row_bytes} bytes"
-    if kind // 16 == KIND.kAllReduce:
-        return f"passed {nbytes} bytes of {REDUCED_DTYPES[kind % 16 - 1]}"
+        return f"passed {nbytes} bytes in rows of {row_bytes} bytes to all_gather"
+    if kind // 16 in _REDUCTIONS:
+        return f"passed {nbytes} bytes of {REDUCED_DTYPES[kind % 16 - 1]} to {_REDUCTIONS[kind // 16]}"
     return "called another collective"

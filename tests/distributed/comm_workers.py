@@ -69,6 +69,43 @@ def _sum_in_rank_order(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def reduce_scatter_matches(rank: int, world: int, dtypes) -> int:
+    """reduce_scatter_tensor against its definition: each rank's output bitwise equal to its part of
+    the fp32 sum of the ranks' inputs in rank order, rounded once (fp32 too: the same additions), so
+    to all_reduce's bits, which every rank holds; ints exact (they go through the group). Sizes: odd
+    ones, and around a call's piece (sizes above it run in several calls)."""
+    comm = Communicator(slot_bytes=SMALL_SLOT)
+    assert comm.uses_shared_memory
+    checked = 0
+    for dtype in dtypes:
+        piece = SMALL_SLOT // world // dtype.itemsize
+        for n in (1, 7, 31, 4097, piece - 1, piece, piece + 1, 2 * piece + 3):
+            x = _values(rank, world * n, dtype, salt=1)
+            out = torch.full((n,), 7, dtype=dtype)  # stale values must not survive
+            comm.reduce_scatter_tensor(out, x)
+            assert torch.equal(out, _my_part(_sum_in_rank_order(x).to(dtype), n)), (dtype, n)
+            checked += 1
+        if dtype.is_floating_point:
+            x = _values(rank, world * 6 * 5, dtype, salt=2).reshape(5, world * 6).t()  # non-contiguous
+            out = torch.empty(6, 5, dtype=dtype)
+            comm.reduce_scatter_tensor(out, x)
+            reduced = x.contiguous()
+            comm.all_reduce(reduced)
+            assert torch.equal(out, _my_part(reduced, 6)), dtype
+    try:
+        comm.reduce_scatter_tensor(torch.empty(4), torch.empty(4))
+    except ValueError as exc:
+        assert f"input must have shape ({4 * world},) (world_size {world}" in str(exc), str(exc)
+    else:
+        raise AssertionError("an input of output's shape was accepted")
+    return checked
+
+
+def _my_part(total: torch.Tensor, rows: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    return total[rank * rows : (rank + 1) * rows]
+
+
 def all_gather_matches(rank: int, world: int) -> int:
     """all_gather along every dim (odd shapes, empty, non-contiguous, chunked across rows, out=) and
     all_gather_into_tensor, against torch.distributed on the same group."""
@@ -120,7 +157,7 @@ def many_calls(rank: int, world: int, calls: int) -> int:
     return calls
 
 
-def mismatch_then_recover(rank: int, world: int) -> str:
+def mismatch_then_recover(rank: int, world: int) -> list[str]:
     """Ranks passing different sizes, or dtypes, each get a ValueError; the communicator still works."""
     comm = Communicator()
     messages = []
@@ -133,11 +170,15 @@ def mismatch_then_recover(rank: int, world: int) -> str:
         comm.all_gather(torch.ones(2, 3 + rank), 0)
     except ValueError as exc:
         messages.append(str(exc))
-    assert len(messages) == 3, messages
+    try:
+        comm.reduce_scatter_tensor(torch.empty(3 + rank), torch.ones(world * (3 + rank)))
+    except ValueError as exc:
+        messages.append(str(exc))
+    assert len(messages) == 4, messages
     x = torch.ones(10)
     comm.all_reduce(x)
     assert bool((x == world).all())
-    return messages[0]
+    return messages
 
 
 def dies_or_waits(rank: int, world: int, victim: int, timeout: float) -> tuple[str, float]:
@@ -189,6 +230,9 @@ def falls_back_off_host(rank: int, world: int) -> bool:
     comm.all_reduce(x)
     assert bool((x == world * (world - 1) / 2).all())
     assert comm.all_gather(torch.tensor([rank]), 0).tolist() == list(range(world))
+    part = torch.empty(1, dtype=torch.bfloat16)
+    comm.reduce_scatter_tensor(part, torch.arange(world, dtype=torch.bfloat16) + rank)
+    assert part.item() == world * rank + world * (world - 1) / 2
     return True
 
 
@@ -199,9 +243,11 @@ def compiled_model(rank: int, world: int) -> bool:
     def step(x):
         y = x * 2
         comm.all_reduce(y)
-        return comm.all_gather(y + 1, -1)
+        part = y.new_empty(y.shape[0] // world, y.shape[1])
+        comm.reduce_scatter_tensor(part, y)
+        return comm.all_gather(y + part.sum(), -1)
 
-    x = _values(rank, 12, torch.float32).reshape(3, 4)
+    x = _values(rank, 4 * world, torch.float32).reshape(world, 4)
     eager = step(x.clone())
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x.clone())
     assert torch.equal(eager, compiled)
@@ -226,7 +272,18 @@ def sgl_kernel_names(rank: int, world: int) -> bool:
         pieces = [torch.empty_like(tensor) for _ in range(world)]
         dist.all_gather(pieces, tensor)
         assert torch.equal(shm, torch.cat(pieces, -1))
+        gathered = torch.empty(2 * world, 10, dtype=dtype)
+        torch.ops.kernforge.shm_allgather_into_tensor(gathered, tensor)
+        assert torch.equal(gathered, torch.cat(pieces, 0))
+        stacked = torch.randn(2 * world, 10, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+        expected = torch.empty_like(tensor)
+        dist.reduce_scatter_tensor(expected, stacked.clone())
+        part = torch.empty_like(tensor)
+        torch.ops.kernforge.shm_reduce_scatter_tensor(part, stacked, int(dist.ReduceOp.SUM))
+        torch.testing.assert_close(part, expected)
         kd.shm_allreduce(tensor, dist.ReduceOp.SUM)
+        kd.shm_reduce_scatter_tensor(part, stacked, dist.ReduceOp.SUM)
+        kd.shm_allgather_into_tensor(gathered, part)
     return True
 
 

@@ -1,6 +1,7 @@
-"""kernforge.distributed: the shared-memory collectives against torch.distributed (gloo) on 2 and 4
-ranks spawned on this machine, a dead or late peer, mismatched tensors, the fallback off-host, the
-custom ops under torch.compile, thread binding; argument errors in this process."""
+"""kernforge.distributed: the shared-memory collectives (all-reduce, reduce-scatter, all-gather)
+against torch.distributed (gloo) on 2 and 4 ranks spawned on this machine, a dead or late peer,
+mismatched tensors, the fallback off-host, the custom ops under torch.compile, thread binding;
+argument errors in this process."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def test_all_reduce_on_every_tier(tier, no_leaked_segments):  # the ranks run th
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_equals_the_rank_order_sum(world, no_leaked_segments):
+    counts = run_ranks(comm_workers.reduce_scatter_matches, world, dtypes=(*FLOATS, torch.int32))
+    assert set(counts.values()) == {8 * 4}
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_matches_torch_distributed(world, no_leaked_segments):
     run_ranks(comm_workers.all_gather_matches, world)
 
@@ -63,9 +70,12 @@ def test_ten_thousand_calls_without_corruption(world, no_leaked_segments):
 
 
 def test_mismatched_tensors_raise_on_every_rank_and_the_communicator_recovers(no_leaked_segments):
-    messages = run_ranks(comm_workers.mismatch_then_recover, 2)
-    assert "rank 0 passed a float32 tensor of shape (100,)" in messages[0]
-    assert "rank 1 passed 404 bytes of fp32" in messages[0]
+    messages = run_ranks(comm_workers.mismatch_then_recover, 2)[0]
+    reduce, scatter = messages[0], messages[3]
+    assert "rank 0 passed a float32 tensor of shape (100,)" in reduce
+    assert "rank 1 passed 404 bytes of fp32 to all_reduce" in reduce
+    assert "reduce_scatter_tensor: the ranks' tensors differ: rank 0 passed a float32 tensor" in scatter
+    assert "of shape (6,), rank 1 passed 32 bytes of fp32 to reduce_scatter_tensor" in scatter
 
 
 def test_a_killed_rank_fails_the_others_quickly(no_leaked_segments):
@@ -136,6 +146,9 @@ def test_one_rank_is_the_identity(single_rank_group):
     comm.all_reduce(x)
     assert torch.equal(x, before)
     assert torch.equal(comm.all_gather(x, 1), x)
+    out = torch.empty(5, 3)
+    comm.reduce_scatter_tensor(out, x)
+    assert torch.equal(out, x)
 
 
 def test_bad_arguments(single_rank_group):
@@ -146,6 +159,18 @@ def test_bad_arguments(single_rank_group):
         comm.all_reduce(torch.ones(4, 4).t())
     with pytest.raises(ValueError, match="Only torch.distributed.ReduceOp.SUM is supported"):
         comm.all_reduce(torch.ones(4), dist.ReduceOp.MAX)
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        comm.reduce_scatter_tensor(torch.empty(4), [1.0])
+    with pytest.raises(TypeError, match=r"output must have input's dtype \(torch.float32\), got torch.bfloat16"):
+        comm.reduce_scatter_tensor(torch.empty(4, dtype=torch.bfloat16), torch.ones(4))
+    with pytest.raises(ValueError, match=r"input must have shape \(4, 3\) \(world_size 1 times output's"):
+        comm.reduce_scatter_tensor(torch.empty(4, 3), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="output must have at least one dimension"):
+        comm.reduce_scatter_tensor(torch.tensor(1.0), torch.ones(1))
+    with pytest.raises(ValueError, match="output must be contiguous"):
+        comm.reduce_scatter_tensor(torch.empty(3, 4).t(), torch.ones(4, 3))
+    with pytest.raises(ValueError, match="Only torch.distributed.ReduceOp.SUM is supported"):
+        comm.reduce_scatter_tensor(torch.empty(4), torch.ones(4), dist.ReduceOp.MAX)
     with pytest.raises(ValueError, match="dim must be an int"):
         comm.all_gather(torch.ones(4), 1)
     with pytest.raises(ValueError, match="out must be a contiguous"):

@@ -12,7 +12,9 @@
 //      small chunks whole, by every rank from every slot; larger ones split in world parts, rank r
 //      summing part r (its own elements from its chunk, the others' from their slots) into its
 //      chunk and its slot, raising `reduced` = n, then copying the others' sums out of their slots
-//      once all have: each element is copied in and out once (reduce_split).
+//      once all have: each element is copied in and out once (reduce_split). reduce_scatter is that
+//      split's first half alone: a rank's slot holds its pieces of the other ranks' parts, and rank
+//      r sums part r's pieces into its output (reduce_own_part, shared by both).
 // A rank reuses a set (call n + 2) only after every rank arrived at n + 1, which each does after
 // finishing call n: two sets need no further handshake. Every element's sum is computed in the same
 // order (or by one rank), so the ranks' results are bitwise equal.
@@ -58,12 +60,12 @@ constexpr int64_t kLivenessEveryNs = 5'000'000;  // how often a waiting rank che
 
 // What a rank does in a call: its peers check they all do the same.
 struct Descriptor {
-  int64_t kind;       // Kind * 16 + all_reduce's element type (dtype_code)
+  int64_t kind;       // Kind * 16 + the reduction's element type (dtype_code; all_gather: 0)
   int64_t bytes;      // of the whole tensor
-  int64_t row_bytes;  // all_gather: bytes per row of the gathered dimension; all_reduce: 0
+  int64_t row_bytes;  // all_gather: bytes per row of the gathered dimension; reductions: 0
 };
 
-// all_reduce's element type in a Descriptor (the order of the module's dtype parameter).
+// A reduction's element type in a Descriptor (the order of the module's dtype parameter).
 template <class T>
 constexpr int64_t dtype_code() {
   return std::is_same<T, fp32>::value ? 1 : std::is_same<T, bf16>::value ? 2 : 3;
@@ -124,8 +126,8 @@ inline bool process_alive(int64_t pid) {
 }
 
 // Status (why a collective ended: kOk, kTimeout, kPeerExited, kMismatch) and Kind (kAllReduce,
-// kAllGather) are the module's declared codes (kernforge/distributed/_kernels.py). Details of a
-// failure go to a Report.
+// kAllGather, kReduceScatter) are the module's declared codes (kernforge/distributed/_kernels.py).
+// Details of a failure go to a Report.
 struct Report {
   int64_t peer;  // the rank that timed out, exited or disagreed
   Descriptor theirs;
@@ -184,7 +186,30 @@ class Group {
     return Status::kOk;
   }
 
+  // out[i] = the sum over ranks of their data[rank_ * n + i], for i < n: data holds world parts
+  // of n elements and rank r gets the sum of part r (torch.distributed.reduce_scatter_tensor). A
+  // call takes a piece of every part at the same offset: one wait per call.
+  template <class T>
+  Status reduce_scatter(const T* data, int64_t n, T* out, Report* report) const {
+    const int64_t per_call = piece_elements<T>();
+    const Descriptor desc{int64_t(Kind::kReduceScatter) * 16 + dtype_code<T>(), world_ * n * int64_t(sizeof(T)), 0};
+    for (int64_t offset = 0; offset < n; offset += per_call) {
+      const int64_t m = std::min(per_call, n - offset);
+      const auto piece = [&](int64_t r) { return Piece<T>{data + r * n + offset, r * m, (r + 1) * m}; };
+      const Status status = reduce_own_part<T>(next_call(), piece, desc, out + offset, nullptr, report);
+      if (status != Status::kOk) return status;
+    }
+    return Status::kOk;
+  }
+
  private:
+  // A rank's elements of part r of a reduction, and where they lie in its slot.
+  template <class T>
+  struct Piece {
+    const T* from;
+    int64_t begin, end;  // in the slot, in elements
+  };
+
   uint8_t* slot(uint64_t call, int64_t rank) const {
     return base_ + layout_.slots_offset() + (int64_t(call % 2) * world_ + rank) * layout_.slot_bytes;
   }
@@ -222,27 +247,58 @@ class Group {
   // so each element is copied in once and out once.
   template <class T>
   Status reduce_split(T* chunk, int64_t n, const Descriptor& desc, Report* report) const {
-    constexpr int64_t kSize = sizeof(T);
     const uint64_t call = next_call();
-    T* mine_in_slot = reinterpret_cast<T*>(slot(call, rank_));
-    for (int64_t r = 0; r < world_; ++r) {
+    const auto piece = [&](int64_t r) {
       const Part p = part<T>(n, r);
-      if (r != rank_) copy(mine_in_slot + p.begin, chunk + p.begin, (p.end - p.begin) * kSize);
-    }
-    announce(call, desc);
-    Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+      return Piece<T>{chunk + p.begin, p.begin, p.end};
+    };
+    const Piece<T> mine = piece(rank_);
+    T* sum_in_slot = reinterpret_cast<T*>(slot(call, rank_)) + mine.begin;
+    Status status = reduce_own_part<T>(call, piece, desc, chunk + mine.begin, sum_in_slot, report);
     if (status != Status::kOk) return status;
-    const Part mine = part<T>(n, rank_);
-    reduce(call, mine.begin, mine.end, chunk, chunk + mine.begin, mine_in_slot + mine.begin);
     store_release(&flags(rank_).reduced, call);
     status = wait_all<&RankFlags::reduced>(call, nullptr, report);
     if (status != Status::kOk) return status;
     for (int64_t r = 0; r < world_; ++r) {
-      const Part p = part<T>(n, r);
-      if (r != rank_)
-        copy(chunk + p.begin, reinterpret_cast<const T*>(slot(call, r)) + p.begin, (p.end - p.begin) * kSize);
+      const Piece<T> p = piece(r);
+      if (r != rank_) copy(chunk + p.begin, reinterpret_cast<const T*>(slot(call, r)) + p.begin, bytes_of(p));
     }
     return Status::kOk;
+  }
+
+  // The reduce-scatter step of reduce_split and reduce_scatter: this rank's pieces of the others'
+  // parts (piece(r), r != rank_) go into its slot, announced; once every rank's are there, it sums
+  // its own part, its elements from memory and the others' from their slots, into `out` (and
+  // `also_to`, if given).
+  template <class T, class Pieces>
+  Status reduce_own_part(uint64_t call, const Pieces& piece, const Descriptor& desc, T* out, T* also_to,
+                         Report* report) const {
+    T* my_slot = reinterpret_cast<T*>(slot(call, rank_));
+    for (int64_t r = 0; r < world_; ++r) {
+      const Piece<T> p = piece(r);
+      if (r != rank_) copy(my_slot + p.begin, p.from, bytes_of(p));
+    }
+    announce(call, desc);
+    const Status status = wait_all<&RankFlags::arrived>(call, &desc, report);
+    if (status != Status::kOk) return status;
+    const Piece<T> mine = piece(rank_);
+    // reduce reads element j of this rank's at own + j, as of the others' at slot + j
+    reduce(call, mine.begin, mine.end, mine.from - mine.begin, out, also_to);
+    return Status::kOk;
+  }
+
+  template <class T>
+  static int64_t bytes_of(const Piece<T>& p) {
+    return (p.end - p.begin) * int64_t(sizeof(T));
+  }
+
+  // Elements of one piece of a reduce_scatter call: the slot holds world of them, each whole cache
+  // lines where the slot allows (slot_bytes is a multiple of 4096, world any number up to 256).
+  template <class T>
+  int64_t piece_elements() const {
+    int64_t bytes = slot_bytes() / world_;
+    if (bytes >= 64) bytes -= bytes % 64;
+    return bytes / int64_t(sizeof(T));
   }
 
   // Waits until every rank's flag (arrived or reduced) reaches `call`; with `expected`, checks the
@@ -274,10 +330,11 @@ class Group {
     });
   }
 
-  // out[i - begin] (and copy[i - begin], if given) = the sum over ranks r, in rank order, of rank
-  // r's element i: this rank's from `own`, the others' from their slots; fp32 sums, rounded once.
+  // out[i - begin] (and also_to[i - begin], if given) = the sum over ranks r, in rank order, of
+  // rank r's element i: this rank's from `own`, the others' from their slots; fp32 sums, rounded
+  // once.
   template <class T>
-  void reduce(uint64_t call, int64_t begin, int64_t end, const T* own, T* out, T* copy) const {
+  void reduce(uint64_t call, int64_t begin, int64_t end, const T* own, T* out, T* also_to) const {
     const T* sources[kMaxRanks];
     for (int64_t r = 0; r < world_; ++r) sources[r] = r == rank_ ? own : reinterpret_cast<const T*>(slot(call, r));
     const int64_t n = end - begin, block = kMinElementsPerThread;
@@ -288,7 +345,7 @@ class Group {
         VecF sum = VecF::load(sources[0] + j, count);
         for (int64_t r = 1; r < world_; ++r) sum += VecF::load(sources[r] + j, count);
         sum.store(out + (j - begin), count);
-        if (copy != nullptr) sum.store(copy + (j - begin), count);
+        if (also_to != nullptr) sum.store(also_to + (j - begin), count);
       });
     });
   }
