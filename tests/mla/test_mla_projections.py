@@ -103,15 +103,17 @@ def _fp8_linear(w_q, w_scale):
     return lambda x: x @ fp8_block_dequantize(w_q, w_scale, BLOCK).double().T
 
 
-def _reference(layer, x, positions, linears, dtype):
+def _reference(layer, x, positions, linears, dtype, w_kc=None):
     """float64 DeepSeek MLA (absorbed), rounded to ``dtype`` at each stage boundary. ``linears``: the
-    q_a, q_b and kv_a products (x -> x @ W^T in float64)."""
+    q_a, q_b and kv_a products (x -> x @ W^T in float64); ``w_kc``: W_UK [H, NOPE, KV_LORA] (SGLang's
+    layout; None: the layer's bf16 kv_b split)."""
     tokens, heads = x.shape[0], layer["q_b"].shape[0] // (NOPE + ROPE)
 
     def stage(t):
         return t.to(dtype).double()
 
-    w_kc, _ = split_kv_b_proj(layer["kv_b"], NOPE, V_HEAD)  # SGLang's [H, NOPE, KV_LORA]
+    if w_kc is None:
+        w_kc, _ = split_kv_b_proj(layer["kv_b"], NOPE, V_HEAD)
     x = x.double()
     q_latent = stage(_rmsnorm(stage(linears["q_a"](x)), layer["q_norm"]))
     q = stage(linears["q_b"](q_latent)).view(tokens, heads, NOPE + ROPE)
@@ -264,17 +266,24 @@ def _fused_args(layer, absorbed, mode):
     return packed, {"qkv_a": _fp8_linear(qkv_q, qkv_s), "q_b": _fp8_linear(q_b_q, q_b_s)}
 
 
+@pytest.mark.parametrize("w_kc_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("mode", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 17])
-def test_fused_weight_matches_reference(tokens, mode):
+def test_fused_weight_matches_reference(tokens, mode, w_kc_dtype):
+    """Every argument positional, in sgl-kernel's order; W_UK bf16, or fp8 with its w_scale (SGLang's fp8
+    checkpoints on CPU)."""
     layer = _layer(16, key=("fused", mode))
     x, positions = _inputs(tokens, key=("fused", mode))
     absorbed = absorb_kv_b_proj(layer["kv_b"], NOPE, V_HEAD)
+    w_kc, w_scale, exact_kc = absorbed.w_kc, None, None
+    if w_kc_dtype == "fp8":
+        fp8_kc, _, w_scale, exact_kc, _ = _fp8_kv_b(layer)
+        w_kc = _packed_heads(fp8_kc)
     (qkv_a, qkv_a_scale, q_b, q_b_scale), linears = _fused_args(layer, absorbed, mode)
     common = _common_args(layer, positions)
     outputs = qkv_proj_with_rope_fused_weight(
-        x, qkv_a, q_b, absorbed.w_kc, common["q_a_layernorm_weight"], common["kv_a_layernorm_weight"],
-        positions, layer["cos_sin"], EPS, mode == "int8", mode == "fp8", qkv_a_scale, q_b_scale, True,
+        x, qkv_a, q_b, w_kc, common["q_a_layernorm_weight"], common["kv_a_layernorm_weight"],
+        positions, layer["cos_sin"], EPS, mode == "int8", mode == "fp8", qkv_a_scale, q_b_scale, w_scale, True,
         list(BLOCK) if mode == "fp8" else None, Q_LORA, KV_LORA, ROPE,
     )  # fmt: skip
 
@@ -284,8 +293,8 @@ def test_fused_weight_matches_reference(tokens, mode):
     def kv_a(t):
         return linears["qkv_a"](t)[:, Q_LORA:]
 
-    expected = _reference(layer, x, positions, {"q_a": q_a, "kv_a": kv_a, "q_b": linears["q_b"]}, torch.bfloat16)
-    _assert_outputs(outputs, expected, torch.bfloat16)
+    split = {"q_a": q_a, "kv_a": kv_a, "q_b": linears["q_b"]}
+    _assert_outputs(outputs, _reference(layer, x, positions, split, torch.bfloat16, exact_kc), torch.bfloat16)
     assert outputs[1].stride(-1) == 1  # a view of the fused product's rows: the last dimension contiguous
 
 
@@ -356,6 +365,111 @@ def test_packed_weights_carry_their_scales():
         given = qkv_proj_with_rope(*args, **_common_args(layer, positions), **flags, **scales, **block)
         for a, b in zip(without, given):
             assert torch.equal(a, b), mode
+
+
+# --------------------------------------------------------------------------- fp8 W_UK and W_UV
+
+
+def _fp8_kv_b(layer):
+    """SGLang's CPU fp8 ``kv_b_proj``: requantized per tensor (``block_quant_to_tensor_quant``), one
+    ``w_scale`` for W_UK and W_UV. Returns (w_kc [H, KV_LORA, NOPE], w_vc [H, V_HEAD, KV_LORA]) e4m3fn
+    as the ops take them, the 0-dim scale (not a power of two), and the float64 W_UK [H, NOPE, KV_LORA]
+    and W_UV [H, KV_LORA, V_HEAD] they stand for: the e4m3fn values widened exactly, times the scale."""
+    kv_b = layer["kv_b"].float()
+    scale = kv_b.abs().max() / 448
+    w_kc, w_vc = split_kv_b_proj((kv_b / scale).to(torch.float8_e4m3fn), NOPE, V_HEAD)
+    exact_kc, exact_vc = (w.double() * scale.double() for w in (w_kc, w_vc))
+    return w_kc.transpose(1, 2), w_vc.transpose(1, 2), scale, exact_kc, exact_vc
+
+
+def _packed_heads(w):
+    """fp8 weights [H, N, K] prepacked: their exact bf16 values, one PackedWeight a head."""
+    return [convert_weight_packed(w_h.to(torch.bfloat16).contiguous()) for w_h in w]
+
+
+def _in_dtype(layer, x, dtype):
+    """The layer's norm weights and ``x`` in ``dtype`` (the projections' weights stay bf16)."""
+    return {**layer, "q_norm": layer["q_norm"].to(dtype), "kv_norm": layer["kv_norm"].to(dtype)}, x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("is_vnni", [True, False])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17])
+def test_fp8_w_kc_matches_widened_reference(tokens, is_vnni, dtype):
+    """fp8 W_UK with its per-tensor w_scale (raw, packed per call; or prepacked), positional in sgl-kernel's
+    order. fp32 holds every stage to fp32's tolerance: folding the scale into bf16 weights (each rounded,
+    2^-9 relative) would show there."""
+    x, positions = _inputs(tokens, key=("fp8 w_kc",))
+    layer, x = _in_dtype(_layer(16, key=("fp8 w_kc",)), x, dtype)
+    w_kc, _, w_scale, exact_kc, _ = _fp8_kv_b(layer)
+    names = ("q_a", "q_b", "kv_a")
+    weights = [convert_weight_packed(layer[n]) if is_vnni else layer[n] for n in names]
+    outputs = qkv_proj_with_rope(
+        x, *weights, _packed_heads(w_kc) if is_vnni else w_kc, layer["q_norm"], layer["kv_norm"], positions,
+        layer["cos_sin"], EPS, False, False, None, None, None, w_scale, is_vnni,
+    )  # fmt: skip
+    linears = {name: _bf16_linear(layer[name]) for name in names}
+    _assert_outputs(outputs, _reference(layer, x, positions, linears, dtype, exact_kc), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("prepacked", [True, False])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17])
+def test_fp8_w_vc_matches_widened_reference(tokens, prepacked, dtype):
+    _, w_vc, w_scale, _, exact_vc = _fp8_kv_b(_layer(16, key=("fp8 w_vc",)))
+    g = seeded("fp8 latent", tokens)
+    latent = torch.randn(16, tokens, KV_LORA, generator=g).to(dtype).transpose(0, 1)  # [T, H, KV_LORA], strided
+    out = mla_output_proj(latent, _packed_heads(w_vc) if prepacked else w_vc, w_scale=w_scale)
+    expected = torch.einsum("thl,hlv->thv", latent.double(), exact_vc).reshape(tokens, 16 * V_HEAD)
+    _assert_close(out, expected, dtype, "out")
+
+
+def test_fp8_w_kc_and_w_vc_every_tier(tier):
+    """The scaled per-head products (fp32 sums of the prepacked heads) on every tier, at fp32's tolerance."""
+    x, positions = _inputs(5, key=("fp8 tier",))
+    layer, x = _in_dtype(_layer(16, key=("fp8 tier",)), x, torch.float32)
+    w_kc, w_vc, w_scale, exact_kc, exact_vc = _fp8_kv_b(layer)
+    args = {name: convert_weight_packed(layer[name]) for name in ("q_a", "q_b", "kv_a")}
+    outputs = qkv_proj_with_rope(
+        x, args["q_a"], args["q_b"], args["kv_a"], _packed_heads(w_kc), **_common_args(layer, positions),
+        w_scale=w_scale,
+    )  # fmt: skip
+    linears = {name: _bf16_linear(layer[name]) for name in args}
+    _assert_outputs(outputs, _reference(layer, x, positions, linears, torch.float32, exact_kc), torch.float32)
+    latent = outputs[0][..., :KV_LORA]  # [T, H, KV_LORA], strided
+    out = mla_output_proj(latent, _packed_heads(w_vc), w_scale=w_scale)
+    expected = torch.einsum("thl,hlv->thv", latent.double(), exact_vc).reshape(5, 16 * V_HEAD)
+    _assert_close(out, expected, torch.float32, "out")
+
+
+def test_fp8_scale_errors():
+    """Checked before any work: an fp8 weight needs its scale; the scale is one 0-dim float (sgl-kernel's
+    ``bmm_cpu`` rule)."""
+    layer = _layer(16, key=("errors",))
+    x, positions = _inputs(3)
+    w_kc, w_vc, w_scale, _, _ = _fp8_kv_b(layer)
+    raw = (x, layer["q_a"], layer["q_b"], layer["kv_a"])
+    common = _common_args(layer, positions)
+    cases = [
+        (w_kc, None, ValueError, "w_scale is required when w_kc is float8_e4m3fn"),
+        (w_kc, w_scale.reshape(1), ValueError, "w_scale must be a 0-dim tensor"),
+        (w_kc, torch.tensor(2), TypeError, "w_scale has dtype torch.int64"),
+        (w_kc, True, TypeError, "w_scale must be a 0-dim tensor or a float, got bool"),
+        (w_kc.to(torch.float8_e5m2), w_scale, TypeError, "w_kc has dtype torch.float8_e5m2"),
+    ]
+    for w, scale, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            qkv_proj_with_rope(*raw, w, **common, w_scale=scale, is_vnni=False)
+    with pytest.raises(ValueError, match="w_scale is required when w_kc is float8_e4m3fn"):
+        qkv_proj_with_rope_fused_weight(
+            x, torch.cat([layer["q_a"], layer["kv_a"]]), layer["q_b"], w_kc, layer["q_norm"], layer["kv_norm"],
+            positions, layer["cos_sin"], EPS, False, False, None, None, None, False, None, Q_LORA, KV_LORA, ROPE,
+        )  # fmt: skip
+    latent = torch.zeros(3, 16, KV_LORA, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w_scale is required when w_vc is float8_e4m3fn"):
+        mla_output_proj(latent, w_vc)
+    with pytest.raises(ValueError, match="w_scale must be a 0-dim tensor"):
+        mla_output_proj(latent, _packed_heads(w_vc), w_scale=torch.ones(1, 1))
 
 
 # --------------------------------------------------------------------------- weights and the output side
@@ -511,7 +625,7 @@ def test_fused_and_output_errors():
     absorbed = other_absorbed(layer)
     qkv_a = convert_weight_packed(torch.cat([layer["q_a"], layer["kv_a"]]))
     args = [x, qkv_a, convert_weight_packed(layer["q_b"]), absorbed.w_kc, layer["q_norm"], layer["kv_norm"]]
-    args += [positions, layer["cos_sin"], EPS, False, False, None, None, True, None]
+    args += [positions, layer["cos_sin"], EPS, False, False, None, None, None, True, None]
     with pytest.raises(ValueError, match="qkv_a_proj_weight has 128 rows"):
         qkv_proj_with_rope_fused_weight(*args, Q_LORA, KV_LORA, ROPE + 2)
     with pytest.raises(ValueError, match="q_lora_rank must be a positive int"):

@@ -32,7 +32,7 @@ FlashInfer's names and otherwise ignored: there is one CPU implementation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,14 +59,13 @@ def bmm(
     if a.dim() != 3:
         raise ValueError(f"a must be 3-D [B, M, K], got shape {tuple(a.shape)}")
     batch, m, k = a.shape
-    scale = _scale_value(scale, b)
+    scale = checked_scale(scale, b)
     packed, n = _packed_batch(b, batch, k, scale)
     if n is None:  # an empty list for an empty batch: N is out's to say
         n = out.shape[-1] if isinstance(out, torch.Tensor) and out.dim() == 3 else 0
     checked_out(out, (batch, m, n), a)
     if scale is None:
-        for a_i, packed_i, out_i in zip(a, packed, out):
-            weight_packed_linear(a_i, packed_i, out=out_i)
+        _products(out, a, packed)
     else:
         _scaled_products(a, packed, scale, out)
     return out
@@ -75,20 +74,26 @@ def bmm(
 export("bmm", bmm)
 
 
-def _scale_value(scale: object, b: object) -> float | None:
+def checked_scale(scale: object, b: object, scale_name: str = "scale", b_name: str = "b") -> float | None:
+    """sgl-kernel's per-tensor scale of the weights ``b`` (a 0-dim tensor, or a float) as a float; None
+    for no scale, which an fp8 ``b`` tensor may not have. The names are the calling op's arguments."""
     if scale is None:
         if isinstance(b, torch.Tensor) and b.dtype is torch.float8_e4m3fn:
-            raise ValueError("scale is required when b is float8_e4m3fn (sgl-kernel's fp8 bmm: a 0-dim tensor)")
+            raise ValueError(
+                f"{scale_name} is required when {b_name} is float8_e4m3fn (sgl-kernel's fp8 bmm: a 0-dim tensor)"
+            )
         return None
     if isinstance(scale, torch.Tensor):
         if scale.dim() != 0:
-            raise ValueError(f"scale must be a 0-dim tensor (one per-tensor scale), got shape {tuple(scale.shape)}")
+            raise ValueError(
+                f"{scale_name} must be a 0-dim tensor (one per-tensor scale), got shape {tuple(scale.shape)}"
+            )
         if not scale.is_floating_point():
-            raise TypeError(f"scale has dtype {scale.dtype}; expected a floating dtype")
+            raise TypeError(f"{scale_name} has dtype {scale.dtype}; expected a floating dtype")
         return float(scale)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return float(scale)
-    raise TypeError(f"scale must be a 0-dim tensor or a float, got {type(scale).__name__}")
+    raise TypeError(f"{scale_name} must be a 0-dim tensor or a float, got {type(scale).__name__}")
 
 
 def _packed_batch(b: object, batch: int, k: int, scale: float | None) -> tuple[list[PackedWeight], int | None]:
@@ -116,12 +121,28 @@ def _pack_tensor(b: torch.Tensor, batch: int, k: int) -> list[PackedWeight]:
     return [convert_weight_packed(b_i.to(torch.bfloat16)) for b_i in b]  # fp8 -> bf16 is exact
 
 
+def _products(out: torch.Tensor, a: torch.Tensor, packed: Sequence[PackedWeight]) -> None:
+    """``out[i] = a[i] @ weight_i.T``."""
+    for a_i, packed_i, out_i in zip(a, packed, out):
+        weight_packed_linear(a_i, packed_i, out=out_i)
+
+
 def _scaled_products(a: torch.Tensor, packed: Sequence[PackedWeight], scale, out: torch.Tensor) -> None:
-    """``out[i] = (a[i] @ weight_i.T) * scale``, rounded once: ``a`` widened to fp32 (exact) makes the
-    GEMM write its fp32 sums, which the scale multiplies before the one rounding to ``out``'s dtype."""
+    """``out[i] = (a[i] @ weight_i.T) * scale``, rounded once (:func:`scaled_once`)."""
+    scaled_once(out, a, scale, lambda sums, a32: _products(sums, a32, packed))
+
+
+def scaled_once(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    scale: float | torch.Tensor,
+    products: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """``out = products(a) * scale``, rounded once: ``products(sums, a32)`` writes into fp32 ``sums``
+    (``out``'s shape) the GEMM sums of ``a`` widened to fp32 (exact, so that the GEMM writes fp32),
+    which the scale multiplies before the one rounding to ``out``'s dtype."""
     sums = torch.empty(out.shape, dtype=torch.float32)
-    for x_i, packed_i, sums_i in zip(a.to(torch.float32), packed, sums):
-        weight_packed_linear(x_i, packed_i, out=sums_i)
+    products(sums, a.to(torch.float32))
     out.copy_(sums.mul_(scale))
 
 

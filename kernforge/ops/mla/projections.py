@@ -20,12 +20,22 @@ Weights, in kernforge form. ``is_vnni`` keeps sgl-kernel's meaning, "the weights
   (``use_int8_w8a8``) or ``PackedFp8Weight`` (``use_fp8_w8a16``), and ``w_kc`` a sequence of H
   ``PackedWeight`` ``[kv_lora_rank, qk_nope_head_dim]`` (:func:`absorb_kv_b_proj` makes them);
 * ``is_vnni=False``: the raw ``[N, K]`` tensors (bf16, int8 with per-channel scales ``[N]`` / ``[N,
-  1]``, e4m3fn with block scales) and ``w_kc`` bf16 ``[H, kv_lora_rank, qk_nope_head_dim]``, packed
-  on every call (costly: for tests and one-off calls).
+  1]``, e4m3fn with block scales) and ``w_kc`` bf16 or e4m3fn ``[H, kv_lora_rank, qk_nope_head_dim]``,
+  packed on every call (costly: for tests and one-off calls).
 
 A packed weight carries its scales: a ``*_scale`` argument may then be None; an int8 one given must
 equal the packed scales, an fp8 one is the scale ``fp8_scaled_mm`` applies (``block_size`` None takes
-the packed weight's). ``w_kc`` is bf16 in every mode (SGLang dequantizes ``kv_b_proj`` for it).
+the packed weight's).
+
+``w_scale`` is sgl-kernel's per-tensor scale of W_UK (a 0-dim tensor; a float is also taken), in
+any mode: SGLang's CPU path requantizes an fp8 ``kv_b_proj`` per tensor and passes its scale with
+``use_fp8_w8a16``; sgl-kernel's ``bmm_cpu`` takes its fp8 path when the scale is given. The
+absorbed query is then ``(q_nope @ w_kc[h]^T) * w_scale`` as :func:`~kernforge.ops.gemm.bmm.bmm`
+computes it: the fp32 sums of the weights widened exactly to bf16, scaled, rounded once. An e4m3fn
+``w_kc`` requires it; prepacked, fp8 W_UK is H ``PackedWeight`` of those exact values
+(``convert_weight_packed(w.to(torch.bfloat16))``). None leaves the products unscaled (bf16 W_UK,
+e.g. :func:`absorb_kv_b_proj`'s, which dequantizes ``kv_b_proj``). ``mla_output_proj`` takes W_UV's
+the same way.
 
 The work, in kernforge's ops (no torch arithmetic on the heavy parts): the q_a and kv_a GEMMs (one
 GEMM over the fused weight in :func:`qkv_proj_with_rope_fused_weight`), the kv_a product allocated
@@ -42,6 +52,9 @@ or hidden_states' dtype (a bf16 cache has its T rows gathered and widened, exact
 even rope_dim (sgl-kernel's kernel needs a multiple of 32). With the fused weight, k_input (and
 v_input) are views into the fused product's rows: for T > 1 their row stride is ``q_lora_rank +
 kv_lora_rank + rope_dim``, not ``kv_lora_rank + rope_dim`` (the last dimension stays contiguous).
+Prepacked fp8 W_UK / W_UV is held as its exact bf16 values (twice sgl-kernel's fp8 bytes). Not yet
+here: the newest sgl-kernel's trailing ``need_q_lora`` and fourth output (the RMSNorm'd q_a product,
+for DeepSeek-V3.2's indexer); these ops keep the three outputs of the sgl-kernel that added ``w_scale``.
 
 ``absorb_kv_b_proj(kv_b_proj_weight, qk_nope_head_dim, v_head_dim)`` derives ``w_kc`` and ``w_vc``
 from ``kv_b_proj`` once, as SGLang's ``post_load_weights`` does, and packs them for ``bmm``;
@@ -65,7 +78,7 @@ from kernforge.ops.gemm.bf16 import (
     convert_weight_packed,
     weight_packed_linear,
 )
-from kernforge.ops.gemm.bmm import bmm
+from kernforge.ops.gemm.bmm import bmm, checked_scale, scaled_once
 from kernforge.ops.gemm.fp8 import PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
 from kernforge.ops.gemm.int8 import PackedInt8Weight, convert_weight_packed_int8, int8_scaled_mm_with_quant
 from kernforge.ops.norm import rmsnorm
@@ -90,6 +103,7 @@ def qkv_proj_with_rope(
     q_a_proj_scale: torch.Tensor | None = None,
     q_b_proj_scale: torch.Tensor | None = None,
     kv_a_proj_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | float | None = None,
     is_vnni: bool = True,
     block_size=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +111,8 @@ def qkv_proj_with_rope(
     kv_lora_rank + rope_dim], k_input [T, 1, kv_lora_rank + rope_dim], v_input [T, 1, kv_lora_rank])``.
     ``q_a_proj_weight [q_lora_rank, hidden]``, ``q_b_proj_weight [H * (qk_nope_head_dim + rope_dim),
     q_lora_rank]``, ``kv_a_proj_weight [kv_lora_rank + rope_dim, hidden]``, ``w_kc`` H weights
-    ``[kv_lora_rank, qk_nope_head_dim]``; see the module docstring for their forms."""
+    ``[kv_lora_rank, qk_nope_head_dim]`` with ``w_scale`` its per-tensor scale (fp8 W_UK); see the
+    module docstring for their forms."""
     mode = _mode(use_int8_w8a8, use_fp8_w8a16)
     x = _checked_hidden_states(hidden_states)
     q_a = _projection(q_a_proj_weight, q_a_proj_scale, "q_a_proj", mode, is_vnni, block_size)
@@ -105,8 +120,8 @@ def qkv_proj_with_rope(
     _check_k(q_a, x.shape[1], "hidden_states' hidden size")
     _check_k(kv_a, x.shape[1], "hidden_states' hidden size")
     rest = _checked_rest(
-        x, q_a.n, kv_a.n, q_b_proj_weight, q_b_proj_scale, w_kc, q_a_layernorm_weight, kv_a_layernorm_weight,
-        positions, cos_sin_cache, eps, mode, is_vnni, block_size,
+        x, q_a.n, kv_a.n, q_b_proj_weight, q_b_proj_scale, w_kc, w_scale, q_a_layernorm_weight,
+        kv_a_layernorm_weight, positions, cos_sin_cache, eps, mode, is_vnni, block_size,
     )  # fmt: skip
     return _absorbed_inputs(q_a(x), kv_a(x), *rest)
 
@@ -128,6 +143,7 @@ def qkv_proj_with_rope_fused_weight(
     use_fp8_w8a16: bool,
     qkv_a_proj_scale: torch.Tensor | None,
     q_b_proj_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | float | None,
     is_vnni: bool,
     block_size,
     q_lora_rank: int,
@@ -147,7 +163,7 @@ def qkv_proj_with_rope_fused_weight(
     qkv_a = _projection(qkv_a_proj_weight, qkv_a_proj_scale, "qkv_a_proj", mode, is_vnni, block_size)
     _check_k(qkv_a, x.shape[1], "hidden_states' hidden size")
     kv_n = kv_lora_rank + qk_rope_head_dim
-    w_kc_rank = _checked_head_weights(w_kc, "w_kc").n
+    w_kc_rank = _checked_head_weights(w_kc, "w_kc", w_scale).n
     if w_kc_rank != kv_lora_rank:
         raise ValueError(f"kv_lora_rank is {kv_lora_rank} but w_kc's weights are [{w_kc_rank}, qk_nope_head_dim]")
     if qkv_a.n != q_lora_rank + kv_n:
@@ -156,8 +172,8 @@ def qkv_proj_with_rope_fused_weight(
             f"{q_lora_rank} + {kv_lora_rank} + {qk_rope_head_dim}"
         )
     rest = _checked_rest(
-        x, q_lora_rank, kv_n, q_b_proj_weight, q_b_proj_scale, w_kc, q_a_layernorm_weight, kv_a_layernorm_weight,
-        positions, cos_sin_cache, eps, mode, is_vnni, block_size,
+        x, q_lora_rank, kv_n, q_b_proj_weight, q_b_proj_scale, w_kc, w_scale, q_a_layernorm_weight,
+        kv_a_layernorm_weight, positions, cos_sin_cache, eps, mode, is_vnni, block_size,
     )  # fmt: skip
     qkv = qkv_a(x)
     return _absorbed_inputs(qkv[:, :q_lora_rank], qkv[:, q_lora_rank:], *rest)
@@ -166,13 +182,19 @@ def qkv_proj_with_rope_fused_weight(
 export("qkv_proj_with_rope_fused_weight", qkv_proj_with_rope_fused_weight)
 
 
-def mla_output_proj(attn_latent: torch.Tensor, w_vc, out: torch.Tensor | None = None) -> torch.Tensor:
+def mla_output_proj(
+    attn_latent: torch.Tensor,
+    w_vc,
+    out: torch.Tensor | None = None,
+    w_scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """MLA's output absorption (W_UV), SGLang's CPU ``bmm_cpu`` after the attention: ``attn_latent [T, H,
     kv_lora_rank]`` (any strides, last dimension contiguous) -> ``out [T, H * v_head_dim]`` with
-    ``out[:, h * v_head_dim:(h + 1) * v_head_dim] = attn_latent[:, h] @ w_vc[h]^T``, o_proj's input.
-    ``w_vc``: H ``PackedWeight`` ``[v_head_dim, kv_lora_rank]`` (:func:`absorb_kv_b_proj`), or a bf16
-    tensor ``[H, v_head_dim, kv_lora_rank]`` packed per call. ``out`` (optional) must be ``[T, H *
-    v_head_dim]`` with a contiguous last dimension."""
+    ``out[:, h * v_head_dim:(h + 1) * v_head_dim] = attn_latent[:, h] @ w_vc[h]^T (* w_scale)``, o_proj's
+    input. ``w_vc``: H ``PackedWeight`` ``[v_head_dim, kv_lora_rank]`` (:func:`absorb_kv_b_proj`), or a
+    bf16 or float8_e4m3fn tensor ``[H, v_head_dim, kv_lora_rank]`` packed per call; ``w_scale`` its
+    per-tensor scale, as ``bmm_cpu``'s ``scale`` (required with fp8 ``w_vc``; see the module docstring).
+    ``out`` (optional) must be ``[T, H * v_head_dim]`` with a contiguous last dimension."""
     check_cpu_tensor(attn_latent, "attn_latent")
     if attn_latent.dtype not in DTYPE_NAMES:
         raise TypeError(
@@ -181,7 +203,7 @@ def mla_output_proj(attn_latent: torch.Tensor, w_vc, out: torch.Tensor | None = 
     if attn_latent.dim() != 3:
         raise ValueError(f"attn_latent must be 3-D [T, H, kv_lora_rank], got shape {tuple(attn_latent.shape)}")
     tokens, heads, rank = attn_latent.shape
-    absorbed = _checked_head_weights(w_vc, "w_vc", heads, "attn_latent's heads")
+    absorbed = _checked_head_weights(w_vc, "w_vc", w_scale, heads, "attn_latent's heads")
     if absorbed.k != rank:
         raise ValueError(f"w_vc's weights have K = {absorbed.k}; attn_latent's last dimension is {rank}")
     shape = (tokens, heads * absorbed.n)
@@ -309,11 +331,13 @@ def _dequantized_kv_b(weight: torch.Tensor, scale, block_size) -> torch.Tensor:
 
 @dataclass
 class _HeadWeights:
-    """H packed weights [n, k] for bmm (a list of PackedWeight, or a bf16 [H, n, k] tensor it packs)."""
+    """H weights [n, k] for bmm (a list of PackedWeight, or a bf16 / e4m3fn [H, n, k] tensor it packs)
+    and their per-tensor scale (None: unscaled)."""
 
     weights: object
     n: int
     k: int
+    scale: float | None
 
 
 @dataclass
@@ -348,27 +372,37 @@ def _absorbed_inputs(qa, kv, w_kc, q_b, q_a_norm, kv_a_norm, rope, eps, heads):
 
 
 def _per_head_products(out: torch.Tensor, a: torch.Tensor, weights: _HeadWeights) -> None:
-    """``out[h] = a[h] @ W_h^T`` (``a [H, M, K]``, ``out [H, M, N]``, rows at any strides): ``bmm``, whose
-    per-head GEMM calls check their arguments every time (about 10 us a head, a decode step's cost at
-    16 heads and more). Prepacked weights take the same GEMM kernel here, with the checks made once for
-    all heads; a raw tensor goes to ``bmm``, which packs it."""
+    """``out[h] = a[h] @ W_h^T (* scale)`` (``a [H, M, K]``, ``out [H, M, N]``, rows at any strides):
+    ``bmm``, whose per-head GEMM calls check their arguments every time (about 10 us a head, a decode
+    step's cost at 16 heads and more). Prepacked weights take the same GEMM kernel here, with the checks
+    made once for all heads, and a scale applied as ``bmm`` applies it; a raw tensor goes to ``bmm``,
+    which packs it (an fp8 one widened exactly to bf16)."""
     if isinstance(weights.weights, torch.Tensor):
-        bmm(out, a, weights.weights)
+        bmm(out, a, weights.weights, weights.scale)
         return
     variant_for_input(weight_packed_linear.kernels, a, "a")
-    heads, m, k = a.shape
-    n = weights.n
-    out_strides = checked_out(out, (heads, m, n), a)
-    if a.stride(2) != 1 and k > 1:
+    checked_out(out, (*a.shape[:2], weights.n), a)
+    if a.stride(2) != 1 and a.shape[2] > 1:
         a = a.contiguous()
     for packed in weights.weights:
         _checked_packed(packed)
+    if weights.scale is None:
+        _packed_products(out, a, weights.weights)
+    else:
+        scaled_once(out, a, weights.scale, lambda sums, a32: _packed_products(sums, a32, weights.weights))
+
+
+def _packed_products(out: torch.Tensor, a: torch.Tensor, packed: Sequence[PackedWeight]) -> None:
+    """``out[h] = a[h] @ packed[h]^T`` on the GEMM kernel, one call a head, for checked arguments of one
+    dtype (``a``'s last dimension contiguous)."""
+    heads, m, k = a.shape
+    n = packed[0].n
     kernel, size, threads = _chosen_variant(a.dtype, m, n, k).kernel(), a.element_size(), num_threads()
     a_ptr, out_ptr = a.data_ptr(), out.data_ptr()
-    for h, packed in enumerate(weights.weights):
+    for h, weight in enumerate(packed):
         status = kernel.linear(
-            out_ptr + h * out_strides[0] * size, out_strides[1], a_ptr + h * a.stride(0) * size, a.stride(1),
-            packed.packed.data_ptr(), packed.panel_width, 0, m, n, k, threads,
+            out_ptr + h * out.stride(0) * size, out.stride(1), a_ptr + h * a.stride(0) * size, a.stride(1),
+            weight.packed.data_ptr(), weight.panel_width, 0, m, n, k, threads,
         )  # fmt: skip
         raise_for_status(status, "the per-head GEMM")
 
@@ -421,7 +455,7 @@ def _check_k(projection, k: int, what: str) -> None:
 
 
 def _checked_rest(
-    x, q_lora_rank, kv_n, q_b_proj_weight, q_b_proj_scale, w_kc, q_a_norm, kv_a_norm,
+    x, q_lora_rank, kv_n, q_b_proj_weight, q_b_proj_scale, w_kc, w_scale, q_a_norm, kv_a_norm,
     positions, cos_sin_cache, eps, mode, is_vnni, block_size,
 ):  # fmt: skip
     """Everything past the first GEMM, checked: (w_kc, q_b, q_a_norm, kv_a_norm, rope, eps, heads)."""
@@ -431,7 +465,7 @@ def _checked_rest(
         raise TypeError("w_kc is a list of packed weights but is_vnni is False (raw tensors, packed per call)")
     if is_vnni and isinstance(w_kc, torch.Tensor):
         raise TypeError("w_kc is a tensor but is_vnni is True: pass H PackedWeight (absorb_kv_b_proj's w_kc)")
-    w_kc = _checked_head_weights(w_kc, "w_kc")
+    w_kc = _checked_head_weights(w_kc, "w_kc", w_scale)
     heads, rank, nope = len(w_kc.weights), w_kc.n, w_kc.k
     rope_dim = kv_n - rank
     if rope_dim < 2:
@@ -487,12 +521,18 @@ def _checked_rope(positions, cos_sin_cache, x: torch.Tensor, rope_dim: int) -> _
     return _Rope(cache, rows, row_stride, positions, positions_64)
 
 
-def _checked_head_weights(w: object, name: str, heads: int | None = None, heads_from: str = "") -> _HeadWeights:
-    """H bf16 weights [n, k] for bmm: a sequence of PackedWeight, or a bf16 [H, n, k] tensor."""
+def _checked_head_weights(
+    w: object, name: str, scale: object, heads: int | None = None, heads_from: str = ""
+) -> _HeadWeights:
+    """H weights [n, k] for bmm and their per-tensor ``w_scale``: a sequence of PackedWeight, or a bf16
+    or e4m3fn [H, n, k] tensor (e4m3fn with a scale, as sgl-kernel's fp8 bmm)."""
     if isinstance(w, torch.Tensor):
         check_cpu_tensor(w, name)
-        if w.dtype is not torch.bfloat16:
-            raise TypeError(f"{name} has dtype {w.dtype}; expected torch.bfloat16 ([H, N, K], packed per call)")
+        if w.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise TypeError(
+                f"{name} has dtype {w.dtype}; expected torch.bfloat16 or torch.float8_e4m3fn ([H, N, K], "
+                "packed per call)"
+            )
         if w.dim() != 3 or w.shape[0] == 0:
             raise ValueError(f"{name} must be 3-D [H, N, K] with H >= 1, got shape {tuple(w.shape)}")
         count, n, k = w.shape
@@ -501,10 +541,10 @@ def _checked_head_weights(w: object, name: str, heads: int | None = None, heads_
         if any(p.shape != (n, k) for p in w):
             raise ValueError(f"{name} must hold packed weights of one shape, got {[p.shape for p in w]}")
     else:
-        raise TypeError(f"{name} must be a non-empty sequence of PackedWeight or a bf16 [H, N, K] tensor")
+        raise TypeError(f"{name} must be a non-empty sequence of PackedWeight or a bf16 / e4m3fn [H, N, K] tensor")
     if heads is not None and count != heads:
         raise ValueError(f"{name} holds {count} heads' weights; {heads_from} are {heads}")
-    return _HeadWeights(w, int(n), int(k))
+    return _HeadWeights(w, int(n), int(k), checked_scale(scale, w, "w_scale", name))
 
 
 # ----------------------------------------------------------------------------- projections
