@@ -103,3 +103,49 @@ def fp8_block_linear_reference(x, w, scale, block, bias=None):
     """float32 ``x @ (w * S).T (+ bias)`` over the dequantized block-scaled fp8 weight."""
     ref = x.float() @ fp8_block_dequantize(w, scale, block).T
     return ref if bias is None else ref + bias.float()
+
+
+# --------------------------------------------------------------------------- MoE routing
+
+
+def partial_sort_order(values, k):
+    """The positions of ``values`` (a list) that ``std::partial_sort(first, first + k, last,
+    [](a, b) { return a.first > b.first; })`` (libstdc++) brings to the front, in its order: the k
+    largest, the order among equal values and their cut at k included. sgl-kernel's CPU routing
+    selects experts so. libstdc++'s heap selection (make_heap on the first k, a later element
+    replaces the heap's root when strictly larger, then sort_heap), step for step."""
+    order = list(range(len(values)))
+
+    def before(a, b):
+        return values[a] > values[b]
+
+    def adjust(hole, length, item):  # __adjust_heap, then __push_heap
+        top = child = hole
+        while child < (length - 1) // 2:
+            child = 2 * (child + 1)
+            if before(order[child], order[child - 1]):
+                child -= 1
+            order[hole] = order[child]
+            hole = child
+        if length % 2 == 0 and child == (length - 2) // 2:
+            child = 2 * (child + 1)
+            order[hole] = order[child - 1]
+            hole = child - 1
+        while hole > top and before(order[(hole - 1) // 2], item):
+            order[hole] = order[(hole - 1) // 2]
+            hole = (hole - 1) // 2
+        order[hole] = item
+
+    def pop(length, result):  # __pop_heap: the root to `result`, `result`'s item into the heap
+        item = order[result]
+        order[result] = order[0]
+        adjust(0, length, item)
+
+    for parent in range(k // 2 - 1, -1, -1):  # make_heap
+        adjust(parent, k, order[parent])
+    for i in range(k, len(values)):
+        if before(order[i], order[0]):
+            pop(k, i)
+    for last in range(k - 1, 0, -1):  # sort_heap
+        pop(last, last)
+    return order[:k]

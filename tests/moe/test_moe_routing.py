@@ -1,18 +1,20 @@
 """MoE routing ops (``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``, ``biased_grouped_topk``)
-against a float64 torch reference of each rule, written as SGLang's Python references are
-(``python/sglang/srt/layers/moe/topk.py``: ``fused_topk_torch_native``, ``grouped_topk_gpu``,
-``biased_grouped_topk_impl``), with ``torch.topk(sorted=True)`` for the order.
+against a float64 torch reference of each rule: the weights as SGLang's Python references compute
+them (``python/sglang/srt/layers/moe/topk.py``: ``fused_topk_torch_native``, ``grouped_topk_gpu``,
+``biased_grouped_topk_impl``, with ``apply_routed_scaling_factor_on_output``), the experts and their
+order as sgl-kernel's CPU kernels choose them (``std::partial_sort`` by value over their candidate
+sequence: ``references.partial_sort_order``).
 
 * Values: gating rows whose logits are distinct multiples of 1/32 (exact in bf16 and fp16), so the
   reference's order has no near-ties that fp32 could flip; the biased rule's inputs are redrawn
   until its choice values and group scores are well separated too. E in {8, 60, 64, 128, 256}, k in
   {1, 2, 6, 8, 16}, T in {0, 1, 7, 33}, renormalize on and off, fp32/bf16/fp16 gating, a column
   slice of a wider tensor and a transposed one as gating_output, every tier.
-* Ties: the ids must be exactly the reference's, i.e. torch.topk's order and cut among equal values
-  (experts and groups), on rows with few distinct values; both of torch's algorithms (64 k <= n and
-  not) are reached.
-* Fused shared experts and routed_scaling_factor on the grouped rules; many tokens over threads;
-  every argument error.
+* Ties: the ids must be exactly sgl-kernel's, its order and cut among equal values (experts and
+  groups, all groups kept or not), on fp32 and bf16 rows with few distinct values; for k = 1 the
+  first of two tied best experts, as ``torch.max`` picks it.
+* routed_scaling_factor times every weight (renormalized or not), fused shared experts on the
+  grouped rules; many tokens over threads; every argument error.
 """
 
 import math
@@ -25,6 +27,7 @@ import torch._dynamo.testing
 import kernforge
 
 from op_helpers import seeded
+from references import partial_sort_order
 
 RULES = ["topk_softmax", "topk_sigmoid", "grouped_topk", "biased_grouped_topk"]
 GROUPED = ["grouped_topk", "biased_grouped_topk"]
@@ -65,15 +68,9 @@ def ref_route(
             group_scores = by_group.max(dim=-1).values
         else:
             group_scores = by_group.topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(tokens, num_expert_group, experts // num_expert_group)
-        score_mask = score_mask.reshape(tokens, experts)
-        masked = 0.0 if rule == "grouped_topk" else float("-inf")  # as SGLang masks each
-        chosen_by = choice.masked_fill(~score_mask.bool(), masked)
-    else:
-        chosen_by = choice
-    ids = torch.topk(chosen_by, k=topk, dim=-1, sorted=True)[1]
+    by_token = [None] * tokens if group_scores is None else group_scores.tolist()
+    chosen = [sgl_kernel_choice(choice[t].tolist(), by_token[t], topk, topk_group) for t in range(tokens)]
+    ids = torch.tensor(chosen, dtype=torch.int64).view(tokens, topk)
     weights = scores.gather(1, ids)
     if num_fused_shared_experts:
         ids[:, -1] = experts + torch.arange(tokens) % num_fused_shared_experts  # SGLang: random in that range
@@ -82,7 +79,23 @@ def ref_route(
     if renormalize:
         routed = weights if num_fused_shared_experts == 0 else weights[:, :-1]
         weights = weights / routed.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor is not None:  # sgl-kernel: renormalized or not (SGLang's Python: renormalized only)
+        weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32), choice, group_scores
+
+
+def sgl_kernel_choice(choice, group_scores, topk, topk_group):
+    """One token's experts, best first, as sgl-kernel's kernels choose them: the candidates are every
+    expert in index order or, by groups, the experts of the ``topk_group`` groups ``partial_sort``
+    ranks first, in that order; then ``partial_sort`` of their values."""
+    if group_scores is None or len(group_scores) == 1:
+        candidates = list(range(len(choice)))
+    else:
+        size = len(choice) // len(group_scores)
+        kept = partial_sort_order(group_scores, topk_group)
+        candidates = [g * size + e for g in kept for e in range(size)]
+    order = partial_sort_order([choice[c] for c in candidates], topk)
+    return [candidates[i] for i in order]
 
 
 def call(rule, hidden, gating, topk, renormalize, groups=(1, 1), bias=None, **kwargs):
@@ -221,29 +234,61 @@ def test_hidden_states_gives_only_the_token_count():
 # --------------------------------------------------------------------------- ties
 
 
-def tie_rows(tokens, experts, values, g):
-    """Rows drawn from a few distinct values: ties everywhere, at the cut too."""
-    return (torch.randint(0, values, (tokens, experts), generator=g).float() / 4).to(torch.float32)
+def tie_rows(tokens, experts, values, g, dtype=torch.float32):
+    """Rows drawn from a few distinct values (multiples of 1/4, exact in every dtype): ties
+    everywhere, at the cut too."""
+    return (torch.randint(0, values, (tokens, experts), generator=g).float() / 4).to(dtype)
 
 
-# (E, k): 64 k <= E reaches torch's partial sort, the others its nth_element + sort
-TIE_SHAPES = [(8, 1), (8, 3), (60, 6), (64, 1), (64, 2), (128, 1), (128, 2), (128, 16), (256, 1), (256, 4), (256, 8)]
+TIE_DTYPES = [torch.float32, torch.bfloat16]
+# (E, k): k = 1 (the first best), k = E (the whole heap sorted), ties cut at k otherwise
+TIE_SHAPES = [(8, 1), (8, 3), (8, 8), (60, 6), (64, 1), (64, 2), (128, 1), (128, 2), (128, 16), (256, 1), (256, 8)]
 
 
+@pytest.mark.parametrize("dtype", TIE_DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("experts,topk", TIE_SHAPES, ids=str)
 @pytest.mark.parametrize("rule", ["topk_softmax", "topk_sigmoid"])
-def test_ties_come_out_as_torch_topk_gives_them(rule, experts, topk, tier):
-    g = seeded("ties", rule, experts, topk)
+def test_ties_come_out_as_sgl_kernel_gives_them(rule, experts, topk, dtype, tier):
+    g = seeded("ties", rule, experts, topk, dtype)
     hidden = torch.empty(40, 1)
     for values in (1, 2, 3, 5):
-        gating = tie_rows(40, experts, values, g)
+        gating = tie_rows(40, experts, values, g, dtype)
         got = call(rule, hidden, gating, topk, False)
-        check(rule, got, gating, topk, False, ctx=f"{rule} E={experts} k={topk} values={values}")
-    # all equal: the ids are torch.topk's of a constant row, whatever the dtype
+        check(rule, got, gating, topk, False, ctx=f"{rule} E={experts} k={topk} {dtype} values={values}")
+    # all equal: sgl-kernel's order of a constant row, whatever the dtype
     for dtype in DTYPES:
         got = call(rule, torch.empty(2, 1), torch.zeros(2, experts, dtype=dtype), topk, True)
-        assert torch.equal(got[1][0].long(), torch.topk(torch.zeros(experts), topk).indices)
+        assert got[1][0].tolist() == partial_sort_order([0.0] * experts, topk)
         torch.testing.assert_close(got[0], torch.full((2, topk), 1.0 / topk))
+
+
+@pytest.mark.parametrize("dtype", TIE_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("experts", [8, 60, 256])
+@pytest.mark.parametrize("rule", RULES)
+def test_k1_picks_the_first_of_two_tied_best(rule, experts, dtype, tier):
+    """Two experts tie exactly for the best score (in one group, for the grouped rules): sgl-kernel
+    picks the first, as torch.max does (torch.topk(k=1) on the CPU need not, below 64 experts)."""
+    tokens = 24
+    g = seeded("first of tied", rule, experts, dtype)
+    groups = GROUPS[experts] if rule in GROUPED else (1, 1)
+    size = experts // groups[0]
+    gating = grid_logits(tokens, experts, g)
+    pairs = []  # two experts of one group per token, in index order
+    for _ in range(tokens):
+        group = int(torch.randint(0, groups[0], (1,), generator=g))
+        pairs.append(sorted((group * size + torch.randperm(size, generator=g)[:2]).tolist()))
+    low, high = torch.tensor(pairs).T
+    best = gating.max(-1).values + 0.25
+    rows = torch.arange(tokens)
+    gating[rows, low] = best
+    gating[rows, high] = best
+    gating = gating.to(dtype)
+    assert torch.equal(gating[rows, low], gating[rows, high])
+    bias = torch.zeros(experts) if rule == "biased_grouped_topk" else None
+    weights, ids = call(rule, torch.empty(tokens, 1), gating, 1, False, groups, bias)
+    assert torch.equal(ids[:, 0].long(), low), f"{rule} {dtype}: {ids[:, 0].tolist()} want {low.tolist()}"
+    assert torch.equal(gating.double().max(-1).indices, low)  # torch.max's rule, the same
+    check(rule, (weights, ids), gating, 1, False, groups, bias, f"{rule} {dtype}")
 
 
 def grouped_tie_rows(tokens, experts, groups, g):
@@ -257,18 +302,21 @@ def grouped_tie_rows(tokens, experts, groups, g):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("dtype", TIE_DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "experts,groups,kept,topk", [(8, 4, 2, 3), (64, 8, 4, 6), (64, 8, 3, 1), (256, 8, 4, 8), (256, 16, 3, 2)], ids=str
+    "experts,groups,kept,topk",
+    [(8, 4, 2, 3), (8, 4, 4, 3), (64, 8, 4, 6), (64, 8, 3, 1), (64, 8, 8, 6), (256, 8, 4, 8), (256, 16, 3, 2)],
+    ids=str,
 )
 @pytest.mark.parametrize("rule", GROUPED)
-def test_grouped_ties_come_out_as_torch_topk_gives_them(rule, experts, groups, kept, topk, tier):
-    g = seeded("grouped ties", rule, experts, groups, kept, topk)
-    gating = grouped_tie_rows(30, experts, groups, g)
+def test_grouped_ties_come_out_as_sgl_kernel_gives_them(rule, experts, groups, kept, topk, dtype, tier):
+    g = seeded("grouped ties", rule, experts, groups, kept, topk, dtype)
+    gating = grouped_tie_rows(30, experts, groups, g).to(dtype)
     bias = torch.zeros(experts) if rule == "biased_grouped_topk" else None
     got = call(rule, torch.empty(30, 1), gating, topk, True, (groups, kept), bias)
     check(rule, got, gating, topk, True, (groups, kept), bias, f"{rule} E={experts} groups={groups}/{kept} k={topk}")
     # and rows of few values overall (group scores tie sometimes, not always)
-    gating = tie_rows(30, experts, 3, g)
+    gating = tie_rows(30, experts, 3, g, dtype)
     got = call(rule, torch.empty(30, 1), gating, topk, False, (groups, kept), bias)
     check(rule, got, gating, topk, False, (groups, kept), bias, f"{rule} E={experts} few values")
 
@@ -302,16 +350,31 @@ def test_fused_shared_experts(rule, experts, topk, shared, scaling, tier):
         weights, ids = got
         assert ((ids[:, -1] >= experts) & (ids[:, -1] < experts + shared)).all(), ctx
         assert (ids[:, :-1] < experts).all(), ctx
-        if scaling is not None:
+        if scaling is not None:  # the shared weight, scaled too: (routed sum) / scaling
             torch.testing.assert_close(weights[:, -1] * scaling, weights[:, :-1].sum(-1), rtol=1e-6, atol=1e-7)
+        if scaling is not None and renormalize:  # SGLang's model output: the shared expert once
+            torch.testing.assert_close(weights[:, -1], torch.ones(11), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("scaling", [1.0, 1.125, 2.5])
+@pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("rule", GROUPED)
-def test_routed_scaling_factor_alone_scales_nothing(rule):
-    hidden, gating, bias = inputs(rule, 6, 64, torch.float32, seeded("scaling", rule), GROUPS[64])
-    plain = call(rule, hidden, gating, 6, True, GROUPS[64], bias)
-    scaled = call(rule, hidden, gating, 6, True, GROUPS[64], bias, routed_scaling_factor=2.5)
-    assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
+def test_routed_scaling_factor_scales_every_weight(rule, renormalize, scaling, tier):
+    """sgl-kernel's biased_grouped_topk_cpu multiplies the weights by routed_scaling_factor, after
+    renormalizing or without it (its own test: SGLang's reference times the factor); 1 (or None)
+    changes nothing. The experts do not change."""
+    experts, topk, groups = 64, 6, GROUPS[64]
+    hidden, gating, bias = inputs(rule, 9, experts, torch.bfloat16, seeded("scaling", rule, renormalize), groups)
+    plain = call(rule, hidden, gating, topk, renormalize, groups, bias)
+    scaled = call(rule, hidden, gating, topk, renormalize, groups, bias, routed_scaling_factor=scaling)
+    ctx = f"{rule} renormalize={renormalize} scaling={scaling}"
+    check(rule, scaled, gating, topk, renormalize, groups, bias, ctx, routed_scaling_factor=scaling)
+    assert torch.equal(scaled[1], plain[1]), ctx
+    if scaling == 1.0:
+        assert torch.equal(scaled[0], plain[0]), ctx
+    torch.testing.assert_close(scaled[0], plain[0] * scaling, rtol=1e-6, atol=0, msg=lambda m: f"{ctx}\n{m}")
+    if renormalize:
+        torch.testing.assert_close(scaled[0].sum(-1), torch.full((9,), scaling), rtol=1e-6, atol=0)
 
 
 # --------------------------------------------------------------------------- errors
@@ -345,8 +408,8 @@ ERRORS = [  # (rules, change, exception, the argument named)
     (RULES, {"gating_output": torch.randn(64)}, ValueError, "gating_output"),
     (RULES, {"gating_output": torch.randn(1, 5, 64)}, ValueError, "gating_output"),
     (RULES, {"gating_output": torch.randn(5, 0)}, ValueError, "gating_output"),
-    (RULES, {"hidden_states": torch.empty(4, 16)}, ValueError, "hidden_states"),
-    (RULES, {"hidden_states": torch.empty(())}, ValueError, "hidden_states"),
+    (RULES, {"hidden_states": torch.zeros(4, 16)}, ValueError, "hidden_states"),
+    (RULES, {"hidden_states": torch.zeros(())}, ValueError, "hidden_states"),
     (RULES, {"hidden_states": None}, TypeError, "hidden_states"),
     (RULES, {"topk": 0}, ValueError, "topk"),
     (RULES, {"topk": 17}, ValueError, "topk"),

@@ -150,6 +150,7 @@ class DeepseekMoE(SparseMoE):
         return out.view(hidden_states.shape)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # No routed_scaling_factor here: shared_expert scales the routed output by it (once).
         logits = self.gate(x.float())
         if self.rule == "greedy":
             return kf.topk_softmax(x, logits, self.top_k, self.renormalize)

@@ -1,13 +1,15 @@
-"""MoE routing: sgl-kernel's CPU routing ops (``sgl-kernel/csrc/cpu/topk.cpp``), with the rules of
-SGLang's Python references (``python/sglang/srt/layers/moe/topk.py``) where the CPU kernels stop
-short (any expert count, any k up to 16, fused shared experts).
+"""MoE routing: sgl-kernel's CPU routing ops as of sglang commit 0c71a5e9 (undated here; it has PR
+#31956 of 2026-07; ``python/sglang/kernels/aot/csrc/cpu/topk.cpp``, formerly ``sgl-kernel/csrc/cpu/topk.cpp``),
+with the rules of SGLang's Python references (``python/sglang/srt/layers/moe/topk.py``) where the CPU
+kernels stop short (any expert count, any k up to 16, fused shared experts). sgl-kernel's
+``topk_softmax_cpu`` / ``topk_sigmoid_cpu`` also take an optional ``correction_bias`` now; these do not.
 
 Each op returns ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` for a gating row per token
 (``gating_output [T, E]``, fp32, bf16 or fp16, computed in fp32; rows may be strided);
 ``hidden_states`` gives only the token count ``T`` (its first dimension), as in sgl-kernel.
 
 * ``topk_softmax``: the k largest of ``softmax(gating)``.
-* ``topk_sigmoid``: the k largest of ``sigmoid(gating)`` (sgl-kernel's CPU op takes k = 1 only).
+* ``topk_sigmoid``: the k largest of ``sigmoid(gating)``.
 * ``grouped_topk`` (DeepSeek-V2): softmax scores; the experts form ``num_expert_group`` equal
   contiguous groups scored by their best expert; the ``topk_group`` best groups are kept and the k
   best experts among theirs chosen.
@@ -16,19 +18,30 @@ Each op returns ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` for a gati
   scores of the chosen experts.
 
 The k entries come best first (by the value they were chosen by: the biased score for the biased
-rule, so its weights need not descend), as sgl-kernel's partial sorts give them. Equal values are
-ordered, and cut at k, as ``torch.topk`` does on the CPU (the kernel runs ATen's algorithm: a
-partial sort when ``64 k <= n``, else nth_element and a sort of the first ``k - 1``), for the
-groups and for the experts. ``renormalize`` divides the weights by their sum.
+rule, so its weights need not descend). Ties follow sgl-kernel's kernels: ``std::partial_sort``
+(libstdc++) comparing values alone, over the candidates in sgl-kernel's order: every expert in index
+order, or, for the grouped rules, the kept groups in the order ``std::partial_sort`` ranks them from
+index order (ranked even when all are kept), each group's experts in index order. So for k = 1 the
+first best candidate wins (for the ungrouped rules the lowest index, as ``torch.max`` gives it); for
+k > 1 equal values are ordered, and cut at k, as libstdc++'s heap selection leaves them, which is
+not ``torch.topk``'s order. One difference: softmax and sigmoid choose on the logits (the same order,
+being monotone), so two different logits never tie, where sgl-kernel's fp32 softmax scores may.
+
+``renormalize`` divides the weights by the sum of the routed ones. ``routed_scaling_factor`` (the
+grouped rules; ``None`` is 1) multiplies every weight, with or without ``renormalize``, as
+sgl-kernel's ``biased_grouped_topk_cpu`` does (one factor: ``routed_scaling_factor / sum`` when
+renormalizing); SGLang passes it there only when the model does not scale the MoE output itself
+(``apply_routed_scaling_factor_on_output``), so a caller that scales the output passes none.
+``grouped_topk`` scales the same way (sgl-kernel's ``grouped_topk_cpu`` takes only ``None`` or 1).
 
 ``num_fused_shared_experts > 0`` (the grouped rules; SGLang's ``grouped_topk`` /
 ``biased_grouped_topk_impl``, which sgl-kernel's CPU ops refuse): ``topk`` counts one fused shared
 expert, which takes the last slot (the k-th choice is dropped) with id ``E + t %
 num_fused_shared_experts`` for token ``t`` (SGLang draws it at random in that range) and, given
 ``routed_scaling_factor``, weight ``sum(routed weights) / routed_scaling_factor`` (without it, the
-dropped expert's weight stays, as in SGLang); ``renormalize`` then divides every weight by the sum
-of the ``k - 1`` routed ones. ``routed_scaling_factor`` never scales the routed weights (SGLang
-applies it to the MoE output; sgl-kernel's ``biased_grouped_topk_cpu`` ignores it).
+dropped expert's weight stays, as in SGLang) before the factor above, whose sum is that of the
+``k - 1`` routed weights. Renormalized and scaled, the shared expert weighs 1 and the routed ones
+sum to ``routed_scaling_factor``: SGLang's routing followed by its scaling of the MoE output.
 
 Wrong arguments raise before anything is written: ``TypeError`` for a wrong type or dtype,
 ``ValueError`` for a wrong shape or value, naming the argument.
@@ -60,7 +73,7 @@ ROUTING = Module(
             "route",
             "int64_t topk_weights, int64_t topk_ids, int64_t gating, int64_t gating_stride, int64_t num_tokens, "
             "int64_t num_experts, int64_t topk, int64_t rule, int64_t num_groups, int64_t topk_group, int64_t bias, "
-            "int64_t renormalize, int64_t num_shared, double shared_divisor, int64_t num_threads",
+            "int64_t renormalize, int64_t num_shared, double routed_scaling_factor, int64_t num_threads",
         )
     ],
 )
@@ -117,7 +130,8 @@ def grouped_topk(
     routed_scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2's routing: softmax scores, the ``topk_group`` groups with the best expert kept,
-    the ``topk`` best experts of those (see the module's docstring for the shared expert)."""
+    the ``topk`` best experts of those; weights times ``routed_scaling_factor`` (see the module's
+    docstring for it and the shared expert)."""
     return _route(
         grouped_topk.kernels,
         _GROUPED,
@@ -145,7 +159,8 @@ def biased_grouped_topk(
     routed_scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing: sigmoid scores, chosen by ``score + correction_bias`` (groups by the
-    sum of their two best), weighted by the unbiased scores (see the module's docstring)."""
+    sum of their two best), weighted by the unbiased scores times ``routed_scaling_factor`` (see the
+    module's docstring)."""
     return _route(
         biased_grouped_topk.kernels,
         _BIASED,
@@ -246,14 +261,14 @@ def _route(
         raise ValueError(f"num_fused_shared_experts must be >= 0, got {shared}")
     if shared and topk < 2:
         raise ValueError(f"topk must be >= 2 with a fused shared expert (it takes the last of the topk), got {topk}")
-    divisor = 0.0
+    scaling = 0.0  # none
     if routed_scaling_factor is not None:
         if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, Real):
             raise TypeError(
                 f"routed_scaling_factor must be a float or None, got {type(routed_scaling_factor).__name__}"
             )
-        divisor = float(routed_scaling_factor)
-        if not (math.isfinite(divisor) and divisor > 0):
+        scaling = float(routed_scaling_factor)
+        if not (math.isfinite(scaling) and scaling > 0):
             raise ValueError(f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
     bias = None if rule != _BIASED else _bias(correction_bias, experts)
 
@@ -274,7 +289,7 @@ def _route(
             0 if bias is None else bias.data_ptr(),
             int(renormalize),
             shared,
-            divisor,
+            scaling,
             num_threads(),
         )
     return weights, ids

@@ -4,14 +4,14 @@
 //
 // The choice is made on a value that orders the experts as the rule's score does: the logit itself
 // for softmax and sigmoid (both monotone, so the fp32 scores' rounding and underflow never merge
-// two different logits into a tie), sigmoid + bias for the biased rule. Among equal values the
-// experts come out as torch.topk (CPU) gives them: torch_topk below runs the same standard
-// algorithms on the same sequence as ATen does. The kernel template defines kf::moe::RoutingRule
-// (declared in kernforge/ops/moe/routing.py) before including this header.
+// two different logits into a tie), sigmoid + bias for the biased rule. The experts are chosen as
+// sgl-kernel's kernels choose them (python/sglang/kernels/aot/csrc/cpu/topk.cpp), ties included:
+// std::partial_sort by value alone over the same candidate sequence (best_first below). The kernel
+// template defines kf::moe::RoutingRule (declared in kernforge/ops/moe/routing.py) before including
+// this header.
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -43,36 +43,22 @@ struct Routing {
   int64_t num_tokens;
   int64_t num_experts;
   int64_t topk;
-  int64_t rule;           // RoutingRule
-  int64_t num_groups;     // grouped rules: experts num_groups equal contiguous groups
-  int64_t topk_group;     // grouped rules: groups kept
-  const float* bias;      // biased rule: [num_experts]
-  bool renormalize;       // weights / (sum of the routed weights)
-  int64_t num_shared;     // > 0: the last slot is a fused shared expert, id in [E, E + num_shared)
-  double shared_divisor;  // > 0: that slot's weight is (sum of the routed weights) / shared_divisor
+  int64_t rule;                  // RoutingRule
+  int64_t num_groups;            // the experts in num_groups equal contiguous groups (1: ungrouped)
+  int64_t topk_group;            // grouped rules: groups kept
+  const float* bias;             // biased rule: [num_experts]
+  bool renormalize;              // divide the weights by the sum of the routed ones
+  int64_t num_shared;            // > 0: the last slot is a fused shared expert, id in [E, E + num_shared)
+  double routed_scaling_factor;  // > 0: scales every weight; a shared slot's weight is (routed sum) / it
 };
 
-using Ranked = std::pair<float, int32_t>;  // (value, expert)
+using Ranked = std::pair<float, int32_t>;  // (value, expert or group)
 
-// ATen's topk comparator: larger first, NaN above everything.
-struct Greater {
-  bool operator()(const Ranked& a, const Ranked& b) const {
-    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
-  }
-};
-
-// torch.topk(values[0, n), k, largest=True, sorted=True) on the CPU, into queue[0, k): ATen's
-// topk_impl_loop, i.e. std::partial_sort when 64 k <= n, else std::nth_element and std::sort of the
-// first k - 1, on the (value, index) pairs in index order. The same algorithms on the same sequence
-// give the same result, the order among equal values included. queue holds n entries.
-inline void torch_topk(const float* values, int64_t n, int64_t k, Ranked* queue) {
-  for (int64_t i = 0; i < n; ++i) queue[i] = {values[i], int32_t(i)};
-  if (k * 64 <= n) {
-    std::partial_sort(queue, queue + k, queue + n, Greater());
-  } else {
-    std::nth_element(queue, queue + (k - 1), queue + n, Greater());
-    std::sort(queue, queue + (k - 1), Greater());
-  }
+// sgl-kernel's selection: std::partial_sort of queue[0, n) by value alone, larger first, so that its
+// k best come first. Equal values are ordered, and cut at k, as libstdc++'s heap selection leaves
+// them (the first max for k = 1); the same algorithm on the same sequence gives sgl-kernel's result.
+inline void best_first(Ranked* queue, int64_t n, int64_t k) {
+  std::partial_sort(queue, queue + k, queue + n, [](const Ranked& a, const Ranked& b) { return a.first > b.first; });
 }
 
 // Per-thread buffers, sized once per call.
@@ -80,16 +66,16 @@ struct RoutingScratch {
   std::vector<float> choice;       // the values the experts are chosen by; -inf past num_experts
   std::vector<float> scores;       // biased rule: sigmoid(logit)
   std::vector<float> group_score;  // grouped rules
-  std::vector<uint8_t> group_kept;
-  std::vector<Ranked> queue;
+  std::vector<Ranked> groups;      // grouped rules: the groups, best first
+  std::vector<Ranked> queue;       // the candidate experts
 
   RoutingScratch(int64_t num_experts, int64_t num_groups) {
     const int64_t padded = (num_experts + VecF::kWidth - 1) / VecF::kWidth * VecF::kWidth;
     choice.assign(size_t(padded), kNegInf);  // whole vectors: the padding lanes stay -inf
     scores.assign(size_t(padded), 0.0f);
     group_score.assign(size_t(num_groups), 0.0f);
-    group_kept.assign(size_t(num_groups), 0);
-    queue.resize(size_t(std::max(num_experts, num_groups)));
+    groups.resize(size_t(num_groups));
+    queue.resize(size_t(num_experts));
   }
 };
 
@@ -116,6 +102,28 @@ inline void score_groups(const float* choice, int64_t num_groups, int64_t group_
 template <class F>
 inline void map_small(float* v, int64_t count, const F& f) {
   for_each_vector(0, count, [&](int, int64_t j, int64_t n) { f(VecF::load(v + j, n)).store(v + j, n); });
+}
+
+// The candidate experts into queue, in sgl-kernel's order; returns their count. Several groups:
+// the topk_group best (ranked by best_first even when all are kept), best first, each group's
+// experts in index order. One group (every ungrouped rule): every expert, in index order.
+inline int64_t candidates(const float* choice, int64_t num_experts, int64_t num_groups, int64_t topk_group,
+                          bool top_two, RoutingScratch& s) {
+  Ranked* queue = s.queue.data();
+  if (num_groups == 1) {
+    for (int64_t e = 0; e < num_experts; ++e) queue[e] = {choice[e], int32_t(e)};
+    return num_experts;
+  }
+  const int64_t group_size = num_experts / num_groups;
+  score_groups(choice, num_groups, group_size, top_two, s.group_score.data());
+  for (int64_t g = 0; g < num_groups; ++g) s.groups[size_t(g)] = {s.group_score[size_t(g)], int32_t(g)};
+  best_first(s.groups.data(), num_groups, topk_group);
+  int64_t n = 0;
+  for (int64_t g = 0; g < topk_group; ++g) {
+    const int64_t first = s.groups[size_t(g)].second * group_size;
+    for (int64_t e = first; e < first + group_size; ++e) queue[n++] = {choice[e], int32_t(e)};
+  }
+  return n;
 }
 
 template <class T>
@@ -151,20 +159,9 @@ void route_token(const Routing<T>& p, int64_t t, RoutingScratch& s) {
     inv_sum = 1.0f / reduce_add(sum.sum());
   }
 
-  // 3. Grouped rules: keep the topk_group best groups (the set torch.topk picks), mask the others.
-  if ((p.rule == kGroupedSoftmax || biased) && p.topk_group < p.num_groups) {
-    const int64_t group_size = E / p.num_groups;
-    score_groups(choice, p.num_groups, group_size, biased, s.group_score.data());
-    torch_topk(s.group_score.data(), p.num_groups, p.topk_group, s.queue.data());
-    std::fill(s.group_kept.begin(), s.group_kept.end(), 0);
-    for (int64_t g = 0; g < p.topk_group; ++g) s.group_kept[size_t(s.queue[size_t(g)].second)] = 1;
-    for (int64_t g = 0; g < p.num_groups; ++g) {
-      if (!s.group_kept[size_t(g)]) std::fill(choice + g * group_size, choice + (g + 1) * group_size, kNegInf);
-    }
-  }
-
-  // 4. The k best experts, best first.
-  torch_topk(choice, E, k, s.queue.data());
+  // 3. The k best candidates, best first.
+  const int64_t n = candidates(choice, E, p.num_groups, p.topk_group, biased, s);
+  best_first(s.queue.data(), n, k);
   float* weights = p.weights + t * k;
   int32_t* ids = p.ids + t * k;
   for (int64_t j = 0; j < k; ++j) {
@@ -179,18 +176,21 @@ void route_token(const Routing<T>& p, int64_t t, RoutingScratch& s) {
     map_small(weights, k, [](VecF x) { return sigmoid(x); });
   }
 
-  // 5. A fused shared expert takes the last slot (sglang's grouped_topk / biased_grouped_topk_impl);
-  // renormalizing divides every weight by the sum of the routed ones.
+  // 4. A fused shared expert takes the last slot (sglang's grouped_topk / biased_grouped_topk_impl).
   const int64_t routed = p.num_shared > 0 ? k - 1 : k;
   float routed_sum = 0.0f;
   for (int64_t j = 0; j < routed; ++j) routed_sum += weights[j];
+  const bool scaled = p.routed_scaling_factor > 0;
   if (p.num_shared > 0) {
     ids[k - 1] = int32_t(E + t % p.num_shared);
-    if (p.shared_divisor > 0) weights[k - 1] = routed_sum / float(p.shared_divisor);
+    if (scaled) weights[k - 1] = routed_sum / float(p.routed_scaling_factor);
   }
-  if (p.renormalize) {
-    for (int64_t j = 0; j < k; ++j) weights[j] = weights[j] / routed_sum;
-  }
+
+  // 5. One factor for every weight, as sgl-kernel's biased_grouped_topk_cpu: routed_scaling_factor
+  // (1 without one), divided by the routed sum when renormalizing.
+  const float scale = scaled ? float(p.routed_scaling_factor) : 1.0f;
+  const float factor = p.renormalize ? scale / routed_sum : scale;
+  for (int64_t j = 0; j < k; ++j) weights[j] *= factor;
 }
 
 template <class T>
