@@ -479,3 +479,26 @@ def test_routing_compiles_into_one_graph():
     assert counter.frame_count == 1
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("topk", [1, 3, 8])
+def test_torch_tie_order_is_torch_topks(dtype, topk):
+    """ties="torch" (vLLM's CPU router): the experts torch.topk picks from the values the choice is
+    made on (the logits; the groups not kept masked to -inf), equal values included."""
+    tokens, experts, groups, kept = 37, 16, 4, 2
+    gating = torch.randint(-3, 4, (tokens, experts), generator=torch.Generator().manual_seed(topk)).to(dtype)
+    values = gating.float()
+    _, ids = kernforge.topk_softmax(gating, gating, topk, False, ties="torch")
+    assert torch.equal(ids, torch.topk(values, topk).indices.int())
+    _, ids = kernforge.grouped_topk(gating, gating, topk, False, groups, kept, ties="torch")
+    kept_groups = torch.topk(values.view(tokens, groups, -1).max(-1).values, kept).indices
+    in_kept = torch.zeros(tokens, groups, dtype=torch.bool).scatter_(1, kept_groups, True)
+    masked = values.masked_fill(~in_kept.repeat_interleave(experts // groups, 1), float("-inf"))
+    assert torch.equal(ids, torch.topk(masked, topk).indices.int())
+
+
+def test_unknown_tie_order_is_an_error_naming_the_choices():
+    gating = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"ties must be one of \['sgl-kernel', 'torch'\]"):
+        kernforge.topk_sigmoid(gating, gating, 2, False, ties="aten")

@@ -210,7 +210,7 @@ def _kernforge_softmax_topk(original):
     def _softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
         if not (_routable(router_logits) and 1 <= top_k <= min(MAX_TOPK, router_logits.shape[-1])):
             return original(router_logits, top_k, renormalize)
-        return ops.topk_softmax(router_logits, router_logits, top_k, bool(renormalize))
+        return ops.topk_softmax(router_logits, router_logits, top_k, bool(renormalize), ties="torch")
 
     return _softmax_topk
 
@@ -238,6 +238,7 @@ def _kernforge_grouped_topk(original):
             and 1 <= topk_group <= groups
             and 1 <= topk <= min(MAX_TOPK, topk_group * (experts // groups))
             and (not biased or experts // groups >= 2)  # a biased group is scored by its two best
+            and 0 < routed_scaling_factor < float("inf")  # kernforge's range for it
         )
         if not takes:
             return original(
@@ -250,14 +251,29 @@ def _kernforge_grouped_topk(original):
                 routed_scaling_factor,
                 e_score_correction_bias,
             )
+        # vLLM's CPU rule scales the weights by routed_scaling_factor, renormalized or not: as kernforge's
+        scaling = float(routed_scaling_factor)
         if biased:
-            weights, ids = ops.biased_grouped_topk(
-                gating_output, gating_output, e_score_correction_bias, topk, bool(renormalize), groups, topk_group
+            return ops.biased_grouped_topk(
+                gating_output,
+                gating_output,
+                e_score_correction_bias,
+                topk,
+                bool(renormalize),
+                groups,
+                topk_group,
+                routed_scaling_factor=scaling,
+                ties="torch",
             )
-        else:
-            weights, ids = ops.grouped_topk(gating_output, gating_output, topk, bool(renormalize), groups, topk_group)
-        if routed_scaling_factor != 1.0:  # vLLM's CPU rule scales the routed weights (kernforge's does not)
-            weights = weights * routed_scaling_factor
-        return weights, ids
+        return ops.grouped_topk(
+            gating_output,
+            gating_output,
+            topk,
+            bool(renormalize),
+            groups,
+            topk_group,
+            routed_scaling_factor=scaling,
+            ties="torch",
+        )
 
     return _grouped_topk

@@ -24,7 +24,9 @@ order, or, for the grouped rules, the kept groups in the order ``std::partial_so
 index order (ranked even when all are kept), each group's experts in index order. So for k = 1 the
 first best candidate wins (for the ungrouped rules the lowest index, as ``torch.max`` gives it); for
 k > 1 equal values are ordered, and cut at k, as libstdc++'s heap selection leaves them, which is
-not ``torch.topk``'s order. One difference: softmax and sigmoid choose on the logits (the same order,
+not ``torch.topk``'s order. ``ties="torch"`` gives ``torch.topk``'s order instead (CPU, over every
+expert in index order, the groups not kept masked to -inf; the groups picked the same way): what
+vLLM's CPU router chooses, which kernforge's vLLM plugin asks for. One difference: softmax and sigmoid choose on the logits (the same order,
 being monotone), so two different logits never tie, where sgl-kernel's fp32 softmax scores may.
 
 ``renormalize`` divides the weights by the sum of the routed ones. ``routed_scaling_factor`` (the
@@ -63,17 +65,20 @@ RULE = Codes(
     "kf::moe::RoutingRule",
     (("kSoftmax", 0), ("kSigmoid", 1), ("kGroupedSoftmax", 2), ("kBiasedGroupedSigmoid", 3)),
 )
+# Whose order equal values come in: sgl-kernel's kernels' or torch.topk's (vLLM's CPU router).
+TIES = Codes("kf::moe::TieOrder", (("kSglKernel", 0), ("kTorchTopk", 1)))
+TIE_ORDERS = {"sgl-kernel": TIES.kSglKernel, "torch": TIES.kTorchTopk}
 ROUTING = Module(
     "moe_routing",
     "moe_routing.cpp.jinja",
     params={"dtype": DType()},
-    codes=[RULE],
+    codes=[RULE, TIES],
     entries=[
         Entry(
             "route",
             "int64_t topk_weights, int64_t topk_ids, int64_t gating, int64_t gating_stride, int64_t num_tokens, "
             "int64_t num_experts, int64_t topk, int64_t rule, int64_t num_groups, int64_t topk_group, int64_t bias, "
-            "int64_t renormalize, int64_t num_shared, double routed_scaling_factor, int64_t num_threads",
+            "int64_t renormalize, int64_t num_shared, double routed_scaling_factor, int64_t ties, int64_t num_threads",
         )
     ],
 )
@@ -104,18 +109,18 @@ _BIASED_ROUTES = Traced("(Tensor, Tensor)", fake=_biased_fake)
 
 @kernel_op(ROUTING, traced=_ROUTES)
 def topk_softmax(
-    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool
+    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool, ties: str = "sgl-kernel"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``topk`` largest of ``softmax(gating_output)`` per token: ``(weights fp32, ids int32)``."""
-    return _route(topk_softmax.kernels, _SOFTMAX, hidden_states, gating_output, topk, renormalize)
+    return _route(topk_softmax.kernels, _SOFTMAX, hidden_states, gating_output, topk, renormalize, ties=ties)
 
 
 @kernel_op(ROUTING, traced=_ROUTES)
 def topk_sigmoid(
-    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool
+    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool, ties: str = "sgl-kernel"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``topk`` largest of ``sigmoid(gating_output)`` per token: ``(weights fp32, ids int32)``."""
-    return _route(topk_sigmoid.kernels, _SIGMOID, hidden_states, gating_output, topk, renormalize)
+    return _route(topk_sigmoid.kernels, _SIGMOID, hidden_states, gating_output, topk, renormalize, ties=ties)
 
 
 @kernel_op(ROUTING, traced=_ROUTES)
@@ -128,6 +133,7 @@ def grouped_topk(
     topk_group: int,
     num_fused_shared_experts: int = 0,
     routed_scaling_factor: float | None = None,
+    ties: str = "sgl-kernel",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2's routing: softmax scores, the ``topk_group`` groups with the best expert kept,
     the ``topk`` best experts of those; weights times ``routed_scaling_factor`` (see the module's
@@ -143,6 +149,7 @@ def grouped_topk(
         topk_group,
         num_fused_shared_experts,
         routed_scaling_factor,
+        ties=ties,
     )
 
 
@@ -157,6 +164,7 @@ def biased_grouped_topk(
     topk_group: int,
     num_fused_shared_experts: int = 0,
     routed_scaling_factor: float | None = None,
+    ties: str = "sgl-kernel",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing: sigmoid scores, chosen by ``score + correction_bias`` (groups by the
     sum of their two best), weighted by the unbiased scores times ``routed_scaling_factor`` (see the
@@ -173,6 +181,7 @@ def biased_grouped_topk(
         num_fused_shared_experts,
         routed_scaling_factor,
         correction_bias,
+        ties,
     )
 
 
@@ -236,6 +245,7 @@ def _route(
     num_fused_shared_experts=0,
     routed_scaling_factor=None,
     correction_bias=None,
+    ties="sgl-kernel",
 ):
     variant = variant_for_input(kernels, gating_output, "gating_output")
     rows, row_stride, tokens, experts = _gating(gating_output, hidden_states)
@@ -270,6 +280,9 @@ def _route(
         scaling = float(routed_scaling_factor)
         if not (math.isfinite(scaling) and scaling > 0):
             raise ValueError(f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
+    tie_order = TIE_ORDERS.get(ties) if isinstance(ties, str) else None
+    if tie_order is None:
+        raise ValueError(f"ties must be one of {sorted(TIE_ORDERS)}, got {ties!r}")
     bias = None if rule != _BIASED else _bias(correction_bias, experts)
 
     weights = torch.empty((tokens, topk), dtype=torch.float32)
@@ -290,6 +303,7 @@ def _route(
             int(renormalize),
             shared,
             scaling,
+            tie_order,
             num_threads(),
         )
     return weights, ids

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -50,9 +51,30 @@ struct Routing {
   bool renormalize;              // divide the weights by the sum of the routed ones
   int64_t num_shared;            // > 0: the last slot is a fused shared expert, id in [E, E + num_shared)
   double routed_scaling_factor;  // > 0: scales every weight; a shared slot's weight is (routed sum) / it
+  int64_t ties;                  // TieOrder: whose order equal values come in
 };
 
 using Ranked = std::pair<float, int32_t>;  // (value, expert or group)
+
+// ATen's topk comparator: larger first, NaN above everything.
+struct TorchGreater {
+  bool operator()(const Ranked& a, const Ranked& b) const {
+    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+  }
+};
+
+// torch.topk(largest=True, sorted=True) on the CPU over queue[0, n) (its entries in index order):
+// ATen's topk_impl_loop, i.e. std::partial_sort when 64 k <= n, else std::nth_element and std::sort
+// of the first k - 1. The same algorithms on the same sequence give the same order among equal
+// values: what vLLM's CPU router (torch.topk) chooses.
+inline void torch_topk(Ranked* queue, int64_t n, int64_t k) {
+  if (k * 64 <= n) {
+    std::partial_sort(queue, queue + k, queue + n, TorchGreater());
+  } else {
+    std::nth_element(queue, queue + (k - 1), queue + n, TorchGreater());
+    std::sort(queue, queue + (k - 1), TorchGreater());
+  }
+}
 
 // sgl-kernel's selection: std::partial_sort of queue[0, n) by value alone, larger first, so that its
 // k best come first. Equal values are ordered, and cut at k, as libstdc++'s heap selection leaves
@@ -104,11 +126,22 @@ inline void map_small(float* v, int64_t count, const F& f) {
   for_each_vector(0, count, [&](int, int64_t j, int64_t n) { f(VecF::load(v + j, n)).store(v + j, n); });
 }
 
-// The candidate experts into queue, in sgl-kernel's order; returns their count. Several groups:
-// the topk_group best (ranked by best_first even when all are kept), best first, each group's
-// experts in index order. One group (every ungrouped rule): every expert, in index order.
+// The k best of queue[0, n), best first, equal values in `ties`' order.
+inline void select(Ranked* queue, int64_t n, int64_t k, int64_t ties) {
+  if (ties == kTorchTopk) {
+    torch_topk(queue, n, k);
+  } else {
+    best_first(queue, n, k);
+  }
+}
+
+// The candidate experts into queue; returns their count. One group (every ungrouped rule): every
+// expert, in index order. Several groups, the topk_group best of them selected as `ties` says:
+// sgl-kernel's order takes their experts group by group, best group first (groups ranked even when
+// all are kept); torch.topk's (vLLM's rule: the other groups' scores masked) takes every expert in
+// index order, the other groups' at -inf.
 inline int64_t candidates(const float* choice, int64_t num_experts, int64_t num_groups, int64_t topk_group,
-                          bool top_two, RoutingScratch& s) {
+                          bool top_two, int64_t ties, RoutingScratch& s) {
   Ranked* queue = s.queue.data();
   if (num_groups == 1) {
     for (int64_t e = 0; e < num_experts; ++e) queue[e] = {choice[e], int32_t(e)};
@@ -117,7 +150,15 @@ inline int64_t candidates(const float* choice, int64_t num_experts, int64_t num_
   const int64_t group_size = num_experts / num_groups;
   score_groups(choice, num_groups, group_size, top_two, s.group_score.data());
   for (int64_t g = 0; g < num_groups; ++g) s.groups[size_t(g)] = {s.group_score[size_t(g)], int32_t(g)};
-  best_first(s.groups.data(), num_groups, topk_group);
+  select(s.groups.data(), num_groups, topk_group, ties);
+  if (ties == kTorchTopk) {
+    for (int64_t e = 0; e < num_experts; ++e) queue[e] = {kNegInf, int32_t(e)};
+    for (int64_t g = 0; g < topk_group; ++g) {
+      const int64_t first = s.groups[size_t(g)].second * group_size;
+      for (int64_t e = first; e < first + group_size; ++e) queue[e].first = choice[e];
+    }
+    return num_experts;
+  }
   int64_t n = 0;
   for (int64_t g = 0; g < topk_group; ++g) {
     const int64_t first = s.groups[size_t(g)].second * group_size;
@@ -160,8 +201,8 @@ void route_token(const Routing<T>& p, int64_t t, RoutingScratch& s) {
   }
 
   // 3. The k best candidates, best first.
-  const int64_t n = candidates(choice, E, p.num_groups, p.topk_group, biased, s);
-  best_first(s.queue.data(), n, k);
+  const int64_t n = candidates(choice, E, p.num_groups, p.topk_group, biased, p.ties, s);
+  select(s.queue.data(), n, k, p.ties);
   float* weights = p.weights + t * k;
   int32_t* ids = p.ids + t * k;
   for (int64_t j = 0; j < k; ++j) {
