@@ -175,8 +175,17 @@ def check_head_dim(name: str, value, maximum: int = MAX_HEAD_DIM) -> int:
     return value
 
 
-def index_vector(t, name: str, length: int | None = None, length_from: str | None = None) -> torch.Tensor:
-    """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given)."""
+def index_vector(
+    t, name: str, length: int | None = None, length_from: str | None = None, prefix: bool = False
+) -> torch.Tensor:
+    """``t`` as a contiguous 1-D int32 CPU tensor (of ``length`` entries if given; ``length_from``
+    says where that length comes from).
+
+    With ``prefix``, ``t`` may be longer and its first ``length`` entries are taken: FlashInfer's
+    planners read only a batch's entries of an indptr, so callers pass buffers preallocated for a
+    larger batch. The entries after those are neither read nor checked (they may be garbage)."""
+    if prefix:
+        t = _leading(t, length)
     try:  # warm path: attribute reads
         if (
             t.dtype is _INT32
@@ -193,11 +202,20 @@ def index_vector(t, name: str, length: int | None = None, length_from: str | Non
     if not t.is_cpu:
         raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
     if t.dim() != 1 or (length is not None and t.numel() != length):
-        expected = f"[{length}] (the length of {length_from})" if length is not None else "1-D"
-        raise ValueError(f"{name} must be {expected}, got shape {tuple(t.shape)}")
+        expected = "1-D" if length is None else f"1-D with {'at least ' if prefix else ''}{length} entries"
+        source = f" ({length_from})" if length_from else ""
+        raise ValueError(f"{name} must be {expected}{source}, got shape {tuple(t.shape)}")
     if t.numel() and t.dtype is torch.int64 and not -(2**31) <= int(t.min()) <= int(t.max()) < 2**31:
         raise ValueError(f"{name} holds values beyond int32")  # FlashInfer's .int() would wrap them
     return t.to(_INT32).contiguous()  # as FlashInfer's .int()
+
+
+def _leading(t, length: int):
+    """The first ``length`` entries of a 1-D tensor longer than that; anything else as it is, for
+    index_vector to accept or explain."""
+    if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() > length:
+        return t[:length]
+    return t
 
 
 def _read_thread_env() -> int | None:

@@ -509,6 +509,30 @@ def test_plan_serves_several_layers(layout, tier, workspace, threads, assert_clo
         )
 
 
+def test_page_table_views_of_larger_buffers(tier, workspace, assert_close_ref):
+    """A page table given as the batch's views of buffers preallocated for a larger batch (how a
+    caller with such buffers passes them to FlashInfer's decode, which takes no longer indptr):
+    what follows the views in the buffers (garbage) is never read."""
+    g = seeded("views of larger buffers")
+    batch = make_batch((1, 7, 300, 0, 1029), 16, g)
+
+    def view_of_buffer(t, garbage):  # t's entries at the start of a longer buffer, as a view
+        return torch.cat([t, torch.tensor(garbage, dtype=t.dtype)])[: len(t)]
+
+    views = (
+        view_of_buffer(batch.indptr, [0, 10**6, -5]),
+        view_of_buffer(batch.indices, [-1, 10**6]),
+        view_of_buffer(batch.last_page_len, [0, 999, -1]),
+    )
+    k, v = cache_values(batch, 2, 128, torch.bfloat16, g)
+    q = randn((5, 8, 128), g).to(torch.bfloat16)
+    wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(*views, 8, 2, 128, 16, q_data_type=torch.bfloat16)
+    out, lse = wrapper.run(q, torch.stack([k, v], dim=1), return_lse=True)
+    ref_out, ref_lse = reference(q, k, v, batch, sm_scale=1 / math.sqrt(128))
+    check_against_reference(out, lse, ref_out, ref_lse, torch.bfloat16, batch.lengths, "views", assert_close_ref)
+
+
 def _split_units(wrapper):
     return [item for items in wrapper.work_lists() for item in items if item[5] >= 0]
 
@@ -802,7 +826,15 @@ PLAN_ERRORS = {
     "indptr_start": (dict(indptr=_i32(1, 1, 3)), ValueError, r"indptr must start at 0"),
     "indptr_decreasing": (dict(indptr=_i32(0, 2, 1)), ValueError, r"indptr must be non-decreasing"),
     "indptr_beyond_indices": (dict(indptr=_i32(0, 1, 4)), ValueError, r"indptr ends beyond indices"),
-    "indptr_length": (dict(indptr=_i32(0, 1)), ValueError, r"indptr"),
+    "indptr_length": (dict(indptr=_i32(0, 1)), ValueError, r"indptr must be 1-D with 3 entries"),
+    # FlashInfer's decode takes the batch from last_page_len and pairs indptr with it (get_seq_lens):
+    # unlike prefill's and MLA's plans, no longer indptr buffer
+    "indptr_longer_than_batch": (
+        dict(indptr=_i32(0, 1, 3, 3, 0)),
+        ValueError,
+        r"indptr must be 1-D with 3 entries \(len\(last_page_len\) \+ 1\), got shape \(5,\)",
+    ),
+    "indptr_2d": (dict(indptr=_i32(0, 1, 3)[None]), ValueError, r"indptr must be 1-D"),
     "indptr_float": (dict(indptr=torch.tensor([0.0, 1.0, 3.0])), TypeError, r"indptr"),
     "indices_beyond_int32": (dict(indices=torch.tensor([2, 2**32, 3])), ValueError, r"indices"),
     "negative_index": (dict(indices=_i32(2, -1, 3)), ValueError, r"indices holds a negative page index"),

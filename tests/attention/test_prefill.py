@@ -213,6 +213,39 @@ def test_paged_dtypes(tier, workspace, q_dtype, kv_dtype):
     check_paged(q, cache, indices, result, qo, kv, "NHD", dtype, causal=True)
 
 
+def with_garbage(t, garbage):
+    """``t`` at the start of a longer buffer (one preallocated for a larger batch), the rest garbage."""
+    return torch.cat([t, torch.tensor(garbage, dtype=t.dtype)])
+
+
+def test_paged_table_buffers_longer_than_the_batch(tier, workspace):
+    """As in FlashInfer, the batch is qo_indptr's: paged_kv_indptr and paged_kv_last_page_len may be
+    buffers of a larger batch (paired, indptr one entry longer), paged_kv_indices too; only the
+    batch's entries are read and checked, so their garbage (decreasing, past the indices, negative,
+    out of [1, page_size]) changes nothing."""
+    qo, kv = [3, 1, 40], [30, 0, 77]
+    g = seeded("paged buffers longer than the batch")
+    cache, qo_indptr, indptr, indices, last = paged_batch(qo, kv, 2, 128, 16, "NHD", torch.bfloat16, g)
+    q = rand((sum(qo), 8, 128), torch.bfloat16, g)
+    wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    shape = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=128, page_size=16, causal=True, q_data_type=torch.bfloat16)
+    wrapper.plan(qo_indptr, indptr, indices, last, **shape)
+    exact = wrapper.run(q, cache, return_lse=True)
+    buffers = with_garbage(indptr, [0, 10**6, -5]), with_garbage(indices, [-1, 10**6]), with_garbage(last, [0, 999, -1])
+    wrapper.plan(qo_indptr, *buffers, **shape)
+    result = wrapper.run(q, cache, return_lse=True)
+    check_paged(q, cache, (qo_indptr, indptr, indices), result, qo, kv, "NHD", torch.bfloat16, causal=True)
+    assert torch.equal(result[0], exact[0]) and torch.equal(result[1], exact[1])
+
+
+def test_ragged_kv_indptr_has_the_batch_length(workspace):
+    """FlashInfer's ragged plan wants kv_indptr exactly as long as qo_indptr."""
+    wrapper = kernforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    for kv_indptr in ([0, 5, 0], [0]):
+        with pytest.raises(ValueError, match=r"kv_indptr must be 1-D with 2 entries \(len\(qo_indptr\)\)"):
+            wrapper.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32), 4, 2, 64)
+
+
 def test_fp8_scales(tier, workspace):
     qo, kv = [7, 33], [20, 33]
     _, q, cache, indices, result = run_paged(workspace, qo, kv, kv_dtype=FP8, k_scale=0.5, v_scale=2.0)
@@ -646,7 +679,23 @@ def plan_paged(workspace, **overrides):
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "qo_indptr and paged_kv_indptr"),
+        ({"paged_kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "paged_kv_indptr must be 1-D with at least 3"),
+        (
+            {"paged_kv_last_page_len": torch.tensor([4], dtype=torch.int32)},
+            "paged_kv_last_page_len must be 1-D with at least 2",
+        ),
+        ({"paged_kv_indptr": torch.tensor([[0, 1, 2]], dtype=torch.int32)}, "paged_kv_indptr must be 1-D"),
+        # longer buffers pair up, as FlashInfer's get_seq_lens needs them to
+        ({"paged_kv_indptr": torch.tensor([0, 1, 2, 0], dtype=torch.int32)}, "must pair up"),
+        # FlashInfer's mask_indptr wants paged_kv_indptr exactly as long as qo_indptr
+        (
+            {
+                "paged_kv_indptr": torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+                "paged_kv_last_page_len": torch.tensor([4, 9, 1], dtype=torch.int32),
+                "custom_mask": torch.ones(4 * 4 + 5 * 9, dtype=torch.bool),
+            },
+            r"paged_kv_indptr must be 1-D with 3 entries",
+        ),
         ({"paged_kv_last_page_len": torch.tensor([4, 17], dtype=torch.int32)}, "paged_kv_last_page_len"),
         ({"paged_kv_indices": torch.tensor([0, -1], dtype=torch.int32)}, "negative page"),
         ({"qo_indptr": torch.tensor([0, 5, 4], dtype=torch.int32)}, "qo_indptr"),

@@ -59,8 +59,8 @@ def reference(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens,
         rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
         pages = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
         kv_len = int(kv_lens[b])
-        latent = ckv[pages].reshape(-1, CKV)[:kv_len].double()
-        rope = kpe[pages].reshape(-1, KPE)[:kv_len].double()
+        latent = ckv[pages].flatten(0, 1)[:kv_len].double()
+        rope = kpe[pages].flatten(0, 1)[:kv_len].double()  # [kv_len, 0] for MLA without a rope part
         q = torch.cat([q_nope[rows], q_pe[rows]], -1)
         k = torch.cat([latent, rope], -1)[:, None]
         out, lse = attention_reference(
@@ -190,6 +190,89 @@ def test_fp16(workspace):
     torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOL)
 
 
+def with_garbage(t, garbage, dtype=torch.int32):
+    """``t`` at the start of a longer buffer (one preallocated for a larger batch), the rest garbage."""
+    return torch.cat([t.to(dtype), torch.tensor(garbage, dtype=dtype)])
+
+
+def test_page_table_buffers_longer_than_the_batch(tier, workspace):
+    """As FlashInfer's planner, the batch is kv_len_arr's: qo_indptr and kv_indptr may be buffers of a
+    larger batch, whose first len(kv_len_arr) + 1 entries are read and checked. Their garbage (values
+    that decrease, pass kv_indices' end, are negative or exceed int32) changes nothing."""
+    g = seeded("buffers longer than the batch")
+    qo_indptr, kv_indptr, kv_indices, kv_lens, num_pages = make_batch(QO_LENS, KV_LENS, 16, g)
+    total = int(qo_indptr[-1])
+    q_nope, q_pe = randn((total, 16, CKV), g).bfloat16(), randn((total, 16, KPE), g).bfloat16()
+    ckv, kpe = make_cache(num_pages, 16, torch.bfloat16, False, g)
+    plan_args = (16, CKV, KPE, 16, True, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    wrapper = kernforge.BatchMLAPagedAttentionWrapper(workspace)
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, *plan_args)
+    exact = wrapper.run(q_nope, q_pe, ckv, kpe)
+    buffers = (
+        with_garbage(qo_indptr, [0, total - 1, -7]),
+        with_garbage(kv_indptr, [2**40, 0, -1], torch.int64),
+        with_garbage(kv_indices, [num_pages + 100, -3]),
+    )
+    wrapper.plan(*buffers, kv_lens, *plan_args)
+    check(wrapper, (q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens), True)
+    assert torch.equal(wrapper.run(q_nope, q_pe, ckv, kpe), exact)
+
+
+def nope_batch(kv_lens, page_size, dtype, kpe_form, g):
+    """A latent cache without a rope part (``kpe_form``: 'empty', a [pages, page_size, 0] tensor of its
+    own; 'view', the empty tail of the ckv buffer) filled by append_paged_mla_kv_cache with each
+    request's rows: (ckv, kpe, per-request latents as appended, page table)."""
+    qo_indptr, kv_indptr, kv_indices, kv_lens, num_pages = make_batch([1] * len(kv_lens), kv_lens, page_size, g)
+    ckv = randn((num_pages, page_size, CKV), g).to(dtype)  # unwritten slots hold noise
+    kpe = ckv[..., CKV:] if kpe_form == "view" else torch.empty(num_pages, page_size, 0, dtype=dtype)
+    latents = [randn((n, CKV), g).to(dtype) for n in kv_lens.tolist()]
+    append_indptr = torch.tensor([0, *kv_lens.cumsum(0).tolist()], dtype=torch.int32)
+    nnz = int(append_indptr[-1])
+    batch_indices, positions = kernforge.get_batch_indices_positions(append_indptr, kv_lens, nnz)
+    last_page_len = torch.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 1).to(torch.int32)
+    append_kpe = torch.empty(nnz, 0, dtype=dtype)
+    kernforge.append_paged_mla_kv_cache(
+        torch.cat(latents), append_kpe, batch_indices, positions, ckv, kpe, kv_indices, kv_indptr, last_page_len
+    )
+    return ckv, kpe, latents, (qo_indptr, kv_indptr, kv_indices, kv_lens)
+
+
+@pytest.mark.parametrize("kpe_form", ["empty", "view"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_without_rope_part(tier, workspace, kv_dtype, kpe_form):
+    """head_dim_kpe = 0 (FlashInfer's NoPE MLA), end to end: the latents appended with an empty
+    append_kpe, then attention over them alone, against the reference over the appended latents (not
+    the cache: an append that wrote nothing fails)."""
+    g = seeded("nope", kv_dtype, kpe_form)
+    kv_lens = [37, 0, 1, 130, 64]
+    ckv, kpe, latents, table = nope_batch(kv_lens, 16, kv_dtype, kpe_form, g)
+    q_nope = randn((len(kv_lens), 16, CKV), g).bfloat16()
+    wrapper = kernforge.BatchMLAPagedAttentionWrapper(workspace)
+    wrapper.plan(*table, 16, CKV, 0, 16, False, SM_SCALE, torch.bfloat16, kv_dtype)
+    for q_pe in (torch.empty(len(kv_lens), 16, 0, dtype=torch.bfloat16), q_nope[..., CKV:]):
+        out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+        for b, latent in enumerate(latents):
+            latent = latent.double()[:, None]
+            ref_out, ref_lse = attention_reference(q_nope[b : b + 1], latent, latent, sm_scale=SM_SCALE)
+            torch.testing.assert_close(out[b : b + 1].double(), ref_out, **OUT_TOL)
+            torch.testing.assert_close(lse[b : b + 1].double(), ref_lse, **LSE_TOL)
+
+
+def test_without_rope_part_traced(workspace):
+    """torch.library's traced run (one kernforge::attention_run) takes the empty q_pe and kpe_cache."""
+    import kernforge.torch_library as tl
+
+    g = seeded("nope traced")
+    ckv, kpe, _, table = nope_batch([20, 45], 16, torch.bfloat16, "empty", g)
+    q_nope, q_pe = randn((2, 16, CKV), g).bfloat16(), torch.empty(2, 16, 0, dtype=torch.bfloat16)
+    wrapper = tl.BatchMLAPagedAttentionWrapper(workspace)
+    wrapper.plan(*table, 16, CKV, 0, 16, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    compiled = torch.compile(lambda *t: wrapper.run(*t, return_lse=True), backend="eager", fullgraph=True)
+    out, lse = compiled(q_nope, q_pe, ckv, kpe)
+    eager_out, eager_lse = kernforge.BatchMLAPagedAttentionWrapper.run(wrapper, q_nope, q_pe, ckv, kpe, return_lse=True)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -213,7 +296,12 @@ def planned(workspace, **changes):
     [
         ({"kv_len_arr": torch.tensor([40, 5], dtype=torch.int32)}, r"kv_len_arr\[0\] = 40 needs 3 pages"),
         ({"kv_len_arr": torch.tensor([-1, 5], dtype=torch.int32)}, "kv_len_arr must be >= 0"),
-        ({"kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, "kv_indptr"),
+        ({"kv_indptr": torch.tensor([0, 2], dtype=torch.int32)}, r"kv_indptr must be 1-D with at least 3 entries"),
+        ({"qo_indptr": torch.tensor([0, 1], dtype=torch.int32)}, r"qo_indptr must be 1-D with at least 3 entries"),
+        ({"kv_indptr": torch.tensor([[0, 1, 2]], dtype=torch.int32)}, r"kv_indptr must be 1-D"),
+        ({"kv_indptr": torch.tensor([0.0, 1.0, 2.0])}, "kv_indptr has dtype torch.float32"),
+        ({"kv_len_arr": torch.tensor([[20, 5]], dtype=torch.int32)}, "kv_len_arr must be 1-D"),
+        ({"head_dim_kpe": -1}, r"head_dim_kpe must be an int >= 0"),
         ({"kv_indptr": torch.tensor([1, 2, 3], dtype=torch.int32)}, "kv_indptr must start at 0"),
         ({"kv_indices": torch.tensor([0, 1, -4], dtype=torch.int32)}, "kv_indices holds a negative page"),
         ({"num_heads": 0}, "num_heads"),

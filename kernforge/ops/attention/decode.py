@@ -233,14 +233,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         soft_cap = checked_soft_cap(logits_soft_cap)
         window_left = checked_window(window_left)
 
-        indptr, indices, last_page_len = (
-            _index_copy(indptr, "indptr"),
-            _index_copy(indices, "indices"),
-            _index_copy(last_page_len, "last_page_len"),
-        )
+        last_page_len = _index_copy(last_page_len, "last_page_len")
         batch = last_page_len.numel()
-        if indptr.numel() != batch + 1:
-            raise ValueError(f"indptr must have len(last_page_len) + 1 = {batch + 1} entries, got {indptr.numel()}")
+        # FlashInfer's decode takes the batch from last_page_len and subtracts indptr from it entry by
+        # entry (get_seq_lens), so unlike prefill's and MLA's plans it takes no longer indptr buffer.
+        indptr = index_vector(indptr, "indptr", batch + 1, "len(last_page_len) + 1").clone()
+        indices = _index_copy(indices, "indices")
 
         kernel = DECODE.variant(**decode_variant_params(q_dtype, kv_dtype, out_dtype, head_dim, group)).kernel()
         lists = num_threads()

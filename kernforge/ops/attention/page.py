@@ -452,7 +452,7 @@ def append_rows(
     tokens_name = f"{names[0]}'s tokens"
     batch_indices = index_vector(batch_indices, "batch_indices", num_tokens, tokens_name)
     positions = index_vector(positions, "positions", num_tokens, tokens_name)
-    kv_indptr = index_vector(kv_indptr, "kv_indptr", batch_size + 1, "kv_last_page_len + 1")
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", batch_size + 1, "len(kv_last_page_len) + 1")
     kv_indices = index_vector(kv_indices, "kv_indices", None, None)
     if num_tokens == 0:
         return

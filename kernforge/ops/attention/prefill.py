@@ -226,6 +226,25 @@ def tile_shape(params: dict, group: int) -> dict:
     }
 
 
+def _paged_table(kv_indptr, last_page_len, batch: int, buffers: bool):
+    """``paged_kv_indptr`` and ``paged_kv_last_page_len`` for a batch of ``batch`` requests, as int32
+    copies the plan keeps.
+
+    As in FlashInfer, with ``buffers`` both may be longer than the batch (buffers preallocated for a
+    larger one): their first ``batch + 1`` and ``batch`` entries are read. Its get_seq_lens
+    subtracts them entry by entry, so they pair up: indptr one entry longer. Without ``buffers`` (a
+    custom mask: FlashInfer's mask_indptr wants qo_indptr's length) both are the batch's exactly."""
+    indptr = index_vector(kv_indptr, "paged_kv_indptr", batch + 1, "len(qo_indptr)", prefix=buffers)
+    last = index_vector(last_page_len, "paged_kv_last_page_len", batch, "len(qo_indptr) - 1", prefix=buffers)
+    if kv_indptr.numel() != last_page_len.numel() + 1:  # both 1-D tensors by now
+        raise ValueError(
+            f"paged_kv_indptr has {kv_indptr.numel()} entries and paged_kv_last_page_len "
+            f"{last_page_len.numel()}: buffers longer than the batch must pair up, paged_kv_indptr one "
+            "entry longer (FlashInfer computes the sequence lengths from both)"
+        )
+    return indptr.clone(), last.clone()
+
+
 class _PrefillWrapper(WorkspaceWrapper):
     """What the paged and the ragged wrappers share: plan() and run()'s core."""
 
@@ -274,21 +293,18 @@ class _PrefillWrapper(WorkspaceWrapper):
         window_left = checked_window(window_left)
 
         qo_indptr = index_vector(qo_indptr, "qo_indptr").clone()
-        kv_name = "kv_indptr" if self._ragged else "paged_kv_indptr"
-        kv_indptr = index_vector(kv_indptr, kv_name).clone()
         batch = qo_indptr.numel() - 1
         if batch < 0:
             raise ValueError("qo_indptr must have batch_size + 1 >= 1 entries, got an empty tensor")
-        if kv_indptr.numel() != batch + 1:
-            raise ValueError(
-                f"The length of qo_indptr and {kv_name} should be the same: got {batch + 1} and {kv_indptr.numel()}"
-            )
-        if self._ragged:
+        has_mask = custom_mask is not None or packed_custom_mask is not None
+        kv_name = "kv_indptr" if self._ragged else "paged_kv_indptr"
+        if self._ragged:  # FlashInfer's ragged plan wants kv_indptr exactly as long as qo_indptr
+            kv_indptr = index_vector(kv_indptr, kv_name, batch + 1, "len(qo_indptr)").clone()
             last_page_len = indices = kv_indptr  # unused by the ragged kernel; any valid address
             num_indices = 0
         else:
+            kv_indptr, last_page_len = _paged_table(kv_indptr, last_page_len, batch, buffers=not has_mask)
             indices = index_vector(indices, "paged_kv_indices").clone()
-            last_page_len = index_vector(last_page_len, "paged_kv_last_page_len", batch, "qo_indptr - 1").clone()
             num_indices = indices.numel()
             check_positive("page_size", page_size)
 
@@ -304,7 +320,6 @@ class _PrefillWrapper(WorkspaceWrapper):
         merges = torch.empty(max(tiles, 1) * PLAN_INTS.kMergeInts, dtype=torch.int32)
         kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
         counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
-        has_mask = custom_mask is not None or packed_custom_mask is not None
         error = kernel.plan(
             qo_indptr.data_ptr(),
             kv_indptr.data_ptr(),
@@ -511,7 +526,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None,
         disable_split_kv: bool = False,
     ) -> None:
-        """Check and copy the batch's indices, pick the kernel and list the work items."""
+        """Check and copy the batch's indices, pick the kernel and list the work items. The batch is
+        qo_indptr's; as in FlashInfer, paged_kv_indptr and paged_kv_last_page_len may be buffers
+        longer than it (paired: indptr one entry longer), except with a custom mask."""
         reject_gpu_options(
             "prefill",
             prefix_len_ptr=prefix_len_ptr,

@@ -12,13 +12,16 @@ block]`` then ``P . ckv``. The prefill planner splits the KV of a batch's reques
 
 Semantics follow FlashInfer's: ``q_nope [nnz, H, head_dim_ckv]`` and ``q_pe [nnz, H,
 head_dim_kpe]``; ``ckv_cache [num_pages, page_size, head_dim_ckv]`` and ``kpe_cache [num_pages,
-page_size, head_dim_kpe]``; request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
-and its first ``kv_len_arr[b]`` tokens; ``causal`` aligns the request's queries bottom-right (query
-``i`` of ``qo_len`` sees keys ``j <= kv_len - qo_len + i``); ``sm_scale`` multiplies q.k; the output
-is in q's dtype and LSE is base 2; a query that sees no key (an empty request) gets zeros and
-``-inf``. ``ckv_cache`` and ``kpe_cache`` given as adjacent views of one ``[..., 576]`` buffer (as
-SGLang and vLLM hold the latent cache) are read in place; separate tensors are assembled row by
-row. fp8 (e4m3/e5m2) caches are widened to bf16 exactly in the kernel; ``q_scale`` / ``k_scale`` /
+page_size, head_dim_kpe]``; request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` and
+its first ``kv_len_arr[b]`` tokens (the batch is ``kv_len_arr``'s: ``qo_indptr`` and ``kv_indptr``
+may be buffers preallocated for a larger batch, of which the first ``batch + 1`` entries are read);
+``head_dim_kpe`` may be 0 (MLA without a rope part: ``q_pe`` and ``kpe_cache`` are empty and the
+keys are the latent alone); ``causal`` aligns the request's queries bottom-right (query ``i`` of
+``qo_len`` sees keys ``j <= kv_len - qo_len + i``); ``sm_scale`` multiplies q.k; the output is in
+q's dtype and LSE is base 2; a query that sees no key (an empty request) gets zeros and ``-inf``.
+``ckv_cache`` and ``kpe_cache`` given as adjacent views of one ``[..., 576]`` buffer (as SGLang and
+vLLM hold the latent cache) are read in place; separate tensors are assembled row by row. fp8
+(e4m3/e5m2) caches are widened to bf16 exactly in the kernel; ``q_scale`` / ``k_scale`` /
 ``v_scale`` (kernforge's addition, as decode's run takes them) scale the logits and the output.
 """
 
@@ -60,7 +63,7 @@ class LatentCache:
                 raise ValueError(f"{name} has head_dim {t.shape[2]} but plan() was given {dim}")
             if t.device.type != "cpu":
                 raise ValueError(f"{name} must be on the CPU, got device {t.device}")
-            if t.stride(2) != 1:
+            if t.stride(2) != 1 and t.shape[2] > 1:
                 raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
         if ckv_cache.dtype != kpe_cache.dtype:
             raise TypeError(
@@ -120,17 +123,16 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
         kv_data_type: torch.dtype,
         use_profiler: bool = False,
     ) -> None:
-        """Check and copy the page table, pick the kernel, and list the batch's work."""
+        """Check and copy the page table, pick the kernel, and list the batch's work. The batch is
+        ``kv_len_arr``'s; ``qo_indptr`` and ``kv_indptr`` may be longer (only their first
+        ``len(kv_len_arr) + 1`` entries are read), ``kv_indices`` too."""
         self._plan = None
         if use_profiler:
             raise NotImplementedError("use_profiler: FlashInfer's intra-kernel GPU profiler has no CPU counterpart")
-        for name, value in (
-            ("num_heads", num_heads),
-            ("head_dim_ckv", head_dim_ckv),
-            ("head_dim_kpe", head_dim_kpe),
-            ("page_size", page_size),
-        ):
+        for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("page_size", page_size)):
             check_positive(name, value)
+        if isinstance(head_dim_kpe, bool) or not isinstance(head_dim_kpe, int) or head_dim_kpe < 0:
+            raise ValueError(f"head_dim_kpe must be an int >= 0 (0: MLA without a rope part), got {head_dim_kpe!r}")
         if head_dim_ckv > MAX_HEAD_DIM or head_dim_ckv + head_dim_kpe > MAX_HEAD_DIM_QK:
             raise ValueError(
                 f"head_dim_ckv {head_dim_ckv} + head_dim_kpe {head_dim_kpe}: kernforge's MLA variants take "
@@ -139,11 +141,13 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
             )
         if sm_scale is None or isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
             raise TypeError(f"sm_scale must be a float (FlashInfer's MLA has no default), got {sm_scale!r}")
-        qo_indptr = index_vector(qo_indptr, "qo_indptr")
-        batch = qo_indptr.numel() - 1
-        kv_indptr = index_vector(kv_indptr, "kv_indptr", batch + 1, "len(qo_indptr)")
+        # As FlashInfer's planner: the batch is kv_len_arr's, of which the indptrs' first batch + 1
+        # entries are read (they may be buffers preallocated for a larger batch).
+        kv_len = index_vector(kv_len_arr, "kv_len_arr")
+        batch = kv_len.numel()
+        qo_indptr = index_vector(qo_indptr, "qo_indptr", batch + 1, "len(kv_len_arr) + 1", prefix=True)
+        kv_indptr = index_vector(kv_indptr, "kv_indptr", batch + 1, "len(kv_len_arr) + 1", prefix=True)
         kv_indices = index_vector(kv_indices, "kv_indices")
-        kv_len = index_vector(kv_len_arr, "kv_len_arr", batch, "len(qo_indptr) - 1")
         kv_indptr, kv_indices, last_page_len = _page_table(kv_indptr, kv_indices, kv_len, page_size)
         self._make_plan(
             qo_indptr,
@@ -215,7 +219,10 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
 
         ckv_strides = (*cache.ckv_strides, 0)  # (page, token, head): one KV head
         io = plan.io
-        if cache.adjacent:  # K rows are [ckv | kpe] in place: q must be one row of 576 too
+        if head_dim_kpe == 0:  # no rope part: K rows are the latent, q rows q_nope (q_pe, kpe never read)
+            q = q_nope
+            io.pe_dim = 0
+        elif cache.adjacent:  # K rows are [ckv | kpe] in place: q must be one row of 576 too
             q = self._joined_queries(q_nope, q_pe)
             io.pe_dim = 0
         else:
@@ -256,7 +263,7 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
 
 def _check_query(t, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
     try:  # warm path: attribute reads
-        if t.dtype is dtype and t.shape == shape and t.is_cpu and t.stride(-1) == 1:
+        if t.dtype is dtype and t.shape == shape and t.is_cpu and (t.stride(-1) == 1 or shape[-1] <= 1):
             return
     except AttributeError:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None

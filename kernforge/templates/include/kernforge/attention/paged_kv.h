@@ -129,7 +129,7 @@ constexpr int64_t kAppendMinBytesPerThread = int64_t(64) << 10;
 // append_paged_kv_cache: writes each token's K and V rows into its slot, after check_append
 // accepted every index (so a refused call writes nothing). Returns 0 or check_append's error.
 // K and V rows may differ in length: append_paged_mla_kv_cache's planes are the latent (key_dim
-// 512) and the rope part (value_dim 64) of one head.
+// 512) and the rope part (value_dim 64, or 0 for MLA without one) of one head.
 template <class T>
 int64_t append_paged_kv(PagePlane<T> k_cache, PagePlane<T> v_cache, const AppendBatch<T>& batch, const PageTable& table,
                         int64_t batch_size, int64_t num_indices, int64_t num_pages, int64_t num_heads, int64_t key_dim,
@@ -144,7 +144,9 @@ int64_t append_paged_kv(PagePlane<T> k_cache, PagePlane<T> v_cache, const Append
     const int64_t page = table.page(batch.batch_indices[i], position), slot = table.slot(position);
     for (int64_t head = 0; head < num_heads; ++head) {
       paged_kv_detail::copy_bytes(k_cache.row(page, slot, head), batch.key.row(i, head), key_bytes);
-      paged_kv_detail::copy_bytes(v_cache.row(page, slot, head), batch.value.row(i, head), value_bytes);
+      // MLA without a rope part has no V rows: its empty planes may be at any address, even null.
+      if (value_bytes > 0)
+        paged_kv_detail::copy_bytes(v_cache.row(page, slot, head), batch.value.row(i, head), value_bytes);
     }
   });
   return 0;
