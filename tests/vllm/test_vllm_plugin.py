@@ -477,33 +477,111 @@ def _moe_reference(x, w13, w2, weights, ids, on_input=False):
     return out
 
 
+MOE_SIZES = 8, 128, 96  # experts, hidden, intermediate
+
+
+def _moe_weights(experts, hidden, inter):
+    w13, w2 = _rows(experts * 2 * inter, hidden, 20) * 0.1, _rows(experts * hidden, inter, 21) * 0.1
+    return w13.view(experts, 2 * inter, hidden), w2.view(experts, hidden, inter)
+
+
+def _moe_routing(tokens, experts, topk):
+    logits = _rows(tokens, experts, 23)
+    weights, ids = logits.float().softmax(-1).topk(topk, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def _apply_moe(kernel, layer, x, weights, ids, on_input=False):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    experts = kernel.fused_experts.moe_config.num_experts
+    return kernel.apply(x, layer.w13_weight, layer.w2_weight, weights, ids, MoEActivation.SILU, experts, None, on_input)
+
+
 @pytest.mark.parametrize("tokens, topk, on_input", [(1, 2, False), (37, 2, False), (9, 1, True)])
-def test_moe_experts_match_vllms_and_a_float_reference(registered, vllm_config, tokens, topk, on_input):
+def test_moe_experts_match_vllms_and_a_float_reference(registered, vllm_config, tokens, topk, on_input, monkeypatch):
     """vLLM's modular kernel with kernforge's experts (w13/w2 packed after loading) against the same
     kernel with vLLM's CPU experts, on the same routing; ``apply_router_weight_on_input`` (k = 1)
     scales the input in vLLM's prepare(), the output is not weighted again."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    monkeypatch.setenv(plugin.ENABLE_VARIABLE, "1")  # kernforge's experts, whatever the self-check would say
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    experts, hidden, inter = 8, 128, 96
+    experts, hidden, inter = MOE_SIZES
     config = _moe_config(experts, topk, hidden, inter)
-    w13, w2 = _rows(experts * 2 * inter, hidden, 20) * 0.1, _rows(experts * hidden, inter, 21) * 0.1
-    w13, w2 = w13.view(experts, 2 * inter, hidden), w2.view(experts, hidden, inter)
+    w13, w2 = _moe_weights(experts, hidden, inter)
     x = _rows(tokens, hidden, 22)
-    logits = _rows(tokens, experts, 23)
-    weights, ids = logits.float().softmax(-1).topk(topk, dim=-1)
-    weights, ids = weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+    weights, ids = _moe_routing(tokens, experts, topk)
     outputs = {}
     for cls in (moe.KernforgeCPUUnquantizedExperts, CPUUnquantizedExperts):
         kernel, layer = _moe_kernel(cls, config, w13, w2)
-        outputs[cls] = kernel.apply(
-            x, layer.w13_weight, layer.w2_weight, weights, ids, MoEActivation.SILU, experts, None, on_input
-        )
+        outputs[cls] = _apply_moe(kernel, layer, x, weights, ids, on_input)
     ours, theirs = outputs[moe.KernforgeCPUUnquantizedExperts], outputs[CPUUnquantizedExperts]
     assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
     reference = _moe_reference(x, w13, w2, weights, ids, on_input)
     torch.testing.assert_close(ours.float(), reference, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=1e-2)
+
+
+def test_moe_self_check_times_vllms_own_experts_on_the_same_weights(registered, vllm_config, self_check):
+    """Both sides of the MoE check compute the layer's experts on the same routing (vLLM's CPU
+    experts, the class its oracle would pick, prepacked on a stand-in layer: the real one is left as
+    it is); then the layer gets the side the check recorded."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from kernforge.ops.moe.experts import pack_experts
+
+    experts, hidden, inter = MOE_SIZES
+    config, quant_config = _moe_config(experts, 2, hidden, inter), FusedMoEQuantConfig.make()
+    w13, w2 = _moe_weights(experts, hidden, inter)
+    vllm_class = moe.vllm_experts_class(config)
+    assert issubclass(vllm_class, CPUUnquantizedExperts) and vllm_class is not moe.KernforgeCPUUnquantizedExperts
+    ours = moe.KernforgeCPUUnquantizedExperts(config, quant_config)
+    ours.kernforge_sizes = (experts, inter, hidden)
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+    packed = pack_experts(w13, gated=True), pack_experts(w2)
+    cases = moe._moe_cases(ours, vllm_class(config, quant_config), layer, *packed)
+    assert set(cases) == {f"M={tokens}" for tokens in moe.MOE_CHECK_TOKENS}
+    for name, sides in cases.items():
+        routing = sides[0].keywords
+        assert routing["hidden_states"].shape[0] == int(name[2:]) and routing["topk_ids"].shape[1] == 2
+        expected = _moe_reference(routing["hidden_states"], w13, w2, routing["topk_weights"], routing["topk_ids"])
+        for side, call in zip(("kernforge", "vLLM"), sides):
+            call()
+            torch.testing.assert_close(call.keywords["output"].float(), expected, atol=2e-2, rtol=1e-2, msg=side)
+    assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)
+    kernel, layer = _moe_kernel(moe.KernforgeCPUUnquantizedExperts, config, w13, w2)
+    (entry,) = json.loads((self_check / "tuning" / "vllm-moe.json").read_text()).values()
+    assert set(entry["seconds"]) == set(cases)
+    assert (kernel.fused_experts.vllm_experts is None) is entry["winner"]["kernforge"]
+
+
+@pytest.mark.parametrize("kernforge_faster", [True, False], ids=["kernforge-won", "vllm-won"])
+def test_moe_layer_runs_the_side_its_verdict_names(registered, vllm_config, kernforge_faster, monkeypatch):
+    """The verdict is asked once per layer, with the layer's shape; where vLLM's experts won, the
+    layer holds their prepacked weights and runs their apply, else kernforge's packs and apply."""
+    asked = []
+
+    def verdict(part, shapes, cases):
+        asked.append((part, shapes))
+        return kernforge_faster
+
+    monkeypatch.setattr(selfcheck, "kernforge_is_faster", verdict)
+    experts, hidden, inter = MOE_SIZES
+    config = _moe_config(experts, 2, hidden, inter)
+    w13, w2 = _moe_weights(experts, hidden, inter)
+    kernel, layer = _moe_kernel(moe.KernforgeCPUUnquantizedExperts, config, w13, w2)
+    assert asked == [("moe", f"bf16 E={experts} H={hidden} I={inter} k=2")]
+    vllm_experts = kernel.fused_experts.vllm_experts
+    assert (vllm_experts is None) is kernforge_faster
+    assert (layer.w13_weight.shape == w13.shape) is not kernforge_faster  # vLLM's prepack keeps [E, 2I, H]
+    if vllm_experts is not None:
+        assert type(vllm_experts) is moe.vllm_experts_class(config)
+    x, (weights, ids) = _rows(11, hidden, 22), _moe_routing(11, experts, 2)
+    out = _apply_moe(kernel, layer, x, weights, ids)
+    torch.testing.assert_close(out.float(), _moe_reference(x, w13, w2, weights, ids), atol=2e-2, rtol=1e-2)
 
 
 def _same_routes(got, expected, atol):

@@ -10,7 +10,11 @@
   ``apply_router_weight_on_input`` on the input) stays vLLM's: it packs the layer's ``w13``/``w2``
   once with ``pack_experts`` after loading and runs ``kernforge.fused_experts(..., out=output)``.
   It takes bf16 layers with SiLU-gated experts and no biases, SwiGLU limits or expert parallelism;
-  every other layer falls through to vLLM's classes.
+  every other layer falls through to vLLM's classes. Per layer shape, the plugin's self-check
+  (:mod:`kernforge.integrations.vllm.selfcheck`) times it against the CPU experts vLLM's oracle
+  would have picked (``cpu_fused_moe`` on weights prepacked by ``cpu_prepack_moe_weight`` for the
+  class's ISA, or zentorch's kernel); where vLLM's win, the layer holds an instance of that class
+  and hands it its weights and every ``apply``.
 * Routing: vLLM's ``CPURouter`` (``router/cpu_router.py``) computes top-k with module functions
   it looks up at call time. :func:`patch_routing` replaces ``_softmax_topk`` (softmax top-k, with
   or without renormalization: Qwen-MoE, Mixtral, OLMoE) and ``_grouped_topk`` (DeepSeek's grouped
@@ -38,6 +42,7 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import CpuArchEnum, current_platform
 
 from kernforge import torch_library as ops
+from kernforge.integrations.vllm import selfcheck
 from kernforge.ops.moe.experts import PackedExperts, pack_experts
 from kernforge.ops.moe.routing import MAX_TOPK
 
@@ -55,13 +60,17 @@ GROUPED_TOPK_PARAMETERS = [
     "e_score_correction_bias",
 ]
 ROUTING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOE_CHECK_TOKENS = (1, 64)  # the self-check's cases: a decode step's token, a prefill chunk's tokens
 
 
 class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
     """vLLM's unquantized CPU MoE experts on kernforge's ``fused_experts``: the layer's bf16
     ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` packed once, SiLU gating,
     the k experts' weighted sum in the down projection (vLLM's finalize then has nothing to
-    reduce, as for its own CPU experts)."""
+    reduce, as for its own CPU experts). Where the self-check found vLLM's CPU experts faster on
+    the layer's shape, ``vllm_experts`` holds them and the layer runs theirs instead."""
+
+    vllm_experts: CPUUnquantizedExperts | None = None  # vLLM's experts, where they won the self-check
 
     @staticmethod
     def _supports_current_device() -> bool:
@@ -95,15 +104,34 @@ class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
         w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
         experts, gate_up, hidden = w13.shape
         self.kernforge_sizes = (int(experts), int(gate_up) // 2, int(hidden))  # E, I, H
-        packed_w13 = pack_experts(w13.contiguous(), gated=True)
-        packed_w2 = pack_experts(w2.contiguous())
+        packed = pack_experts(w13.contiguous(), gated=True), pack_experts(w2.contiguous())
+        self.vllm_experts = self._vllm_experts_if_faster(layer, *packed)
+        if self.vllm_experts is not None:
+            del packed  # before vLLM prepacks its own copy: experts can take GBs
+            self.vllm_experts.process_weights_after_loading(layer)
+            return
         # the packed copies are the layer's weights from now on (vLLM hands them to apply())
-        replace_parameter(layer, "w13_weight", packed_w13.packed)
-        replace_parameter(layer, "w2_weight", packed_w2.packed)
+        replace_parameter(layer, "w13_weight", packed[0].packed)
+        replace_parameter(layer, "w2_weight", packed[1].packed)
+
+    def _vllm_experts_if_faster(
+        self, layer: torch.nn.Module, packed_w13: PackedExperts, packed_w2: PackedExperts
+    ) -> CPUUnquantizedExperts | None:
+        """vLLM's own experts for this layer where the self-check found them faster on its shape."""
+        vllm_class = vllm_experts_class(self.moe_config)
+        if vllm_class is None:
+            return None  # no CPU experts of vLLM's take the layer: nothing to compare with
+        vllm_experts = vllm_class(self.moe_config, self.quant_config)
+        experts, inter, hidden = self.kernforge_sizes
+        shapes = f"bf16 E={experts} H={hidden} I={inter} k={self.moe_config.experts_per_token}"
+        cases = functools.partial(_moe_cases, self, vllm_experts, layer, packed_w13, packed_w2)
+        return None if selfcheck.kernforge_is_faster("moe", shapes, cases) else vllm_experts
 
     def moe_problem_size(
         self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
     ) -> tuple[int, int, int, int, int]:
+        if self.vllm_experts is not None:
+            return self.vllm_experts.moe_problem_size(a1, w1, w2, topk_ids)
         # the packed weights are not [E, N, K]: N comes from the sizes recorded when packing
         experts, inter, _ = self.kernforge_sizes
         return experts, a1.size(0), 2 * inter, a1.size(-1), topk_ids.size(1)
@@ -126,6 +154,25 @@ class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
         expert_tokens_meta: mk.ExpertTokensMetadata | None,
         apply_router_weight_on_input: bool,
     ) -> None:
+        if self.vllm_experts is not None:
+            self.vllm_experts.apply(
+                output,
+                hidden_states,
+                w1,
+                w2,
+                topk_weights,
+                topk_ids,
+                activation,
+                global_num_experts,
+                expert_map,
+                a1q_scale,
+                a2_scale,
+                workspace13,
+                workspace2,
+                expert_tokens_meta,
+                apply_router_weight_on_input,
+            )
+            return
         if apply_router_weight_on_input:
             # vLLM's prepare() scaled hidden_states by the (single, k = 1) router weight already
             topk_weights = torch.ones_like(topk_weights)
@@ -133,6 +180,72 @@ class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
         packed_w1 = PackedExperts(w1, experts, 2 * inter, hidden, parts=2)
         packed_w2 = PackedExperts(w2, experts, hidden, inter)
         ops.fused_experts(hidden_states, packed_w1, packed_w2, topk_weights, topk_ids, out=output)
+
+
+def vllm_experts_class(moe_config) -> type[CPUUnquantizedExperts] | None:
+    """The CPU experts vLLM's oracle picks for a layer when kernforge's are not in its list (the
+    first that takes it, as ``select_unquantized_moe_backend``); None when none does."""
+    standard = mk.FusedMoEActivationFormat.Standard
+    for cls in unquantized_oracle.backend_to_kernel_cls(unquantized_oracle.UnquantizedMoeBackend.CPU):
+        if cls is KernforgeCPUUnquantizedExperts:
+            continue
+        if cls.is_supported_config(cls, moe_config, None, None, standard)[0]:
+            return cls
+    return None
+
+
+def _moe_cases(
+    kernforge_experts: KernforgeCPUUnquantizedExperts,
+    vllm_experts: CPUUnquantizedExperts,
+    layer: torch.nn.Module,
+    packed_w13: PackedExperts,
+    packed_w2: PackedExperts,
+) -> dict:
+    """The MoE self-check: both experts' ``apply`` on the layer's weights at random routing,
+    kernforge's on its packed copies, vLLM's on copies it pads and prepacks on a stand-in layer
+    (the real one is left as it is; the copies go with the cases, once measured)."""
+    stand_in = torch.nn.Module()
+    stand_in.w13_weight = torch.nn.Parameter(layer.w13_weight.detach(), requires_grad=False)
+    stand_in.w2_weight = torch.nn.Parameter(layer.w2_weight.detach(), requires_grad=False)
+    for name in ("moe_config", "activation"):  # what vLLM reads to run zentorch's kernel instead
+        setattr(stand_in, name, getattr(layer, name, None))
+    vllm_experts.process_weights_after_loading(stand_in)
+    experts, _, hidden = kernforge_experts.kernforge_sizes
+    topk = kernforge_experts.moe_config.experts_per_token
+    cases = {}
+    for tokens in MOE_CHECK_TOKENS:
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+        weights, ids = torch.randn(tokens, experts).softmax(-1).topk(topk)
+        routing = (x, weights, ids.to(torch.int32))
+        cases[f"M={tokens}"] = (
+            _applying(kernforge_experts, packed_w13.packed, packed_w2.packed, *routing),
+            _applying(vllm_experts, stand_in.w13_weight, stand_in.w2_weight, *routing),
+        )
+    return cases
+
+
+def _applying(experts, w13, w2, x, topk_weights, topk_ids) -> functools.partial:
+    """``experts.apply`` as vLLM's modular kernel calls it on an unquantized layer without expert
+    parallelism (no expert map, no scales, the router weights on the output), into a new output."""
+    nothing = torch.empty(0, dtype=x.dtype)  # the CPU experts' workspaces: they take no scratch
+    return functools.partial(
+        experts.apply,
+        output=torch.empty_like(x),
+        hidden_states=x,
+        w1=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=MoEActivation.SILU,
+        global_num_experts=experts.moe_config.num_experts,
+        expert_map=None,
+        a1q_scale=None,
+        a2_scale=None,
+        workspace13=nothing,
+        workspace2=nothing,
+        expert_tokens_meta=None,
+        apply_router_weight_on_input=False,
+    )
 
 
 def unsupported_reason(moe_config) -> str | None:
