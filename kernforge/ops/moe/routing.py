@@ -26,8 +26,9 @@ first best candidate wins (for the ungrouped rules the lowest index, as ``torch.
 k > 1 equal values are ordered, and cut at k, as libstdc++'s heap selection leaves them, which is
 not ``torch.topk``'s order. ``ties="torch"`` gives ``torch.topk``'s order instead (CPU, over every
 expert in index order, the groups not kept masked to -inf; the groups picked the same way): what
-vLLM's CPU router chooses, which kernforge's vLLM plugin asks for. One difference: softmax and sigmoid choose on the logits (the same order,
-being monotone), so two different logits never tie, where sgl-kernel's fp32 softmax scores may.
+vLLM's CPU router chooses, which kernforge's vLLM plugin asks for. One difference: softmax and
+sigmoid choose on the logits (the same order, being monotone), so two different logits never tie,
+where sgl-kernel's fp32 softmax scores may.
 
 ``renormalize`` divides the weights by the sum of the routed ones. ``routed_scaling_factor`` (the
 grouped rules; ``None`` is 1) multiplies every weight, with or without ``renormalize``, as
