@@ -96,7 +96,7 @@ def moe_experts(log: str) -> str | None:
 
 def self_check_verdicts(log: str) -> list[str]:
     """The plugin's self-check verdicts a process logged (kernforge.integrations.vllm.selfcheck)."""
-    return sorted(set(re.findall(r"kernforge (?:attention|linear|layers) \(.*?\): .*", log)))
+    return sorted(set(re.findall(r"kernforge (?:attention|linear|moe) \(.*?\): .*", log)))
 
 
 def check_engine(column: str, parts: str, result: dict) -> None:
