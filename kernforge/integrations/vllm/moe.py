@@ -364,29 +364,12 @@ def _kernforge_grouped_topk(original):
                 routed_scaling_factor,
                 e_score_correction_bias,
             )
-        # vLLM's CPU rule scales the weights by routed_scaling_factor, renormalized or not: as kernforge's
-        scaling = float(routed_scaling_factor)
+        # vLLM's CPU rule scales the weights by routed_scaling_factor, renormalized or not, as kernforge's
+        # does; equal values in torch.topk's order, as vLLM picks them
+        rule = dict(renormalize=bool(renormalize), num_expert_group=groups, topk_group=topk_group)
+        rule.update(routed_scaling_factor=float(routed_scaling_factor), ties="torch")
         if biased:
-            return ops.biased_grouped_topk(
-                gating_output,
-                gating_output,
-                e_score_correction_bias,
-                topk,
-                bool(renormalize),
-                groups,
-                topk_group,
-                routed_scaling_factor=scaling,
-                ties="torch",
-            )
-        return ops.grouped_topk(
-            gating_output,
-            gating_output,
-            topk,
-            bool(renormalize),
-            groups,
-            topk_group,
-            routed_scaling_factor=scaling,
-            ties="torch",
-        )
+            return ops.biased_grouped_topk(gating_output, gating_output, e_score_correction_bias, topk, **rule)
+        return ops.grouped_topk(gating_output, gating_output, topk, **rule)
 
     return _grouped_topk
