@@ -142,11 +142,16 @@ def _kernforge_dispatch(original):
         weight = layer.weight
         if weight.is_meta or weight.ndim != 2 or weight.dtype != torch.bfloat16:
             return original(layer, remove_weight)
-        packed = kernforge.convert_weight_packed(weight.detach())
+        # packed only where kernforge's GEMM is measured or runs: a recorded verdict for vLLM's needs none
+        pack = functools.cache(functools.partial(kernforge.convert_weight_packed, weight.detach()))
         n, k = weight.shape
-        cases = functools.partial(_linear_cases, original, weight.detach(), packed)
+
+        def cases() -> dict:
+            return _linear_cases(original, weight.detach(), pack())
+
         if not selfcheck.kernforge_is_faster("linear", f"bf16 N={n} K={k}", cases):
             return original(layer, remove_weight)
+        packed = pack()
         layer.kernforge_packed_weight = packed
         layer.cpu_linear = lambda x, weight, bias: ops.weight_packed_linear(x, packed, bias)
         if remove_weight:

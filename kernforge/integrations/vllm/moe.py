@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -104,18 +105,20 @@ class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
         w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
         experts, gate_up, hidden = w13.shape
         self.kernforge_sizes = (int(experts), int(gate_up) // 2, int(hidden))  # E, I, H
-        packed = pack_experts(w13.contiguous(), gated=True), pack_experts(w2.contiguous())
-        self.vllm_experts = self._vllm_experts_if_faster(layer, *packed)
+        # packed only where kernforge's experts are measured or run: a recorded verdict for vLLM's needs none
+        pack = functools.cache(lambda: (pack_experts(w13.contiguous(), gated=True), pack_experts(w2.contiguous())))
+        self.vllm_experts = self._vllm_experts_if_faster(layer, pack)
         if self.vllm_experts is not None:
-            del packed  # before vLLM prepacks its own copy: experts can take GBs
+            pack.cache_clear()  # before vLLM prepacks its own copy: experts can take GBs
             self.vllm_experts.process_weights_after_loading(layer)
             return
+        packed = pack()
         # the packed copies are the layer's weights from now on (vLLM hands them to apply())
         replace_parameter(layer, "w13_weight", packed[0].packed)
         replace_parameter(layer, "w2_weight", packed[1].packed)
 
     def _vllm_experts_if_faster(
-        self, layer: torch.nn.Module, packed_w13: PackedExperts, packed_w2: PackedExperts
+        self, layer: torch.nn.Module, pack: Callable[[], tuple[PackedExperts, PackedExperts]]
     ) -> CPUUnquantizedExperts | None:
         """vLLM's own experts for this layer where the self-check found them faster on its shape."""
         vllm_class = vllm_experts_class(self.moe_config)
@@ -124,7 +127,10 @@ class KernforgeCPUUnquantizedExperts(CPUUnquantizedExperts):
         vllm_experts = vllm_class(self.moe_config, self.quant_config)
         experts, inter, hidden = self.kernforge_sizes
         shapes = f"bf16 E={experts} H={hidden} I={inter} k={self.moe_config.experts_per_token}"
-        cases = functools.partial(_moe_cases, self, vllm_experts, layer, packed_w13, packed_w2)
+
+        def cases() -> dict:
+            return _moe_cases(self, vllm_experts, layer, *pack())
+
         return None if selfcheck.kernforge_is_faster("moe", shapes, cases) else vllm_experts
 
     def moe_problem_size(
