@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--quant",
-        choices=["int8", "fp8_block"],
-        help="with --model-config: also build the int8 w8a8 (or fp8 block-scaled) GEMM and MoE experts",
+        choices=["int8", "fp8_block", "int4", "int4_w4a16"],
+        help="with --model-config: also build the quantized (int8 w8a8, fp8 block, int4) GEMM and MoE experts",
     )
     p.add_argument("--op", action="append", help="an op to build (repeatable)")
     p.add_argument("--dtype", action="append", help="dtype(s) for --op or the default set (repeatable)")

@@ -27,7 +27,8 @@ runs them) select the GEMM variants dispatch picks for them at every row bucket
 (the tuned configuration where one is recorded, else the default), and are what
 ``tune_model_linears`` (``prewarm --model-config ... --tune``) hands to the GEMM
 tuner. With ``quant="int8"`` the w8a8 GEMM is built too, with ``quant="fp8_block"`` the fp8
-block-scaled one (and a MoE model's experts in the same kind).
+block-scaled one, with ``quant="int4"`` / ``"int4_w4a16"`` the four-bit one (and a MoE model's experts
+in the same kind).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from kernforge.ops._registry import MODEL_KERNELS
 ALL_DTYPES = ("bf16", "fp16", "fp32")
 
 
-# What a model's linears (and MoE experts) may be quantized to: None (bf16), int8 w8a8, fp8 block-scaled.
-QUANTS = (None, "int8", "fp8_block")
+# What a model's linears (and MoE experts) may be quantized to: None (bf16), int8 w8a8, fp8 block-scaled,
+# four-bit weights with int8 (W4A8) or bf16 (W4A16) activations.
+QUANTS = (None, "int8", "fp8_block", "int4", "int4_w4a16")
 # What the manifest's model section adds for a multi-head latent attention model.
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -69,7 +71,7 @@ def manifest_from_model_config(
 def manifest_from_spec(spec: ModelSpec, kv_cache_dtypes: tuple[str, ...] = (), quant: str | None = None) -> dict:
     """:func:`manifest_from_model_config` of a :class:`~kernforge.model_spec.ModelSpec` already read."""
     if quant not in QUANTS:
-        raise ValueError(f"quant must be None, 'int8' or 'fp8_block', got {quant!r}")
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     model = {
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,

@@ -10,6 +10,11 @@
   per 128 x 128 block (``scale = block amax / 448``, ``w_q = w / scale`` rounded to e4m3) and packed with
   ``convert_weight_packed_fp8``; forward is ``fp8_scaled_mm`` (x in ``dtype``, fp32 accumulation per
   K block, bias added in fp32).
+* ``quant="int4"`` / ``"int4_w4a16"``: four-bit weights, one zero point and fp32 scale per group of
+  ``INT4_GROUP`` (128) K elements (``quantize_int4``: round to nearest, asymmetric), packed once;
+  forward is ``int4_scaled_mm_cpu`` (W4A8: x quantized per token to int8 inside the kernel) or
+  ``int4_w4a16_linear`` (x as it is). :meth:`Linear.from_int4` takes a weight that is already four-bit
+  (a checkpoint's, through ``convert_weight_packed_scale_zp``).
 
 The packed tensors are buffers, so ``state_dict``/``load_state_dict`` and ``torch.save`` of the module
 work; a state dict loads into ``Linear(in_features, out_features, bias, dtype=..., quant=...)`` built
@@ -25,9 +30,10 @@ from torch import nn
 
 from kernforge import torch_library
 from kernforge.ops._registry import DTYPE_NAMES
-from kernforge.ops.gemm import bf16, fp8, int8
+from kernforge.ops.gemm import bf16, fp8, int4, int8
 
-QUANTS = (None, "int8", "fp8_block")
+QUANTS = (None, "int8", "fp8_block", *int4.QUANTS)
+INT4_GROUP = 128  # K elements per int4 scale and zero point (the checkpoints' common choice)
 FP8_BLOCK = (128, 128)  # (N, K) block of one fp8 weight scale, DeepSeek-V3's
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -42,8 +48,13 @@ class Linear(nn.Module):
         bias: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         quant: str | None = None,
+        group_size: int | None = None,
     ):
+        """``group_size``: int4's K elements per scale (default ``INT4_GROUP``, or K where K is smaller
+        or not a multiple of it); other quants take none."""
         super().__init__()
+        if group_size is not None and quant not in int4.QUANTS:
+            raise ValueError(f"group_size is for quant='int4' or 'int4_w4a16', not quant={quant!r}")
         _check_config(dtype, quant)
         if in_features < 1 or out_features < 1:
             raise ValueError(f"in_features and out_features must be positive, got {in_features}, {out_features}")
@@ -55,9 +66,11 @@ class Linear(nn.Module):
             self.register_buffer("weight_packed", torch.zeros(int8.packed_shape(n, k), dtype=torch.int8))
             self.register_buffer("weight_compensation", torch.zeros(n, dtype=torch.int32))
             self.register_buffer("weight_scale", torch.zeros(n, dtype=torch.float32))
-        else:
+        elif quant == "fp8_block":
             self.register_buffer("weight_packed", torch.zeros(fp8.packed_shape(n, k), dtype=torch.float8_e4m3fn))
             self.register_buffer("weight_scale", torch.zeros(fp8.scale_shape(n, k, FP8_BLOCK)))
+        else:
+            self._register_int4(n, k, _int4_group(k, group_size))
         # the quantized GEMMs add the bias in fp32; weight_packed_linear takes it in x's dtype
         bias_dtype = dtype if quant is None else torch.float32
         self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype) if bias else None)
@@ -73,6 +86,9 @@ class Linear(nn.Module):
             raise ValueError(f"layer.weight is on device {weight.device}; kernforge kernels run on the CPU")
         if not weight.is_floating_point():
             raise TypeError(f"layer.weight has dtype {weight.dtype}; expected a floating dtype")
+        if quant in int4.QUANTS:
+            packed = int4.quantize_int4(weight, _int4_group(weight.shape[1], None))
+            return cls.from_int4(packed, layer.bias, dtype, quant)
         module = cls(layer.in_features, layer.out_features, layer.bias is not None, dtype, quant)
         if quant is None:
             module.weight_packed.copy_(bf16.convert_weight_packed(weight.to(torch.bfloat16)).packed)
@@ -89,6 +105,36 @@ class Linear(nn.Module):
             module.bias.copy_(layer.bias.detach())
         return module
 
+    @classmethod
+    def from_int4(
+        cls,
+        packed: int4.PackedInt4Weight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        quant: str = "int4",
+    ) -> Linear:
+        """A Linear on an already four-bit weight (``quantize_int4``'s, or a checkpoint's through
+        ``convert_weight_packed_scale_zp`` and ``PackedInt4Weight.from_tensors``); ``quant``: "int4"
+        (W4A8) or "int4_w4a16"."""
+        if quant not in int4.QUANTS:
+            raise ValueError(f"quant must be one of {int4.QUANTS} for a four-bit weight, got {quant!r}")
+        if not isinstance(packed, int4.PackedInt4Weight):
+            raise TypeError(f"packed must be a PackedInt4Weight, got {type(packed).__name__}")
+        module = cls(packed.k, packed.n, bias is not None, dtype, quant, packed.group_size)
+        module.weight_packed.copy_(packed.packed)
+        module.weight_zeros.copy_(packed.zeros)
+        module.weight_scale.copy_(packed.scales)
+        if bias is not None:
+            module.bias.copy_(bias.detach())
+        return module
+
+    def _register_int4(self, n: int, k: int, group_size: int) -> None:
+        self.group_size = group_size
+        panels, quads = -(-n // int4.PANEL_WIDTH), k // int4.QUAD
+        self.register_buffer("weight_packed", torch.zeros(panels, quads, int4.QUAD_BYTES, dtype=torch.uint8))
+        self.register_buffer("weight_zeros", torch.zeros(k // group_size, n, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.zeros(k // group_size, n, dtype=torch.float32))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.dtype is not self.dtype:
             raise TypeError(
@@ -102,6 +148,9 @@ class Linear(nn.Module):
                 self.weight_packed, self.weight_scale, FP8_BLOCK, self.out_features, self.in_features
             )
             return fp8.fp8_scaled_mm(x, packed, self.weight_scale, FP8_BLOCK, self.bias, out_dtype=self.dtype)
+        if self.quant in int4.QUANTS:
+            op = torch_library.int4_scaled_mm_cpu if self.quant == "int4" else torch_library.int4_w4a16_linear
+            return op(x, self.weight_packed, self.weight_zeros, self.weight_scale, self.bias)
         packed = int8.PackedInt8Weight(
             self.weight_packed, self.weight_compensation, self.weight_scale, self.out_features, self.in_features
         )
@@ -114,6 +163,7 @@ class Linear(nn.Module):
             "out_features": self.out_features,
             "quant": self.quant,
             "layout_version": _layout_version(self.quant),
+            **({"group_size": self.group_size} if self.quant in int4.QUANTS else {}),
         }
 
     def set_extra_state(self, state: dict) -> None:
@@ -123,9 +173,10 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        group = f", group_size={self.group_size}" if self.quant in int4.QUANTS else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"dtype={dtype}, quant={self.quant}"
+            f"dtype={dtype}, quant={self.quant}{group}"
         )
 
 
@@ -177,7 +228,24 @@ def _replaceable(layer: nn.Module) -> bool:
 
 
 def _layout_version(quant: str | None) -> int:
+    if quant in int4.QUANTS:
+        return int4.LAYOUT_VERSION
     return {None: bf16.LAYOUT_VERSION, "int8": int8.LAYOUT_VERSION, "fp8_block": fp8.LAYOUT_VERSION}[quant]
+
+
+def _int4_group(k: int, group_size: int | None) -> int:
+    """The group size of an int4 weight with K = ``k``: ``group_size``, or INT4_GROUP where it divides
+    K, else the largest multiple of 4 below it that does (K itself if K < INT4_GROUP)."""
+    if group_size is not None:
+        if not isinstance(group_size, int) or group_size < int4.QUAD or group_size % int4.QUAD or k % group_size:
+            raise ValueError(
+                f"group_size must be a multiple of {int4.QUAD} that divides in_features = {k}, got {group_size!r}"
+            )
+        return group_size
+    for size in range(min(INT4_GROUP, k) // int4.QUAD * int4.QUAD, 0, -int4.QUAD):
+        if k % size == 0:
+            return size
+    raise ValueError(f"quant='int4' needs in_features to be a multiple of {int4.QUAD}, got {k}")
 
 
 def _check_config(dtype: object, quant: object) -> None:

@@ -62,6 +62,50 @@ def test_fp8_block_matches_its_dequantized_weight(dtype):
     torch.testing.assert_close(module(x).float(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("quant", ["int4", "int4_w4a16"])
+@pytest.mark.parametrize("k,group", [(256, 128), (96, 96), (576, 96)])
+def test_int4_matches_its_dequantized_weight(quant, k, group):
+    """The layer quantizes with quantize_int4 (group 128, else the largest multiple of 4 up to it that
+    divides K) and computes x @ dequantized.T + bias up to W4A8's activation rounding and bf16."""
+    from kernforge.ops.gemm import int4
+
+    layer = _layer(k, 70, key=(quant,))
+    module = knn.Linear.from_linear(layer, quant=quant)
+    assert module.group_size == group and module.weight_scale.shape == (k // group, 70)
+    packed = int4.quantize_int4(layer.weight.detach(), group)
+    assert torch.equal(module.weight_packed, packed.packed) and torch.equal(module.weight_zeros, packed.zeros)
+    x = _x((5, k), key=("int4",)).bfloat16()
+    with torch.no_grad():
+        expected = x.float() @ int4.dequantize_int4(packed).T + layer.bias
+    rtol = 2e-2 if quant == "int4" else 1e-2  # int8 activations: ~1/254 per element on top of bf16
+    torch.testing.assert_close(module(x).float(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+    fresh = knn.Linear(k, 70, quant=quant)
+    fresh.load_state_dict(module.state_dict())
+    assert torch.equal(fresh(x), module(x))
+    with pytest.raises(ValueError, match="state dict is for"):
+        knn.Linear(k, 70, quant=quant, group_size=group // 2 if group % 8 == 0 else 4).load_state_dict(
+            module.state_dict()
+        )
+    assert repr(module).endswith(f"quant={quant}, group_size={group})")
+
+
+def test_int4_from_int4_and_group_size_errors():
+    from kernforge.ops.gemm import int4
+
+    packed = int4.quantize_int4(torch.randn(40, 64), 32, symmetric=True)
+    module = knn.Linear.from_int4(packed, torch.zeros(40), quant="int4_w4a16")
+    x = _x((3, 64)).bfloat16()
+    assert torch.equal(module(x), int4.int4_w4a16_linear(x, packed, bias=torch.zeros(40)))
+    with pytest.raises(ValueError, match="group_size must be a multiple of 4"):
+        knn.Linear(64, 8, quant="int4", group_size=48)
+    with pytest.raises(ValueError, match="group_size is for quant="):
+        knn.Linear(64, 8, quant="int8", group_size=32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        knn.Linear.from_linear(_layer(17, 4), quant="int4")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        knn.Linear.from_int4(packed, quant="int8")
+
+
 def test_attributes_and_repr():
     module = knn.Linear.from_linear(_layer(17, 45, bias=False), quant="int8")
     assert (module.in_features, module.out_features) == (17, 45)
@@ -71,7 +115,7 @@ def test_attributes_and_repr():
 def test_config_errors():
     layer = _layer(8, 4)
     with pytest.raises(ValueError, match="quant must be one of"):
-        knn.Linear.from_linear(layer, quant="int4")
+        knn.Linear.from_linear(layer, quant="int3")
     with pytest.raises(TypeError, match="dtype must be"):
         knn.Linear.from_linear(layer, dtype=torch.int8)
     with pytest.raises(TypeError, match="layer must be a torch.nn.Linear"):

@@ -2,4 +2,4 @@
 weights (``fp8``) and batched matmuls (``bmm``), over one micro-kernel layer
 (``templates/include/kernforge/gemm/``); ``_common`` holds the checks they share."""
 
-from kernforge.ops.gemm import bf16, bmm, fp8, int8  # noqa: F401  (registers their ops)
+from kernforge.ops.gemm import bf16, bmm, fp8, int4, int8  # noqa: F401  (registers their ops)
