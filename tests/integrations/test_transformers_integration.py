@@ -141,6 +141,29 @@ def test_int8_logits_track_stock(llama):
         assert cosine(quantized(ids).logits[0, -1], stock(ids).logits[0, -1]) > 0.99
 
 
+@pytest.mark.parametrize("quant", ["int4", "int4_w4a16"])
+def test_int4_logits_track_the_dequantized_model(llama, quant):
+    """Four-bit linears compute the model whose weights are their dequantized four-bit values: W4A16
+    to bf16's precision, W4A8 within its int8 activations' rounding; an int8 head on request."""
+    from kernforge.nn.linear import _int4_group
+    from kernforge.ops.gemm.int4 import dequantize_int4, quantize_int4
+
+    stock, _, _ = llama
+    dequantized = copy.deepcopy(stock)
+    with torch.no_grad():
+        for module in dequantized.model.layers.modules():
+            if type(module) is torch.nn.Linear:
+                weight = module.weight.float()
+                packed = quantize_int4(weight, _int4_group(weight.shape[1], None))
+                module.weight.copy_(dequantize_int4(packed))
+    quantized = kft.optimize(copy.deepcopy(stock), quant=quant, quant_lm_head="int8")
+    assert quantized.model.layers[0].mlp.down_proj.quant == quant and quantized.lm_head.quant == "int8"
+    ids = prompt(17)
+    with torch.no_grad():
+        ours, expected = quantized(ids).logits[0], dequantized(ids).logits[0]
+    assert cosine(ours, expected) > (0.999 if quant == "int4_w4a16" else 0.995)
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -539,7 +562,7 @@ print("generated", tuple(out.shape))
 
 
 @pytest.mark.slow  # pre-warms a model's kernels, then two child processes (~20 s)
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_prewarm_from_the_model_config_leaves_nothing_to_compile(kernforge_cache_dir, tmp_path, quant):
     """`python -m kernforge prewarm --model-config config.json` builds every kernel the optimized model
     runs: a fresh process with the JIT off (KERNFORGE_JIT=0: a missing kernel is an error) then

@@ -141,7 +141,7 @@ def optimize(
     quant: str | None = None,
     *,
     page_size: int = 16,
-    quant_lm_head: bool = False,
+    quant_lm_head: bool | str = False,
     tp_group=None,
 ) -> nn.Module:
     """Make ``model`` (a Llama-family or MoE ``*ForCausalLM``, :data:`SUPPORTED_MODELS`) run on
@@ -150,8 +150,11 @@ def optimize(
     ``kv_cache_pages`` pages of ``page_size`` tokens are the model's KV memory, shared by every
     live :class:`PagedCache` (each batch of a ``generate`` call holds its sequences' pages until
     it ends). ``quant="int8"`` makes the decoder's linears and MoE experts w8a8 (per-channel int8
-    weights, per-token int8 activations; MoE routers stay bf16); ``lm_head`` follows only with
-    ``quant_lm_head=True``.
+    weights, per-token int8 activations; MoE routers stay bf16), ``quant="int4"`` four-bit weights
+    (groups of 128 K, asymmetric) with int8 activations (W4A8), ``quant="int4_w4a16"`` with bf16 ones;
+    ``lm_head`` follows only with ``quant_lm_head=True``, or takes a quant of its own
+    (``quant_lm_head="int8"``: an int8 head for a four-bit model, the head and tied embedding being a
+    fifth of a 1B model's bytes).
 
     ``tp_group`` (a ``torch.distributed`` process group, or a
     :class:`kernforge.distributed.Communicator`): tensor parallelism over its ranks, each of which
@@ -191,7 +194,7 @@ def optimize(
                 _replace_layer(layer, config, spec, dtype, quant, stock)
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
         if type(model.lm_head) is nn.Linear:
-            head_quant = quant if quant_lm_head else None
+            head_quant = quant_lm_head if isinstance(quant_lm_head, str) else quant if quant_lm_head else None
             if comm is None:
                 model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=head_quant)
             else:
