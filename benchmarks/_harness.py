@@ -402,12 +402,20 @@ def streaming_rate(budget_s: float = 1.0, call: tuple[Callable[[], object], int]
 
 
 def bf16_peak(threads: int = THREADS) -> tuple[float, str] | None:
-    """This CPU's bf16 GFLOP/s at ``threads`` threads, measured now, and what it measured
-    (benchmarks/templates/bench_bf16_peak.cpp.jinja): the AMX tile unit on the amx tier, the
-    AVX512-BF16 dot product on avx512; None on other tiers. The peak a large-M GEMM is held to:
-    roof.json's figure is one machine's, and CPUs of one tier differ by 2x (Zen 4, Zen 5)."""
+    """This CPU's bf16 GFLOP/s at ``threads`` threads, measured now, and what it measured: the AMX
+    tile unit on the amx tier, the AVX512-BF16 dot product on avx512; None on other tiers. The peak a
+    large-M GEMM is held to: roof.json's figure is one machine's, and CPUs of one tier differ by 2x
+    (Zen 4, Zen 5)."""
+    return dot_peak("bf16", threads)
+
+
+def dot_peak(kind: str, threads: int = THREADS) -> tuple[float, str] | None:
+    """This CPU's ``kind`` ("bf16" or "int8") dot-product G(FL)OP/s at ``threads`` threads, measured
+    now (benchmarks/templates/bench_bf16_peak.cpp.jinja), and what it measured: AMX tiles on the amx
+    tier, AVX512-BF16 / AVX512-VNNI on avx512; None on other tiers or without the instruction."""
     import kernforge
     from kernforge.jit import Entry, Module, core, isa
+    from kernforge.jit.module import Enum
 
     tier = isa.selected_tier()
     if tier not in ("amx", "avx512"):
@@ -416,15 +424,16 @@ def bf16_peak(threads: int = THREADS) -> tuple[float, str] | None:
     probe = Module(
         "bench_bf16_peak",
         "bench_bf16_peak.cpp.jinja",
-        params={},
+        params={"kind": Enum(("bf16", "int8"))},
         entries=[Entry("run", "int64_t steps, int64_t num_threads", returns="double")],
         tiers={"amx": "amx", "avx512": "avx512"},
         register=False,
     )
-    run = core.load_kernel(probe, {}, tier).run
+    run = core.load_kernel(probe, {"kind": kind}, tier).run
     if run(10_000, threads) < 0:  # also the warm-up: wide units power up
         return None
-    unit = "AMX tiles (TDPBF16PS)" if tier == "amx" else "AVX512-BF16 (vdpbf16ps)"
+    instruction = {"bf16": ("TDPBF16PS", "AVX512-BF16 (vdpbf16ps)"), "int8": ("TDPBUSD", "AVX512-VNNI (vpdpbusd)")}
+    unit = f"AMX tiles ({instruction[kind][0]})" if tier == "amx" else instruction[kind][1]
     return max(run(20_000_000 if tier == "avx512" else 2_000_000, threads) for _ in range(3)), unit
 
 

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernforge/core/isa_features.h"
 #include "kernforge/core/parallel.h"
@@ -29,7 +30,7 @@
 namespace kf::gemm::int4 {
 
 constexpr int kPanelWidth = 64, kChunk = 32, kChunkBytes = 64, kQuadBytes = 128, kQuad = 4;
-constexpr int64_t kRowBlock = 64;    // rows per task: one unpacked block serves all of them
+constexpr int64_t kRowBlock = 64;     // rows per task: one unpacked block serves all of them
 constexpr int64_t kDepthBlock = 128;  // K per unpacked block (a multiple of kQuad)
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;
 constexpr int kFewRows = 4;  // up to this many rows (decode), the codes go from nibbles to products directly
@@ -107,7 +108,8 @@ inline constexpr Bf16Table<16> kBf16Table{};  // W4A16's block path unpacks code
 // word into `first`, bytes 2, 3 into `second` (vpshufb puts them in 16-bit halves, vpermw looks up).
 inline void widen_words(__m512i words, __m512i table, __m512i& first, __m512i& second) {
   const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
-  const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+  const __m512i high =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
   first = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(words, low), table);
   second = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(words, high), table);
 }
@@ -304,7 +306,6 @@ inline void w4a8_few_rows(int64_t rows, const Problem& p, int64_t n0, const uint
   w4a8_few_rows<MR, NR>(p, n0, a, lda, on_group);
 }
 
-
 #if KF_HAS_DPBF16
 // W4A16's few-rows path on vdpbf16ps (bf16 x only), no shuffles: a 16-bit lane of a chunk holds two
 // bytes of one column's word, K 0 and 1 or K 2 and 3, so masking its nibbles out in place and or-ing
@@ -351,8 +352,7 @@ inline void w4a16_few_rows(const Problem& p, int64_t n0, const bf16* x, int64_t 
       const float row_sum = reduce_add(lanes);
       for (int v = 0; v < kVectors; ++v)
         _mm512_storeu_ps(sums + r * NR + v * 16, _mm512_add_ps(acc[r][0][v], acc[r][1][v]));
-      for (int64_t j = 0; j < columns; ++j)
-        sums[r * NR + j] -= (kBias + float(p.zeros[g * p.n + n0 + j])) * row_sum;
+      for (int64_t j = 0; j < columns; ++j) sums[r * NR + j] -= (kBias + float(p.zeros[g * p.n + n0 + j])) * row_sum;
     }
     on_group(g, static_cast<const float*>(sums));
   }
@@ -367,6 +367,72 @@ inline void w4a16_few_rows(int64_t rows, const Problem& p, int64_t n0, const bf1
   w4a16_few_rows<MR, NR>(p, n0, x, ldx, on_group);
 }
 #endif
+
+// ---- the many-rows path: an unpacked block, scaled in registers
+//
+// tile[r][j] += float(sum_{quads} (a + 128) . w - compensation[j]) * scale[j] for MR rows: the int8
+// micro-kernel's loop (gemm/int8_kernel.h), but its int32 sums start at zero and leave through the
+// group's scale into the fp32 tile, with no int32 tile in memory between the two.
+namespace detail {
+
+inline VecF float_of_difference(VecI32 a, VecI32 b) {
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+  return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, b.v))};
+#elif defined(KF_TIER_AVX2)
+  return {_mm256_cvtepi32_ps(_mm256_sub_epi32(a.v, b.v))};
+#else
+  VecF out;
+  for (int i = 0; i < VecF::kWidth; ++i) out.lane[i] = float(a.lane[i] - b.lane[i]);
+  return out;
+#endif
+}
+
+}  // namespace detail
+
+// Not inlined: inside the task's lambda gcc ran out of registers for the accumulators and moved them
+// through the stack on every quad (half the speed); a call per block and row tile costs nothing.
+template <int MR, int NR>
+[[gnu::noinline]] void scaled_block_kernel(const uint8_t* a, int64_t lda, const uint32_t* block, int64_t quads,
+                                           const int32_t* compensation, const float* scale, float* tile) {
+  constexpr int kLanes = VecI32::kWidth, kVectors = NR / kLanes;
+  static_assert(VecF::kWidth == kLanes, "one fp32 lane per int32 lane");
+  VecI32 acc[MR][kVectors];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = VecI32::zero();
+  uint32_t a_words[MR];
+  for (int64_t q = 0; q < quads; ++q) {
+    VecI32 b[kVectors];
+    for (int v = 0; v < kVectors; ++v) b[v] = VecI32::load(block + q * NR + v * kLanes);
+    for (int r = 0; r < MR; ++r) std::memcpy(&a_words[r], a + r * lda + q * kQuad, sizeof(uint32_t));
+    for (int r = 0; r < MR; ++r) {
+      const U8Quad a_op = U8Quad::broadcast(a_words[r]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = dot4_u8s8(acc[r][v], a_op, b[v]);
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const VecI32 c = VecI32::load(compensation + v * kLanes);
+    const VecF s = VecF::load(scale + v * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      float* out = tile + r * NR + v * kLanes;
+      fma(detail::float_of_difference(acc[r][v], c), s, VecF::load(out)).store(out);
+    }
+  }
+}
+
+template <int MR, int NR>
+inline void scaled_block_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda, const uint32_t* block, int64_t quads,
+                                     const int32_t* compensation, const float* scale, float* tile) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return scaled_block_kernel_rows<MR - 1, NR>(rows, a, lda, block, quads, compensation, scale, tile);
+  }
+  scaled_block_kernel<MR, NR>(a, lda, block, quads, compensation, scale, tile);
+}
+
+// What w4a8's callers pass for on_group when they want no group's int32 sums: the blocks' sums then go
+// through their scale in registers (scaled_block_kernel), each block on its own.
+struct NoGroupSums {
+  void operator()(int64_t, int64_t, int64_t, int64_t, const int32_t*) const {}
+};
 
 // W4A8 on rows `a` (uint8: int8 + 128, lda bytes apart): each group's exact int32 sums of a task,
 // sum_{k in g} (a - 128) (code - zero), go to on_group(m0, n0, rows, g, sums [rows][NR]) and, scaled,
@@ -385,6 +451,18 @@ int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_thread
       w4a8_few_rows<MR, NR>(rows, p, n0, a + m0 * lda, lda, [&](int64_t g, const int32_t* group_sums) {
         on_group(m0, n0, rows, g, group_sums);
         scale_into<NR>(p, g, n0, rows, group_sums, tile);
+      });
+      return on_task(m0, n0, rows, static_cast<const float*>(tile));
+    }
+    if constexpr (std::is_same_v<OnGroup, NoGroupSums>) {
+      alignas(64) float scale[NR] = {};
+      for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+        zero_words<NR>(p, g, n0, 0, zeros);
+        std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);  // past N: 0, codes 0
+        unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
+        for (int64_t r0 = 0; r0 < rows; r0 += MR)
+          scaled_block_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), a + (m0 + r0) * lda + k0, lda, block,
+                                           depth / kQuad, compensation, scale, tile + r0 * NR);
       });
       return on_task(m0, n0, rows, static_cast<const float*>(tile));
     }
