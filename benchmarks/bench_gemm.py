@@ -23,6 +23,14 @@ Columns
                               (int8_scaled_mm_with_quant: the activation is quantized inside the call,
                               per-channel weight scales) and fp8 block-scaled (fp8_scaled_mm, e4m3 with
                               128 x 128 block scales); > 1: the quantized GEMM is faster.
+    int4 x, w4a16 x           the same for four-bit weights (quantize_int4, groups of 128, asymmetric):
+                              W4A8 (int4_scaled_mm_cpu) and W4A16 (int4_w4a16_linear).
+    int4/int8 t               W4A8 time / int8 time on the same weights (issue 38: <= 0.55 at M = 1).
+    int4 %, w4a16 %           against this run's limits: at M <= 16, the bytes they read (nibbles, fp32
+                              scales, uint8 zeros) per second / kernforge bf16's weight GB/s on the same
+                              rotating weights (the streaming rate; issue 38: >= 85 %); at M >= 128,
+                              their G(FL)OP/s / the int8 (VNNI or AMX) peak for W4A8 (>= 75 %) and the
+                              bf16 peak for W4A16 (>= 70 %), both measured at the start of the run.
     tuned vs default          where `python -m kernforge tune gemm` recorded a configuration (tile,
                               blocking, thread split) for the case's bucket that differs from the
                               default: default time / tuned time.
@@ -73,6 +81,11 @@ HEADERS = [
     "% bf16 peak",
     "int8 x",
     "fp8 x",
+    "int4 x",
+    "w4a16 x",
+    "int4/int8 t",
+    "int4 %",
+    "w4a16 %",
     "tuned vs default",
     "bg",
 ]
@@ -97,23 +110,29 @@ def _compiled_linear(args) -> tuple[object | None, str]:
 
 
 def _quantized(weights, n, k):
-    """int8 w8a8 (per-channel scales) and fp8 block-scaled (128 x 128) packings of the same weights."""
-    int8, fp8 = [], []
+    """int8 w8a8 (per-channel scales), fp8 block-scaled (128 x 128) and int4 (groups of 128) packings of
+    the same weights."""
+    int8, fp8, int4 = [], [], []
     for w in weights:
         scale = w.float().abs().amax(1).clamp(min=1e-8) / 127
         int8.append(kernforge.convert_weight_packed_int8((w.float() / scale[:, None]).round().to(torch.int8), scale))
         q, block_scale = kernforge.nn.quantize_weight_fp8_block(w)
         fp8.append((kernforge.convert_weight_packed_fp8(q, block_scale), block_scale))
-    return int8, fp8
+        int4.append(kernforge.quantize_int4(w, group_size=128))
+    return int8, fp8, int4
 
 
-def _case(k, n, rows, args, compiled, dram_r, peak):
+def _int4_bytes(packed) -> int:
+    return sum(t.numel() * t.element_size() for t in packed)
+
+
+def _case(k, n, rows, args, compiled, dram_r, peak, int8_peak):
     weight_bytes = n * k * 2
     copies = max(1, -(-ROTATE_BYTES // weight_bytes))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=generator).bfloat16() for _ in range(copies)]
     packed = [kernforge.convert_weight_packed(w) for w in weights]
-    int8, fp8 = _quantized(weights, n, k) if not args.no_quant else ([], [])
+    int8, fp8, int4 = _quantized(weights, n, k) if not args.no_quant else ([], [], [])
     results = []
     for m in rows:
         x = torch.randn(m, k, generator=generator).bfloat16()
@@ -128,6 +147,8 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         if int8:
             fns["int8"] = lambda: kernforge.int8_scaled_mm_with_quant(x, int8[next(turn)], out_dtype=torch.bfloat16)
             fns["fp8"] = lambda: kernforge.fp8_scaled_mm(x, *fp8[next(turn)], out_dtype=torch.bfloat16)
+            fns["int4"] = lambda: kernforge.int4_scaled_mm_cpu(x, int4[next(turn)])
+            fns["w4a16"] = lambda: kernforge.int4_w4a16_linear(x, int4[next(turn)])
         shape = bf16.tile_shape(torch.bfloat16, m, n, k)
         tier = bf16.GEMM.built_tier(kernforge.jit.isa.selected_tier())
         recorded = tuning.TuningStore().lookup(bf16.TILE_CANDIDATES.kernel, bf16.TILE_CANDIDATES.bucket(shape), tier)
@@ -141,6 +162,15 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
         other = lambda name: H.us(t.get(name)) if name in t else "n/a"  # noqa: E731
         ratio = lambda name: H.fmt(t[name].median_ns / kf, 2) if name in t else "n/a"  # noqa: E731
         speedup = lambda name: H.fmt(kf / t[name].median_ns, 2) if name in t else "n/a"  # noqa: E731
+
+        def limit_share(name: str, ops_peak: float | None) -> str:
+            """Bytes/s against bf16's streaming at small M, G(FL)OP/s against ops_peak at large M."""
+            if name not in t or (m > 16 and not ops_peak):
+                return "n/a"
+            ns = t[name].median_ns
+            share = _int4_bytes(int4[0]) / ns / gbs if m <= 16 else 2 * m * n * k / ns / ops_peak
+            return f"{100 * share:.0f}%"
+
         row = [
             f"{k}x{n}",
             m,
@@ -155,6 +185,11 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
             f"{100 * gflops / peak:.0f}%",
             speedup("int8"),
             speedup("fp8"),
+            speedup("int4"),
+            speedup("w4a16"),
+            H.fmt(t["int4"].median_ns / t["int8"].median_ns, 2) if "int4" in t else "n/a",
+            limit_share("int4", int8_peak),
+            limit_share("w4a16", peak),
             (
                 f"{ratio('kf default')} ({bf16.config_name(tuned)})"
                 if "kf default" in t
@@ -182,7 +217,7 @@ def _case(k, n, rows, args, compiled, dram_r, peak):
 def main() -> int:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    p.add_argument("--no-quant", action="store_true", help="skip the int8 and fp8 columns")
+    p.add_argument("--no-quant", action="store_true", help="skip the int8, fp8 and int4 columns")
     p.add_argument("--m", nargs="*", type=int, help="only these M")
     p.add_argument("--shapes", nargs="*", help="only these KxN")
     p.add_argument(
@@ -209,6 +244,8 @@ def main() -> int:
     threads_roof = roof[str(args.threads)]
     dram_r = stream["DRAM"]["r"] if stream else threads_roof["DRAM_r"]
     peak, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
+    measured_int8 = H.dot_peak("int8", args.threads)
+    int8_peak = measured_int8[0] if measured_int8 else None
     compiled, compile_mode = _compiled_linear(args)
     info = H.print_header(
         "bench_gemm: weight_packed_linear vs F.linear vs torch.compile (bf16)",
@@ -217,6 +254,9 @@ def main() -> int:
             "roof": f"{roof_path.name}: bf16 peak {threads_roof['bf16_gflops']:.0f} GFLOP/s, DRAM read "
             f"{threads_roof['DRAM_r']:.1f} GB/s",
             "% bf16 peak against": f"{peak:.0f} GFLOP/s ({peak_source})",
+            "int4 % against": f"{int8_peak:.0f} GOP/s ({measured_int8[1]}, measured now)"
+            if measured_int8
+            else "no int8 dot-product probe on this tier",
             "DRAM read now": f"{dram_r:.1f} GB/s ({'stream probe' if stream else 'roof.json, no probe'})",
             "torch.compile": compile_mode,
         },
@@ -226,7 +266,7 @@ def main() -> int:
         if n * k * 2 > MAX_WEIGHT_BYTES:
             print(f"skipping {k}x{n}: weights over {MAX_WEIGHT_BYTES >> 30} GiB", file=sys.stderr)
             continue
-        for row, record in _case(k, n, rows, args, compiled, dram_r, peak):
+        for row, record in _case(k, n, rows, args, compiled, dram_r, peak, int8_peak):
             all_rows.append(row)
             records.append(record)
     print(H.table(HEADERS, all_rows, "lr" + "r" * (len(HEADERS) - 2)))

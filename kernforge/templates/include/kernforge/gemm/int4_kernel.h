@@ -30,7 +30,7 @@
 namespace kf::gemm::int4 {
 
 constexpr int kPanelWidth = 64, kChunk = 32, kChunkBytes = 64, kQuadBytes = 128, kQuad = 4;
-constexpr int64_t kRowBlock = 64;     // rows per task: one unpacked block serves all of them
+constexpr int64_t kRowBlock = 128;    // rows per task: one unpacked block serves all of them
 constexpr int64_t kDepthBlock = 128;  // K per unpacked block (a multiple of kQuad)
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;
 constexpr int kFewRows = 4;  // up to this many rows (decode), the codes go from nibbles to products directly
