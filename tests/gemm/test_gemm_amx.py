@@ -23,6 +23,7 @@ from kernforge.cache import disk
 from kernforge.jit import core, isa
 from kernforge.jit.module import Entry, Module
 from kernforge.ops.gemm.bf16 import GEMM, TILE_CANDIDATES, convert_weight_packed, tile_shape, weight_packed_linear
+from kernforge.ops.gemm.int4 import GEMM_INT4
 from kernforge.ops.gemm.int8 import (
     GEMM_INT8,
     convert_weight_packed_int8,
@@ -415,8 +416,10 @@ def _mnemonics(so) -> str:
     [
         (GEMM, None, "tdpbf16ps"),
         (GEMM_INT8, {"dtype": "bf16"}, "tdpbusd"),
+        (GEMM_INT4, {"dtype": "bf16"}, "tdpbusd"),
+        (GEMM_INT4, {"dtype": "bf16"}, "tdpbf16ps"),
     ],
-    ids=["gemm", "gemm_int8"],
+    ids=["gemm", "gemm_int8", "gemm_int4_w4a8", "gemm_int4_w4a16"],
 )
 def test_amx_builds_compile_with_the_tile_path(cache, module, params, product):
     so = _amx_build(module, params or _gemm_params(), cache)

@@ -300,3 +300,48 @@ def test_layout_version_is_checked():
     with pytest.raises(ValueError, match="layout version"):
         int4_scaled_mm_cpu(_x(1, 64, torch.bfloat16), stale)
     assert int4.LAYOUT_VERSION == 1
+
+
+# --------------------------------------------------------------------------- AMX tiles, emulated
+
+
+def _amx_emulated():
+    from kernforge.jit import core, isa
+    from kernforge.jit.module import Entry, Module
+
+    if not isa.runnable("avx512"):
+        pytest.skip("the emulated AMX kernels are built on the avx512 tier, which this CPU cannot run")
+    module = Module(
+        "gemm_int4_amx_emulated",
+        "gemm_int4_amx_emulated.cpp.jinja",
+        params=int4.GEMM_INT4.params,
+        structs=[int4.INT4_GEMM_ARGS],
+        entries=[*int4.GEMM_INT4.entries.values(), Entry("take_counters", "int64_t counters")],
+        tiers={"avx512": "avx512"},
+        register=False,
+    )
+    return core.load_kernel(module, {"dtype": "bf16"}, "avx512")
+
+
+def _counters(kernel) -> list[int]:
+    counters = torch.zeros(3, dtype=torch.int64)
+    kernel.take_counters(counters.data_ptr())
+    return counters.tolist()
+
+
+@pytest.mark.usefixtures("test_templates")
+@pytest.mark.parametrize("m,n,k,group", [(5, 64, 128, 128), (40, 70, 256, 32), (130, 33, 192, 96)])
+def test_amx_tiles_match_references(m, n, k, group):
+    """From 5 rows on, both ops multiply the unpacked blocks on (emulated) tiles: int8 tiles for W4A8,
+    bf16 tiles for W4A16 (K tails of a 64-byte step included: groups of 32 and 96)."""
+    kernel = _amx_emulated()
+    _counters(kernel)
+    packed = _packed(n, k, group, symmetric=(m % 2 == 0))
+    x = _x(m, k, torch.bfloat16, ("amx", n))
+    bias = torch.randn(n, generator=seeded("gemm-int4-b", n))
+    for entry, quantizes, reference in (("w4a8", True, _w4a8_reference), ("w4a16", False, _w4a16_reference)):
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        int4._call(getattr(kernel, entry), quantizes, kernel, packed, x, k, bias.float(), out, n, m)
+        faults, _, dot_products = _counters(kernel)
+        assert faults == 0 and dot_products > 0, f"{entry}: the tiles were not used, or misused"
+        _assert_close(out, reference(x, packed, bias), torch.bfloat16)

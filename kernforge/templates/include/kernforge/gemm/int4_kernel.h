@@ -434,6 +434,36 @@ struct NoGroupSums {
   void operator()(int64_t, int64_t, int64_t, int64_t, const int32_t*) const {}
 };
 
+#if KF_HAS_AMX
+// ---- the many-rows path on AMX tiles: an unpacked block is what the tiles read as B (the int8 or bf16
+// micro-kernels' layout), so each block goes through amx::block by 32 rows x 32 columns, into a small
+// C (int32 or fp32) that is scaled into the task's tile as in scaled_block_kernel.
+template <class Product, int NR>
+inline void amx_scaled_block(const typename Product::A* a, int64_t lda, const uint32_t* block, int64_t depth,
+                             int64_t rows, const int32_t* compensation, const float* scale, float* tile,
+                             amx::Tiles& tiles, amx::TailBuffers<Product>& tails) {
+  using C = typename Product::C;
+  constexpr int kColumns = amx::kBlockColumns;
+  alignas(64) C c[amx::kBlockRows * kColumns];
+  for (int64_t r0 = 0; r0 < rows; r0 += amx::kBlockRows) {
+    const int chunk = int(std::min<int64_t>(amx::kBlockRows, rows - r0));
+    tiles.shape_for(chunk);
+    for (int c0 = 0; c0 < NR; c0 += kColumns) {
+      amx::block<Product>(a + r0 * lda, lda, block + c0, NR, depth, chunk, c, kColumns, tails);
+      for (int r = 0; r < chunk; ++r)
+        for (int j = 0; j < kColumns; ++j) {
+          const float sum =
+              compensation != nullptr ? float(c[r * kColumns + j] - compensation[c0 + j]) : float(c[r * kColumns + j]);
+          tile[(r0 + r) * NR + c0 + j] += sum * scale[c0 + j];
+        }
+    }
+  }
+}
+
+// Whether a task of `rows` rows runs on tiles.
+inline bool amx_rows(int64_t rows) { return rows >= amx::kMinRows && amx::tiles_permitted(); }
+#endif
+
 // W4A8 on rows `a` (uint8: int8 + 128, lda bytes apart): each group's exact int32 sums of a task,
 // sum_{k in g} (a - 128) (code - zero), go to on_group(m0, n0, rows, g, sums [rows][NR]) and, scaled,
 // into the task's fp32 tile, handed to on_task(m0, n0, rows, tile [rows][NR]) at the end.
@@ -456,6 +486,20 @@ int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_thread
     }
     if constexpr (std::is_same_v<OnGroup, NoGroupSums>) {
       alignas(64) float scale[NR] = {};
+#if KF_HAS_AMX
+      if (amx_rows(rows)) {
+        amx::Tiles tiles;
+        amx::TailBuffers<amx::U8S8Product> tails;
+        for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+          zero_words<NR>(p, g, n0, 0, zeros);
+          std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);
+          unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
+          amx_scaled_block<amx::U8S8Product, NR>(a + m0 * lda + k0, lda, block, depth, rows, compensation, scale, tile,
+                                                 tiles, tails);
+        });
+        return on_task(m0, n0, rows, static_cast<const float*>(tile));
+      }
+#endif
       for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
         zero_words<NR>(p, g, n0, 0, zeros);
         std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);  // past N: 0, codes 0
@@ -507,6 +551,23 @@ int64_t w4a16(const Problem& p, const T* x, int64_t ldx, int64_t num_threads, co
       if (rows <= kFewRows) {  // decode: straight from the nibbles
         w4a16_few_rows<kFewRows, NR>(rows, p, n0, x + m0 * ldx, ldx, [&](int64_t g, const float* group_sums) {
           scale_into<NR>(p, g, n0, rows, group_sums, tile);
+        });
+        return on_task(m0, n0, rows, static_cast<const float*>(tile));
+      }
+    }
+#endif
+#if KF_HAS_AMX
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx_rows(rows)) {
+        amx::Tiles tiles;
+        amx::TailBuffers<amx::Bf16Product> tails;
+        alignas(64) float scale[NR] = {};
+        for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+          zero_words<NR>(p, g, n0, 16, zeros);
+          std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);
+          unpack_bf16<NR>(p, n0, k0, depth, zeros, block);
+          amx_scaled_block<amx::Bf16Product, NR>(x + m0 * ldx + k0, ldx, block, depth, rows, nullptr, scale, tile,
+                                                 tiles, tails);
         });
         return on_task(m0, n0, rows, static_cast<const float*>(tile));
       }
