@@ -18,7 +18,7 @@ from kernforge.jit import (
 from kernforge.memory import advise_huge_pages, empty_kv_cache, zero_in_huge_pages  # KV caches in huge pages
 from kernforge.ops import *  # noqa: F401,F403  (the registered ops, listed once in kernforge.ops)
 from kernforge.prewarm import prewarm
-from kernforge.tune import tune_gemm, tune_prefill  # tools: time the tile candidates, record the winners
+from kernforge.tune import tune_gemm, tune_int4, tune_prefill  # tools: time the tile candidates, record the winners
 
 __all__ = [
     "__version__",
@@ -33,6 +33,7 @@ __all__ = [
     "register_template_dir",
     "set_isa",
     "tune_gemm",
+    "tune_int4",
     "tune_prefill",
     "use_isa",
     "zero_in_huge_pages",

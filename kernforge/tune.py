@@ -20,7 +20,7 @@ from kernforge.jit import isa, tuning
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import TORCH_DTYPES, dtype_name, set_num_threads
 from kernforge.ops.attention import prefill
-from kernforge.ops.gemm import bf16
+from kernforge.ops.gemm import bf16, int4
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,88 @@ register(
         "weight_packed_linear's register tile, rows per task, K block and thread split",
         _gemm_arguments,
         _gemm_cli,
+    )
+)
+
+
+# --------------------------------------------------------------------------- int4 GEMM
+
+
+def tune_int4(
+    m_list: Iterable[int],
+    nk_list: Iterable[tuple[int, int]],
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = int4.DEFAULT_GROUP,
+    w4a8: bool = True,
+    measure: Callable[[dict, Callable[[], object]], float] | None = None,
+    min_gain: float = 0.03,
+) -> list[dict]:
+    """Time every applicable blocking of the int4 GEMM (``int4.INT4_CANDIDATES``: rows per task, rows
+    that go straight from the nibbles) on W4A8 (or W4A16, ``w4a8=False``) for each M of ``m_list`` and
+    ``(N, K)`` of ``nk_list``, and record the winner per (dtype, M bucket, N, K, group) for this tier
+    and CPU, as :func:`tune_gemm` does (the default wins unless another is ``min_gain`` faster)."""
+    if dtype not in bf16.DTYPE_NAMES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, bf16.DTYPE_NAMES))}, got {dtype}")
+    m_list, nk_list = [int(m) for m in m_list], [(int(n), int(k)) for n, k in nk_list]
+    if not m_list or min(m_list) < 1 or not nk_list or min(min(nk) for nk in nk_list) < 1:
+        raise ValueError(f"tune_int4 needs positive M, N and K, got m_list={m_list}, nk_list={nk_list}")
+    measure = measure or (lambda config, run: tuning.time_call(run))
+    tier = int4.GEMM_INT4.built_tier(isa.selected_tier())
+    results, generator = [], torch.Generator().manual_seed(0)
+    for n, k in nk_list:
+        packed = int4.quantize_int4(torch.randn(n, k, generator=generator), group_size)
+        for m in m_list:
+            x = torch.randn(m, k, generator=generator).to(dtype)
+            timings = {}
+
+            def seconds(candidate: Candidate) -> float:
+                config = dict(candidate.params)
+                run = lambda: int4.linear_with_config(x, packed, config, w4a8)  # noqa: E731
+                timings[_int4_name(config)] = measure(config, run)
+                return timings[_int4_name(config)]
+
+            shape = int4.tile_shape(dtype, m, n, k, group_size)
+            winner = int4.INT4_CANDIDATES.tune(shape, seconds, tier=tier, min_gain=min_gain)
+            default = int4.INT4_CANDIDATES.default(shape, tier).params
+            results.append(
+                {
+                    "shape": shape,
+                    "tier": tier,
+                    "config": dict(winner.params),
+                    "default": dict(default),
+                    "seconds": timings,
+                }
+            )
+    int4.reset_choices()
+    return results
+
+
+def _int4_name(config: dict) -> str:
+    return f"row_block={config['row_block']} few_rows={config['few_rows']}"
+
+
+def _int4_arguments(p: argparse.ArgumentParser) -> None:
+    _gemm_arguments(p)
+    p.add_argument("--group-size", type=int, default=int4.DEFAULT_GROUP, help="K values per scale (default 128)")
+    p.add_argument("--w4a16", action="store_true", help="tune the W4A16 op (default: W4A8)")
+
+
+def _int4_cli(args) -> list[str]:
+    results = tune_int4(args.m, args.nk, TORCH_DTYPES[dtype_name(args.dtype)], args.group_size, not args.w4a16)
+    return [
+        f"{r['shape']} {r['tier']}: {_int4_name(r['config'])} (default {_int4_name(r['default'])})  "
+        + "  ".join(f"{name} {s * 1e6:.1f}us" for name, s in r["seconds"].items())
+        for r in results
+    ]
+
+
+register(
+    Tuner(
+        "gemm_int4",
+        int4.INT4_CANDIDATES,
+        "the int4 GEMM's rows per task and the rows that go straight from the nibbles",
+        _int4_arguments,
+        _int4_cli,
     )
 )
 

@@ -11,7 +11,7 @@
   ``convert_weight_packed_fp8``; forward is ``fp8_scaled_mm`` (x in ``dtype``, fp32 accumulation per
   K block, bias added in fp32).
 * ``quant="int4"`` / ``"int4_w4a16"``: four-bit weights, one zero point and fp32 scale per group of
-  ``INT4_GROUP`` (128) K elements (``quantize_int4``: round to nearest, asymmetric), packed once;
+  ``int4.DEFAULT_GROUP`` (128) K elements (``quantize_int4``: round to nearest, asymmetric), packed once;
   forward is ``int4_scaled_mm_cpu`` (W4A8: x quantized per token to int8 inside the kernel) or
   ``int4_w4a16_linear`` (x as it is). :meth:`Linear.from_int4` takes a weight that is already four-bit
   (a checkpoint's, through ``convert_weight_packed_scale_zp``).
@@ -33,7 +33,6 @@ from kernforge.ops._registry import DTYPE_NAMES
 from kernforge.ops.gemm import bf16, fp8, int4, int8
 
 QUANTS = (None, "int8", "fp8_block", *int4.QUANTS)
-INT4_GROUP = 128  # K elements per int4 scale and zero point (the checkpoints' common choice)
 FP8_BLOCK = (128, 128)  # (N, K) block of one fp8 weight scale, DeepSeek-V3's
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -50,8 +49,8 @@ class Linear(nn.Module):
         quant: str | None = None,
         group_size: int | None = None,
     ):
-        """``group_size``: int4's K elements per scale (default ``INT4_GROUP``, or K where K is smaller
-        or not a multiple of it); other quants take none."""
+        """``group_size``: int4's K elements per scale (default ``int4.default_group_size(K)``); other
+        quants take none."""
         super().__init__()
         if group_size is not None and quant not in int4.QUANTS:
             raise ValueError(f"group_size is for quant='int4' or 'int4_w4a16', not quant={quant!r}")
@@ -234,18 +233,14 @@ def _layout_version(quant: str | None) -> int:
 
 
 def _int4_group(k: int, group_size: int | None) -> int:
-    """The group size of an int4 weight with K = ``k``: ``group_size``, or INT4_GROUP where it divides
-    K, else the largest multiple of 4 below it that does (K itself if K < INT4_GROUP)."""
-    if group_size is not None:
-        if not isinstance(group_size, int) or group_size < int4.QUAD or group_size % int4.QUAD or k % group_size:
-            raise ValueError(
-                f"group_size must be a multiple of {int4.QUAD} that divides in_features = {k}, got {group_size!r}"
-            )
-        return group_size
-    for size in range(min(INT4_GROUP, k) // int4.QUAD * int4.QUAD, 0, -int4.QUAD):
-        if k % size == 0:
-            return size
-    raise ValueError(f"quant='int4' needs in_features to be a multiple of {int4.QUAD}, got {k}")
+    """``group_size``, checked, or the default for K = ``k`` (``int4.default_group_size``)."""
+    if group_size is None:
+        return int4.default_group_size(k)
+    if not isinstance(group_size, int) or group_size < int4.QUAD or group_size % int4.QUAD or k % group_size:
+        raise ValueError(
+            f"group_size must be a multiple of {int4.QUAD} that divides in_features = {k}, got {group_size!r}"
+        )
+    return group_size
 
 
 def _check_config(dtype: object, quant: object) -> None:

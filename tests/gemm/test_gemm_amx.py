@@ -416,8 +416,8 @@ def _mnemonics(so) -> str:
     [
         (GEMM, None, "tdpbf16ps"),
         (GEMM_INT8, {"dtype": "bf16"}, "tdpbusd"),
-        (GEMM_INT4, {"dtype": "bf16"}, "tdpbusd"),
-        (GEMM_INT4, {"dtype": "bf16"}, "tdpbf16ps"),
+        (GEMM_INT4, {"dtype": "bf16", "row_block": 128, "few_rows": 4}, "tdpbusd"),
+        (GEMM_INT4, {"dtype": "bf16", "row_block": 128, "few_rows": 4}, "tdpbf16ps"),
     ],
     ids=["gemm", "gemm_int8", "gemm_int4_w4a8", "gemm_int4_w4a16"],
 )

@@ -320,7 +320,7 @@ def _amx_emulated():
         tiers={"avx512": "avx512"},
         register=False,
     )
-    return core.load_kernel(module, {"dtype": "bf16"}, "avx512")
+    return core.load_kernel(module, {"dtype": "bf16", **int4.DEFAULT_BLOCKING}, "avx512")
 
 
 def _counters(kernel) -> list[int]:
@@ -345,3 +345,30 @@ def test_amx_tiles_match_references(m, n, k, group):
         faults, _, dot_products = _counters(kernel)
         assert faults == 0 and dot_products > 0, f"{entry}: the tiles were not used, or misused"
         _assert_close(out, reference(x, packed, bias), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- blocking candidates, tuner
+
+
+@pytest.mark.parametrize("candidate", int4.INT4_CANDIDATES.candidates + [int4.INT4_CANDIDATES.reference], ids=str)
+def test_every_blocking_candidate_matches(tier, candidate):
+    """Each blocking the tuner may pick computes the same product (rows around every row block and
+    few-rows threshold)."""
+    packed = _packed(70, 256, 64)
+    for m in (1, 2, 3, 4, 65, 129, 257):
+        x = _x(m, 256, torch.bfloat16, ("blocking",))
+        for w4a8, reference in ((True, _w4a8_reference), (False, _w4a16_reference)):
+            _assert_close(int4.linear_with_config(x, packed, candidate.params, w4a8), reference(x, packed), x.dtype)
+
+
+def test_tune_int4_records_the_winner_where_dispatch_finds_it(kernforge_cache_dir):
+    fastest = {"row_block": 256, "few_rows": 4}
+    (result,) = kernforge.tune_int4([200], [(96, 128)], measure=lambda c, run: 0.5 if c == fastest else 1.0)
+    assert result["config"] == fastest and result["default"] == int4.DEFAULT_BLOCKING
+    shape = int4.tile_shape(torch.bfloat16, 200, 96, 128, 128)
+    assert int4.INT4_CANDIDATES.choose(shape).params == fastest
+    packed = _packed(96, 128, 128)
+    x = _x(200, 128, torch.bfloat16)
+    _assert_close(int4_scaled_mm_cpu(x, packed), _w4a8_reference(x, packed), torch.bfloat16)  # runs the winner
+    with pytest.raises(ValueError, match="positive M, N and K"):
+        kernforge.tune_int4([0], [(8, 8)])

@@ -36,8 +36,10 @@ import enum
 
 import torch
 
-from kernforge.jit.module import ALL_TIERS, DType, Entry, Module, Struct
-from kernforge.ops._common import dtype_name, num_threads
+from kernforge.jit import isa
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, Module, Struct
+from kernforge.jit.tuning import Candidate, Candidates
+from kernforge.ops._common import TORCH_DTYPES, dtype_name, num_threads
 from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import STATUS, check_cpu_tensor, checked_fp32_bias, matrix_rows, packed_weight
 
@@ -90,7 +92,7 @@ INT4_GEMM_ARGS = Struct(
 GEMM_INT4 = Module(
     "gemm_int4",
     "gemm_int4.cpp.jinja",
-    params={"dtype": DType()},
+    params={"dtype": DType(), "row_block": Int(choices=(64, 128, 256)), "few_rows": Int(choices=(1, 2, 4))},
     structs=[INT4_GEMM_ARGS],
     entries=[
         Entry("w4a8", "const kf_int4_gemm* args", returns="int64_t"),
@@ -99,6 +101,61 @@ GEMM_INT4 = Module(
     ],
     tiers=ALL_TIERS,
 )
+
+
+DEFAULT_BLOCKING = {"row_block": 128, "few_rows": 4}
+
+
+def _blocking(rank: int, when, **changed) -> Candidate:
+    return Candidate({**DEFAULT_BLOCKING, **changed}, ALL_TIERS, rank, when=when)
+
+
+# The tuner's candidates (python -m kernforge tune gemm_int4), per (x dtype, M bucket, N, K, group): rows
+# per task (an unpacked block serves them all: more rows, fewer unpacks, a bigger tile) where M spans
+# more than one task, and how many rows still go straight from the nibbles (decode) where M is that small.
+INT4_CANDIDATES = Candidates(
+    "int4_gemm",
+    GEMM_INT4,
+    candidates=[
+        _blocking(0, lambda shape: True),
+        _blocking(1, lambda shape: shape["m"] > 64, row_block=256),
+        _blocking(2, lambda shape: shape["m"] > 64, row_block=64),
+        _blocking(3, lambda shape: 2 < shape["m"] <= 4, few_rows=2),
+    ],
+    reference=Candidate({"row_block": 64, "few_rows": 1}, ALL_TIERS),
+    bucket=lambda s: f"{s['dtype']}_m{s['m']}_n{s['n']}_k{s['k']}_g{s['group']}",
+)
+
+
+def tile_shape(dtype: torch.dtype, m: int, n: int, k: int, group_size: int) -> dict:
+    """The problem as the candidates see it: x's dtype name, M's power-of-two bucket, N, K, group."""
+    return {
+        "dtype": DTYPE_NAMES[dtype],
+        "m": 1 << min(max(m - 1, 0).bit_length(), 10),
+        "n": n,
+        "k": k,
+        "group": group_size,
+    }
+
+
+_CHOSEN: dict[tuple, object] = {}  # (tile_shape items, tier) -> the variant dispatch runs
+
+
+def reset_choices() -> None:
+    """Forget the blocking dispatch chose, so the next calls read the tuning records again."""
+    _CHOSEN.clear()
+
+
+def _chosen_kernel(x: torch.Tensor, m: int, packed, config: dict | None = None):
+    if config is not None:
+        return GEMM_INT4.variant(dtype=DTYPE_NAMES[x.dtype], **config).kernel()
+    shape = tile_shape(x.dtype, m, packed.n, packed.k, packed.group_size)
+    key = (*shape.values(), isa.selected_tier())
+    found = _CHOSEN.get(key)
+    if found is None:
+        params = INT4_CANDIDATES.choose(shape, tier=key[-1]).params
+        found = _CHOSEN[key] = GEMM_INT4.variant(dtype=shape["dtype"], **params)
+    return found.kernel()
 
 
 @packed_weight(saved_as="kernforge.ops.gemm_int4")
@@ -233,9 +290,13 @@ def convert_weight_packed_scale_zp(
     """A checkpoint's 4-bit weight (see :class:`Int4Format`) -> ``(w, w_zeros, w_scales)`` for
     :func:`int4_scaled_mm_cpu` and :func:`int4_w4a16_linear`. ``qzeros=None``: symmetric, zero 8.
     GPTQ with ``desc_act`` (a ``g_idx`` that is not ``k // group_size``) is not taken here: permute
-    its K first (see ``kernforge.integrations.transformers``' loader)."""
+    its K first (see ``kernforge.integrations.transformers``' loader). 3-D tensors (``[E, ...]``, a
+    MoE's stacked experts) are converted expert by expert: ``w [E, ceil(N / 64), K / 4, 128]``,
+    ``w_zeros`` and ``w_scales [E, G, N]`` (what ``kernforge.ops.moe.fused_experts`` takes)."""
     fmt = _format(quant_method_4bit)
     check_cpu_tensor(qweight, "qweight")
+    if qweight.dim() == 3:
+        return _convert_experts(qweight, qzeros, scales, fmt)
     check_cpu_tensor(scales, "scales")
     if qweight.dtype is not torch.int32 or qweight.dim() != 2:
         raise TypeError(
@@ -260,6 +321,25 @@ def convert_weight_packed_scale_zp(
 
 
 export("convert_weight_packed_scale_zp", convert_weight_packed_scale_zp)
+
+
+def _convert_experts(qweight, qzeros, scales, fmt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """convert_weight_packed_scale_zp of each expert of stacked ``[E, ...]`` tensors, stacked."""
+    check_cpu_tensor(scales, "scales")
+    experts = qweight.shape[0]
+    if qzeros is not None:
+        check_cpu_tensor(qzeros, "qzeros")
+    if experts < 1 or scales.dim() != 3 or scales.shape[0] != experts or (qzeros is not None and (
+            qzeros.dim() != 3 or qzeros.shape[0] != experts)):  # fmt: skip
+        raise ValueError(
+            f"qweight {tuple(qweight.shape)} is 3-D: scales and qzeros must be 3-D too, with the same number "
+            f"of experts, got {tuple(scales.shape)} and {None if qzeros is None else tuple(qzeros.shape)}"
+        )
+    converted = [
+        convert_weight_packed_scale_zp(qweight[e], None if qzeros is None else qzeros[e], scales[e], fmt)
+        for e in range(experts)
+    ]
+    return tuple(torch.stack(tensors) for tensors in zip(*converted))
 
 
 def _unpack_words(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
@@ -289,6 +369,18 @@ def _format(quant_method_4bit: object) -> Int4Format:
     except ValueError:
         names = [f"{f.value} ({f.name})" for f in Int4Format]
         raise ValueError(f"quant_method_4bit must be one of {names}, got {quant_method_4bit!r}") from None
+
+
+DEFAULT_GROUP = 128  # K elements per scale and zero point where a weight is quantized here (checkpoints' usual)
+
+
+def default_group_size(k: int) -> int:
+    """The group size kernforge quantizes a weight with K = ``k`` in: ``DEFAULT_GROUP`` where it
+    divides K, else the largest multiple of 4 below it that does (K itself if K is smaller)."""
+    for size in range(min(DEFAULT_GROUP, k) // QUAD * QUAD, 0, -QUAD):
+        if k % size == 0:
+            return size
+    raise ValueError(f"four-bit weights need K to be a multiple of {QUAD}, got {k}")
 
 
 def check_group_size(k: int, groups: int) -> None:
@@ -321,7 +413,7 @@ def _traced(op_name: str) -> Traced:
     )
 
 
-@kernel_op(GEMM_INT4, traced=_traced("w4a8"))
+@kernel_op(GEMM_INT4, traced=_traced("w4a8"), **DEFAULT_BLOCKING)
 def int4_scaled_mm_cpu(
     x: torch.Tensor,
     w: torch.Tensor | PackedInt4Weight,
@@ -335,7 +427,7 @@ def int4_scaled_mm_cpu(
     return _run("w4a8", x, w, w_zeros, w_scales, bias)
 
 
-@kernel_op(GEMM_INT4, traced=_traced("w4a16"))
+@kernel_op(GEMM_INT4, traced=_traced("w4a16"), **DEFAULT_BLOCKING)
 def int4_w4a16_linear(
     x: torch.Tensor,
     w: torch.Tensor | PackedInt4Weight,
@@ -391,16 +483,23 @@ def _kernel(op, x: object):
     return op.kernels.variant(x.dtype).kernel()
 
 
-def _run(entry: str, x, w, w_zeros, w_scales, bias) -> torch.Tensor:
+def _run(entry: str, x, w, w_zeros, w_scales, bias, config: dict | None = None) -> torch.Tensor:
     op = int4_scaled_mm_cpu if entry == "w4a8" else int4_w4a16_linear
-    kernel = _kernel(op, x)
+    _kernel(op, x)  # the checks of x
     packed = _weight(w, w_zeros, w_scales)
     m, _, x2, ldx = matrix_rows(x, "x", packed.k, "w's K")
     bias = checked_fp32_bias(bias, packed.n)
     out = torch.empty((*x.shape[:-1], packed.n), dtype=x.dtype)
     if m:
+        kernel = _chosen_kernel(x, m, packed, config)
         _call(getattr(kernel, entry), entry == "w4a8", kernel, packed, x2, ldx, bias, out, packed.n, m)
     return out
+
+
+def linear_with_config(x: torch.Tensor, packed: PackedInt4Weight, config: dict, w4a8: bool = True) -> torch.Tensor:
+    """:func:`int4_scaled_mm_cpu` (or, ``w4a8=False``, :func:`int4_w4a16_linear`) with the blocking
+    forced (what the tuner times): ``config`` is a candidate's ``params``."""
+    return _run("w4a8" if w4a8 else "w4a16", x, packed, None, None, None, {**DEFAULT_BLOCKING, **config})
 
 
 def _call(entry, quantizes: bool, kernel, packed: PackedInt4Weight, x2, ldx, bias, out, ldo, m) -> None:
@@ -430,7 +529,21 @@ def _call(entry, quantizes: bool, kernel, packed: PackedInt4Weight, x2, ldx, bia
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
-    return [{"module": "gemm_int4", "params": {"dtype": dtype_name(spec.dtype)}}] if quant in QUANTS else []
+    """The variants dispatch picks for the model's linear shapes at every row bucket (tuned or default),
+    at the group size kernforge.nn.Linear quantizes them with."""
+    if quant not in QUANTS:
+        return []
+    tier, configs = isa.selected_tier(), []
+    dtype = TORCH_DTYPES[dtype_name(spec.dtype)]
+    for name, (n, k) in spec.linear_shapes().items():
+        if name == "router" or k % QUAD:
+            continue
+        for m in sorted({1 << i for i in range(11)}):
+            shape = tile_shape(dtype, m, n, k, default_group_size(k))
+            params = {"dtype": shape["dtype"], **INT4_CANDIDATES.choose(shape, tier=tier).params}
+            if params not in configs:
+                configs.append(params)
+    return [{"module": "gemm_int4", "params": params} for params in configs]
 
 
 QUANTS = ("int4", "int4_w4a16")  # kernforge.nn.Linear's quant names for these ops

@@ -6,7 +6,7 @@
 // quad 128 bytes = two chunks of 32 columns; byte b of a chunk holds column b / 4 at K 4q + b % 4 in
 // its low nibble and column 16 + b / 4 in its high nibble. Zero points uint8 [G][N], scales fp32 [G][N].
 //
-// No new micro-kernel: a task (NR columns x up to kRowBlock rows) walks K block by block; each block
+// No new micro-kernel: a task (NR columns x up to RowBlock rows) walks K block by block; each block
 // of the weight (at most kDepthBlock K of one group) is unpacked into a small buffer in the layout the
 // existing micro-kernels read, int8 VNNI-4 words of (code - zero) (gemm/int8_kernel.h) or bf16 pairs
 // of it (gemm/micro_kernel.h), and multiplied there for every row of the task, so one unpack serves
@@ -30,10 +30,8 @@
 namespace kf::gemm::int4 {
 
 constexpr int kPanelWidth = 64, kChunk = 32, kChunkBytes = 64, kQuadBytes = 128, kQuad = 4;
-constexpr int64_t kRowBlock = 128;    // rows per task: one unpacked block serves all of them
 constexpr int64_t kDepthBlock = 128;  // K per unpacked block (a multiple of kQuad)
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;
-constexpr int kFewRows = 4;  // up to this many rows (decode), the codes go from nibbles to products directly
 
 enum Status : int64_t { kOk = 0, kBadGroupSize = 2 };
 
@@ -181,7 +179,16 @@ inline void zero_words(const Problem& p, int64_t g, int64_t n0, uint8_t bias, ui
 }
 
 // Calls task(m0, n0, rows) for every output tile, with the problem's checks done.
-template <int NR, class Task>
+// The blocking, a module parameter each (kernforge.ops.gemm.int4.INT4_CANDIDATES tunes them): rows per
+// task (one unpacked block serves all of them) and the row count up to which (decode) the codes go
+// from the nibbles to the products directly.
+template <int64_t kRowBlock_, int kFewRows_>
+struct Blocking {
+  static constexpr int64_t kRowBlock = kRowBlock_;
+  static constexpr int kFewRows = kFewRows_;
+};
+
+template <int NR, int64_t kRowBlock, class Task>
 inline int64_t for_each_tile(const Problem& p, int64_t num_threads, const Task& task) {
   if (p.group_size <= 0 || p.group_size % kQuad || p.k % p.group_size) return kBadGroupSize;
   if (p.m <= 0 || p.n <= 0) return kOk;
@@ -467,18 +474,20 @@ inline bool amx_rows(int64_t rows) { return rows >= amx::kMinRows && amx::tiles_
 // W4A8 on rows `a` (uint8: int8 + 128, lda bytes apart): each group's exact int32 sums of a task,
 // sum_{k in g} (a - 128) (code - zero), go to on_group(m0, n0, rows, g, sums [rows][NR]) and, scaled,
 // into the task's fp32 tile, handed to on_task(m0, n0, rows, tile [rows][NR]) at the end.
-template <int MR, int NR, class OnGroup, class OnTask>
+template <int MR, int NR, class Block, class OnGroup, class OnTask>
 int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_threads, const OnGroup& on_group,
              const OnTask& on_task) {
-  return for_each_tile<NR>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+  constexpr int64_t kRowBlock = Block::kRowBlock;
+  constexpr int kFewRows = Block::kFewRows < MR ? Block::kFewRows : MR;  // the tile's registers bound it
+  return for_each_tile<NR, kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
     alignas(64) uint32_t block[kDepthBlock / kQuad * NR];
     alignas(64) uint32_t zeros[NR];
     alignas(64) int32_t compensation[NR];
-    alignas(64) int32_t sums[kRowBlock * NR];
-    alignas(64) float tile[kRowBlock * NR];
+    alignas(64) int32_t sums[Block::kRowBlock * NR];
+    alignas(64) float tile[Block::kRowBlock * NR];
     std::fill_n(tile, rows * NR, 0.0f);
-    if (rows <= MR) {  // decode: straight from the nibbles
-      w4a8_few_rows<MR, NR>(rows, p, n0, a + m0 * lda, lda, [&](int64_t g, const int32_t* group_sums) {
+    if (rows <= kFewRows) {  // decode: straight from the nibbles
+      w4a8_few_rows<kFewRows, NR>(rows, p, n0, a + m0 * lda, lda, [&](int64_t g, const int32_t* group_sums) {
         on_group(m0, n0, rows, g, group_sums);
         scale_into<NR>(p, g, n0, rows, group_sums, tile);
       });
@@ -538,13 +547,15 @@ int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_thread
 }
 
 // W4A16 on rows x (any storage type, ldx apart): fp32 sums per group, scaled into tile.
-template <int MR, int NR, class T, class OnTask>
+template <int MR, int NR, class Block, class T, class OnTask>
 int64_t w4a16(const Problem& p, const T* x, int64_t ldx, int64_t num_threads, const OnTask& on_task) {
-  return for_each_tile<NR>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+  constexpr int64_t kRowBlock = Block::kRowBlock;
+  constexpr int kFewRows = Block::kFewRows;
+  return for_each_tile<NR, kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
     alignas(64) uint32_t block[kDepthBlock / 2 * NR];
     alignas(64) uint32_t zeros[NR];
-    alignas(64) float sums[kRowBlock * NR];
-    alignas(64) float tile[kRowBlock * NR];
+    alignas(64) float sums[Block::kRowBlock * NR];
+    alignas(64) float tile[Block::kRowBlock * NR];
     std::fill_n(tile, rows * NR, 0.0f);
 #if KF_HAS_DPBF16
     if constexpr (kUsesDpbf16<T>) {
