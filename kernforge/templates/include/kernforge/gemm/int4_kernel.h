@@ -435,12 +435,6 @@ inline void scaled_block_kernel_rows(int64_t rows, const uint8_t* a, int64_t lda
   scaled_block_kernel<MR, NR>(a, lda, block, quads, compensation, scale, tile);
 }
 
-// What w4a8's callers pass for on_group when they want no group's int32 sums: the blocks' sums then go
-// through their scale in registers (scaled_block_kernel), each block on its own.
-struct NoGroupSums {
-  void operator()(int64_t, int64_t, int64_t, int64_t, const int32_t*) const {}
-};
-
 #if KF_HAS_AMX
 // ---- the many-rows path on AMX tiles: an unpacked block is what the tiles read as B (the int8 or bf16
 // micro-kernels' layout), so each block goes through amx::block by 32 rows x 32 columns, into a small
@@ -471,136 +465,143 @@ inline void amx_scaled_block(const typename Product::A* a, int64_t lda, const ui
 inline bool amx_rows(int64_t rows) { return rows >= amx::kMinRows && amx::tiles_permitted(); }
 #endif
 
-// W4A8 on rows `a` (uint8: int8 + 128, lda bytes apart): each group's exact int32 sums of a task,
-// sum_{k in g} (a - 128) (code - zero), go to on_group(m0, n0, rows, g, sums [rows][NR]) and, scaled,
-// into the task's fp32 tile, handed to on_task(m0, n0, rows, tile [rows][NR]) at the end.
-template <int MR, int NR, class Block, class OnGroup, class OnTask>
-int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_threads, const OnGroup& on_group,
-             const OnTask& on_task) {
-  constexpr int64_t kRowBlock = Block::kRowBlock;
+// One task of W4A8: tile[r][j] (r < rows <= Block::kRowBlock, j < NR) = sum_g scale[g][n0 + j] *
+// sum_{k in g} (a[r][k] - 128) (code - zero), for rows `a` (uint8: int8 + 128, lda bytes apart) from the
+// task's first; columns past N give 0; no bias, no row scale. The GEMM driver below runs one per task;
+// fused MoE runs them from its own parallel loop (so AMX tile state lives in the task).
+template <int MR, int NR, class Block>
+void w4a8_task(const Problem& p, const uint8_t* a, int64_t lda, int64_t rows, int64_t n0, float* tile) {
   constexpr int kFewRows = Block::kFewRows < MR ? Block::kFewRows : MR;  // the tile's registers bound it
-  return for_each_tile<NR, kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+  std::fill_n(tile, rows * NR, 0.0f);
+  if (rows <= kFewRows) {  // decode: straight from the nibbles
+    w4a8_few_rows<kFewRows, NR>(rows, p, n0, a, lda,
+                                [&](int64_t g, const int32_t* sums) { scale_into<NR>(p, g, n0, rows, sums, tile); });
+    return;
+  }
+  alignas(64) uint32_t block[kDepthBlock / kQuad * NR];
+  alignas(64) uint32_t zeros[NR];
+  alignas(64) int32_t compensation[NR];
+  alignas(64) float scale[NR] = {};
+  const auto unpack = [&](int64_t g, int64_t k0, int64_t depth) {
+    zero_words<NR>(p, g, n0, 0, zeros);
+    std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);  // past N: 0, codes 0
+    unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
+  };
+#if KF_HAS_AMX
+  if (amx_rows(rows)) {
+    amx::Tiles tiles;
+    amx::TailBuffers<amx::U8S8Product> tails;
+    return for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+      unpack(g, k0, depth);
+      amx_scaled_block<amx::U8S8Product, NR>(a + k0, lda, block, depth, rows, compensation, scale, tile, tiles, tails);
+    });
+  }
+#endif
+  for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+    unpack(g, k0, depth);
+    for (int64_t r0 = 0; r0 < rows; r0 += MR)
+      scaled_block_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), a + r0 * lda + k0, lda, block, depth / kQuad,
+                                       compensation, scale, tile + r0 * NR);
+  });
+}
+
+// W4A8 of the whole problem: on_task(m0, n0, rows, tile) per task, tile as w4a8_task fills it.
+template <int MR, int NR, class Block, class OnTask>
+int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_threads, const OnTask& on_task) {
+  return for_each_tile<NR, Block::kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+    alignas(64) float tile[Block::kRowBlock * NR];
+    w4a8_task<MR, NR, Block>(p, a + m0 * lda, lda, rows, n0, tile);
+    on_task(m0, n0, rows, static_cast<const float*>(tile));
+  });
+}
+
+// W4A8's exact int32 sums, for tests and callers that scale themselves: on_group(m0, n0, rows, g,
+// sums [rows][NR]) = sum_{k in g} (a - 128) (code - zero), through the same two paths (nibbles for a few
+// rows, unpacked blocks on the int8 micro-kernel for more).
+template <int MR, int NR, class Block, class OnGroup>
+int64_t w4a8_group_sums(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_threads, const OnGroup& on_group) {
+  constexpr int kFewRows = Block::kFewRows < MR ? Block::kFewRows : MR;
+  return for_each_tile<NR, Block::kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
+    if (rows <= kFewRows) {
+      return w4a8_few_rows<kFewRows, NR>(rows, p, n0, a + m0 * lda, lda,
+                                         [&](int64_t g, const int32_t* sums) { on_group(m0, n0, rows, g, sums); });
+    }
     alignas(64) uint32_t block[kDepthBlock / kQuad * NR];
     alignas(64) uint32_t zeros[NR];
     alignas(64) int32_t compensation[NR];
     alignas(64) int32_t sums[Block::kRowBlock * NR];
-    alignas(64) float tile[Block::kRowBlock * NR];
-    std::fill_n(tile, rows * NR, 0.0f);
-    if (rows <= kFewRows) {  // decode: straight from the nibbles
-      w4a8_few_rows<kFewRows, NR>(rows, p, n0, a + m0 * lda, lda, [&](int64_t g, const int32_t* group_sums) {
-        on_group(m0, n0, rows, g, group_sums);
-        scale_into<NR>(p, g, n0, rows, group_sums, tile);
-      });
-      return on_task(m0, n0, rows, static_cast<const float*>(tile));
-    }
-    if constexpr (std::is_same_v<OnGroup, NoGroupSums>) {
-      alignas(64) float scale[NR] = {};
-#if KF_HAS_AMX
-      if (amx_rows(rows)) {
-        amx::Tiles tiles;
-        amx::TailBuffers<amx::U8S8Product> tails;
-        for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
-          zero_words<NR>(p, g, n0, 0, zeros);
-          std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);
-          unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
-          amx_scaled_block<amx::U8S8Product, NR>(a + m0 * lda + k0, lda, block, depth, rows, compensation, scale, tile,
-                                                 tiles, tails);
-        });
-        return on_task(m0, n0, rows, static_cast<const float*>(tile));
-      }
-#endif
-      for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
-        zero_words<NR>(p, g, n0, 0, zeros);
-        std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);  // past N: 0, codes 0
-        unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
-        for (int64_t r0 = 0; r0 < rows; r0 += MR)
-          scaled_block_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), a + (m0 + r0) * lda + k0, lda, block,
-                                           depth / kQuad, compensation, scale, tile + r0 * NR);
-      });
-      return on_task(m0, n0, rows, static_cast<const float*>(tile));
-    }
     int64_t group = -1;
-    const auto finish_group = [&] {
-      if (group < 0) return;
-      on_group(m0, n0, rows, group, static_cast<const int32_t*>(sums));
-      scale_into<NR>(p, group, n0, rows, static_cast<const int32_t*>(sums), tile);
-    };
     for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
       if (g != group) {
-        finish_group();
+        if (group >= 0) on_group(m0, n0, rows, group, static_cast<const int32_t*>(sums));
         group = g;
         std::fill_n(sums, rows * NR, 0);
         zero_words<NR>(p, g, n0, 0, zeros);
       }
       unpack_s8<NR>(p, n0, k0, depth, zeros, block, compensation);
-      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        int32_t* c = sums + r0 * NR;
+      for (int64_t r0 = 0; r0 < rows; r0 += MR)
         int8::micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), a + (m0 + r0) * lda + k0, lda, block, NR,
-                                        depth, c, NR);
-      }
+                                        depth, sums + r0 * NR, NR);
       for (int64_t r = 0; r < rows; ++r)
         for (int j = 0; j < NR; ++j) sums[r * NR + j] -= compensation[j];
     });
-    finish_group();
-    on_task(m0, n0, rows, static_cast<const float*>(tile));
+    on_group(m0, n0, rows, group, static_cast<const int32_t*>(sums));
   });
 }
 
-// W4A16 on rows x (any storage type, ldx apart): fp32 sums per group, scaled into tile.
+// One task of W4A16 on rows x (any storage type, ldx apart, from the task's first): the tile as
+// w4a8_task's, with x as it is.
+template <int MR, int NR, class Block, class T>
+void w4a16_task(const Problem& p, const T* x, int64_t ldx, int64_t rows, int64_t n0, float* tile) {
+  std::fill_n(tile, rows * NR, 0.0f);
+#if KF_HAS_DPBF16
+  if constexpr (kUsesDpbf16<T>) {
+    if (rows <= Block::kFewRows) {  // decode: straight from the nibbles
+      return w4a16_few_rows<Block::kFewRows, NR>(
+          rows, p, n0, x, ldx, [&](int64_t g, const float* sums) { scale_into<NR>(p, g, n0, rows, sums, tile); });
+    }
+  }
+#endif
+  alignas(64) uint32_t block[kDepthBlock / 2 * NR];
+  alignas(64) uint32_t zeros[NR];
+#if KF_HAS_AMX
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx_rows(rows)) {
+      amx::Tiles tiles;
+      amx::TailBuffers<amx::Bf16Product> tails;
+      alignas(64) float scale[NR] = {};
+      return for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+        zero_words<NR>(p, g, n0, 16, zeros);
+        std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);
+        unpack_bf16<NR>(p, n0, k0, depth, zeros, block);
+        amx_scaled_block<amx::Bf16Product, NR>(x + k0, ldx, block, depth, rows, nullptr, scale, tile, tiles, tails);
+      });
+    }
+  }
+#endif
+  alignas(64) float sums[Block::kRowBlock * NR];
+  int64_t group = -1;
+  for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
+    if (g != group) {
+      if (group >= 0) scale_into<NR>(p, group, n0, rows, static_cast<const float*>(sums), tile);
+      group = g;
+      std::fill_n(sums, rows * NR, 0.0f);
+      zero_words<NR>(p, g, n0, 16, zeros);
+    }
+    unpack_bf16<NR>(p, n0, k0, depth, zeros, block);
+    for (int64_t r0 = 0; r0 < rows; r0 += MR)
+      micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), x + r0 * ldx + k0, ldx, block, NR, depth,
+                                sums + r0 * NR, NR);
+  });
+  scale_into<NR>(p, group, n0, rows, static_cast<const float*>(sums), tile);
+}
+
+// W4A16 of the whole problem: on_task(m0, n0, rows, tile) per task.
 template <int MR, int NR, class Block, class T, class OnTask>
 int64_t w4a16(const Problem& p, const T* x, int64_t ldx, int64_t num_threads, const OnTask& on_task) {
-  constexpr int64_t kRowBlock = Block::kRowBlock;
-  constexpr int kFewRows = Block::kFewRows;
-  return for_each_tile<NR, kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
-    alignas(64) uint32_t block[kDepthBlock / 2 * NR];
-    alignas(64) uint32_t zeros[NR];
-    alignas(64) float sums[Block::kRowBlock * NR];
+  return for_each_tile<NR, Block::kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
     alignas(64) float tile[Block::kRowBlock * NR];
-    std::fill_n(tile, rows * NR, 0.0f);
-#if KF_HAS_DPBF16
-    if constexpr (kUsesDpbf16<T>) {
-      if (rows <= kFewRows) {  // decode: straight from the nibbles
-        w4a16_few_rows<kFewRows, NR>(rows, p, n0, x + m0 * ldx, ldx, [&](int64_t g, const float* group_sums) {
-          scale_into<NR>(p, g, n0, rows, group_sums, tile);
-        });
-        return on_task(m0, n0, rows, static_cast<const float*>(tile));
-      }
-    }
-#endif
-#if KF_HAS_AMX
-    if constexpr (std::is_same_v<T, bf16>) {
-      if (amx_rows(rows)) {
-        amx::Tiles tiles;
-        amx::TailBuffers<amx::Bf16Product> tails;
-        alignas(64) float scale[NR] = {};
-        for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
-          zero_words<NR>(p, g, n0, 16, zeros);
-          std::copy_n(p.scales + g * p.n + n0, std::min<int64_t>(NR, p.n - n0), scale);
-          unpack_bf16<NR>(p, n0, k0, depth, zeros, block);
-          amx_scaled_block<amx::Bf16Product, NR>(x + m0 * ldx + k0, ldx, block, depth, rows, nullptr, scale, tile,
-                                                 tiles, tails);
-        });
-        return on_task(m0, n0, rows, static_cast<const float*>(tile));
-      }
-    }
-#endif
-    int64_t group = -1;
-    const auto finish_group = [&] {
-      if (group >= 0) scale_into<NR>(p, group, n0, rows, static_cast<const float*>(sums), tile);
-    };
-    for_each_block(p, [&](int64_t g, int64_t k0, int64_t depth) {
-      if (g != group) {
-        finish_group();
-        group = g;
-        std::fill_n(sums, rows * NR, 0.0f);
-        zero_words<NR>(p, g, n0, 16, zeros);
-      }
-      unpack_bf16<NR>(p, n0, k0, depth, zeros, block);
-      for (int64_t r0 = 0; r0 < rows; r0 += MR)
-        micro_kernel_rows<MR, NR>(std::min<int64_t>(MR, rows - r0), x + (m0 + r0) * ldx + k0, ldx, block, NR, depth,
-                                  sums + r0 * NR, NR);
-    });
-    finish_group();
+    w4a16_task<MR, NR, Block>(p, x + m0 * ldx, ldx, rows, n0, tile);
     on_task(m0, n0, rows, static_cast<const float*>(tile));
   });
 }
