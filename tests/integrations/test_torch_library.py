@@ -69,6 +69,8 @@ WRITES = {
     "weight_packed_linear": set(),
     "weight_packed_linear_out": {"out"},
     "int8_scaled_mm_with_quant": set(),
+    "int4_scaled_mm_cpu": set(),
+    "int4_w4a16_linear": set(),
     "fused_experts": set(),
     "fused_experts_out": {"out"},
     "shared_expert": set(),
@@ -244,6 +246,11 @@ def _int8_case(g):
         ),
         lambda x, *weight_args: kernforge.int8_scaled_mm_with_quant(x, packed, weight_args[-1]),
     )
+
+
+def _int4_case(op, g):
+    packed = kernforge.quantize_int4(randn((45, 64), g), group_size=32)
+    return Case((bf16((3, 64), g), *packed, randn((45,), g)), op)
 
 
 def _experts_case(g, int8=False, fp8=False, out=False):
@@ -440,6 +447,8 @@ CASES = {  # "op" or "op[form]" -> (g, workspace) -> Case
     "weight_packed_linear": lambda g, ws: _linear_case(g),
     "weight_packed_linear_out": lambda g, ws: _linear_out_case(g),
     "int8_scaled_mm_with_quant": lambda g, ws: _int8_case(g),
+    "int4_scaled_mm_cpu": lambda g, ws: _int4_case(kernforge.int4_scaled_mm_cpu, g),
+    "int4_w4a16_linear": lambda g, ws: _int4_case(kernforge.int4_w4a16_linear, g),
     "fused_experts": lambda g, ws: _experts_case(g),
     "fused_experts[int8]": lambda g, ws: _experts_case(g, int8=True),
     "fused_experts[fp8]": lambda g, ws: _experts_case(g, fp8=True),

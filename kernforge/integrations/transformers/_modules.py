@@ -23,7 +23,13 @@ from kernforge.integrations.transformers._cache import MLAPagedCache, PagedCache
 from kernforge.model_spec import PACKED_LINEARS
 from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
 from kernforge.nn.linear import FP8_BLOCK
-from kernforge.ops.moe.experts import pack_experts, pack_experts_fp8, pack_experts_int8
+from kernforge.ops.moe.experts import (
+    CPUQuantMethod,
+    pack_experts,
+    pack_experts_fp8,
+    pack_experts_int8,
+    quantize_experts_int4,
+)
 
 ATTN_IMPLEMENTATION = "kernforge"
 
@@ -103,6 +109,8 @@ class SparseMoE(nn.Module):
         return kf.topk_softmax(x, self.gate(x), self.top_k, self.renormalize)
 
     def _quant_flags(self) -> dict:
+        if self.quant in _INT4_METHODS:  # four-bit experts: W4A8 or W4A16, as the linears
+            return {"moe_comp_method": _INT4_METHODS[self.quant]}
         return {"use_int8_w8a8": self.quant == "int8", "use_fp8_w8a16": self.quant == "fp8_block"}
 
     def extra_repr(self) -> str:
@@ -169,12 +177,18 @@ class DeepseekMoE(SparseMoE):
         )
 
 
+# quant -> fused_experts' moe_comp_method for four-bit experts
+_INT4_METHODS = {"int4": CPUQuantMethod.INT4_W4A8, "int4_w4a16": CPUQuantMethod.INT4_W4A16}
+
+
 def _packed_experts(w: torch.Tensor, quant: str | None, gated: bool = False):
     """Stacked expert weights ``[E, N, K]`` packed for fused_experts, quantized as kernforge.nn.Linear
     quantizes a weight (``quant``), one expert at a time (no fp32 copy of the whole stack)."""
     w = w.detach()
     if quant is None:
         return pack_experts(w.to(torch.bfloat16).contiguous(), gated=gated)
+    if quant in _INT4_METHODS:  # four-bit experts, grouped as kernforge.nn.Linear groups quant="int4"
+        return quantize_experts_int4(w, gated=gated)
     quantize = quantize_weight_int8 if quant == "int8" else quantize_weight_fp8_block
     weights, scales = zip(*(quantize(expert) for expert in w))
     if quant == "int8":

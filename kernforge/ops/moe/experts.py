@@ -25,14 +25,31 @@ Two kinds of weights:
   raw; converted in registers where they are used, each K block's sums scaled in fp32 (as
   ``fp8_scaled_mm``).
 
+* int4 (``moe_comp_method=INT4_W4A8``, sgl-kernel's int4 MoE, or kernforge's ``INT4_W4A16``):
+  four-bit weights with a uint8 zero point and an fp32 scale per group of K values, prepacked with
+  :func:`pack_experts_int4` (from bf16 weights, ``quantize_int4``'s rounding) or
+  :meth:`PackedInt4Experts.from_tensors`, or raw: a checkpoint's tensors through
+  ``convert_weight_packed_scale_zp`` (3-D ``[E, ...]`` tensors are packed per expert), its ``w``
+  as ``w1``/``w2``, its ``w_zeros`` as ``w1_zero``/``w2_zero`` and its ``w_scales`` as
+  ``w1_scale``/``w2_scale``, as sgl-kernel takes them. W4A8 quantizes the activations and the
+  intermediate per token to int8 as the int8 experts do (``int4_scaled_mm_cpu``'s arithmetic),
+  W4A16 multiplies them as they are (``int4_w4a16_linear``'s); one packing serves both.
+
+The quantization is named by sgl-kernel's flags (``use_int8_w8a8``, ``use_fp8_w8a16``) or by its newer
+``moe_comp_method`` (:class:`CPUQuantMethod`'s numbers), as a keyword argument.
+
 The packed layouts (``layout_version`` 1) are the GEMMs' per expert: ``kernforge.ops.gemm``'s
 (``[E, parts, panels, ceil(K / 2), 32, 2]`` bf16), ``kernforge.ops.gemm.int8``'s (``[E, parts,
 panels, ceil(K / 4), 64, 4]`` int8, with the compensation and scales ``[E, parts, panels * 64]``)
 and ``kernforge.ops.gemm.fp8``'s (``[E, parts, panels, K, 64]`` e4m3fn, the block scales as given),
-where a gated weight's gate and up halves are packed as two parts, each padded to whole panels.
+and ``kernforge.ops.gemm.int4``'s (``[E, parts, ceil(N / parts / 64), K / 4, 128]`` uint8 nibbles,
+the zero points and scales ``[E, parts, G, N / parts]``), where a gated weight's gate and up halves
+are packed as two parts, each padded to whole panels.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 
@@ -40,6 +57,7 @@ from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module
 from kernforge.ops._common import checked_out, dtype_name, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, Traced, kernel_op, model_kernels
 from kernforge.ops.gemm import fp8 as gemm_fp8
+from kernforge.ops.gemm import int4 as gemm_int4
 from kernforge.ops.gemm import int8 as gemm_int8
 from kernforge.ops.gemm._common import check_cpu_tensor, check_layout_version, packed_weight
 
@@ -47,11 +65,34 @@ LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # bf16: columns per packed panel, as kernforge.ops.gemm's (a multiple of every tier's NR)
 INT8_PANEL_WIDTH = gemm_int8.PANEL_WIDTH  # int8: as kernforge.ops.gemm.int8's
 FP8_PANEL_WIDTH = gemm_fp8.PANEL_WIDTH  # fp8: as kernforge.ops.gemm.fp8's
+INT4_PANEL_WIDTH = gemm_int4.PANEL_WIDTH  # int4: as kernforge.ops.gemm.int4's
+INT4_GROUP = gemm_int4.DEFAULT_GROUP  # pack_experts_int4's default K values per zero point and scale
+
+
+class CPUQuantMethod(enum.IntEnum):
+    """``moe_comp_method``: sgl-kernel's numbers for the experts' weights (its ``CPUQuantMethod``;
+    its ``MXFP4`` = 4 is not taken here) and kernforge's ``INT4_W4A16``."""
+
+    UNQUANT = 0  # bf16
+    INT8_W8A8 = 1
+    FP8_W8A16 = 2
+    INT4_W4A8 = 3
+    INT4_W4A16 = 5  # kernforge's addition: the int4 weights with the activations as they are
+
+
+# moe_comp_method -> the module's `weights` parameter (the int4 packing serves two of them)
+_WEIGHTS_OF_METHOD = {
+    CPUQuantMethod.UNQUANT: "bf16",
+    CPUQuantMethod.INT8_W8A8: "int8",
+    CPUQuantMethod.FP8_W8A16: "fp8",
+    CPUQuantMethod.INT4_W4A8: "int4",
+    CPUQuantMethod.INT4_W4A16: "int4_w4a16",
+}
 
 EXPERTS = Module(
     "moe_experts",
     "moe_experts.cpp.jinja",
-    params={"dtype": DType(), "weights": Enum(("bf16", "int8", "fp8"))},
+    params={"dtype": DType(), "weights": Enum(("bf16", "int8", "fp8", "int4", "int4_w4a16"))},
     entries=[
         Entry(
             "fused_experts",
@@ -111,11 +152,60 @@ class PackedFp8Experts:
     layout_version: int = LAYOUT_VERSION
 
 
+@packed_weight(saved_as="kernforge.ops.moe")
+class PackedInt4Experts:
+    """Stacked four-bit expert weights ``[E, N, K]`` with a zero point and a scale per group of
+    ``group_size`` K values, each expert's (and part's) in ``kernforge.ops.gemm.int4``'s layout, packed
+    for :func:`fused_experts` with ``moe_comp_method`` ``INT4_W4A8`` or ``INT4_W4A16``; survives
+    ``torch.save``/``torch.load``."""
+
+    packed: torch.Tensor  # [E, parts, ceil(N / parts / 64), K / 4, 128] uint8 nibbles
+    zeros: torch.Tensor  # [E, parts, K / group_size, N / parts] uint8 (0..16)
+    scales: torch.Tensor  # [E, parts, K / group_size, N / parts] fp32
+    experts: int
+    n: int
+    k: int
+    group_size: int
+    parts: int = 1
+    layout_version: int = LAYOUT_VERSION
+
+    @classmethod
+    def from_tensors(
+        cls, w: torch.Tensor, w_zeros: torch.Tensor, w_scales: torch.Tensor, gated: bool = False
+    ) -> PackedInt4Experts:
+        """The experts that ``convert_weight_packed_scale_zp``'s three tensors of 3-D checkpoint
+        tensors describe (``w [E, ceil(N / 64), K / 4, 128]``, ``w_zeros`` and ``w_scales [E, G, N]``),
+        checked, without a copy; ``gated``: a ``w1 [E, 2I, H]`` (repacked in two parts where I is
+        not a multiple of 32, so that its up half starts a chunk of the layout)."""
+        return _int4_from_tensors(w, w_zeros, w_scales, "w", gated)
+
+    def weight(self, expert: int, part: int = 0) -> gemm_int4.PackedInt4Weight:
+        """Part ``part`` of expert ``expert`` as the int4 GEMM's weight (views, no copy)."""
+        return gemm_int4.PackedInt4Weight(
+            self.packed[expert, part],
+            self.zeros[expert, part],
+            self.scales[expert, part],
+            self.n // self.parts,
+            self.k,
+            self.group_size,
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[E, N, K]`` weights these stand for, ``(code - zero) * scale`` in ``dtype``."""
+        return torch.stack(
+            [
+                torch.cat([gemm_int4.dequantize_int4(self.weight(e, p), dtype) for p in range(self.parts)])
+                for e in range(self.experts)
+            ]
+        )
+
+
 # Per weight kind: the dataclass, the element dtype, K values per packed word, the panel width.
 _KINDS = {
     "bf16": (PackedExperts, torch.bfloat16, 2, PANEL_WIDTH),
     "int8": (PackedInt8Experts, torch.int8, 4, INT8_PANEL_WIDTH),
     "fp8": (PackedFp8Experts, torch.float8_e4m3fn, 1, FP8_PANEL_WIDTH),
+    "int4": (PackedInt4Experts, torch.uint8, 8, INT4_PANEL_WIDTH),
 }
 _PACKED_CLASSES = {cls: kind for kind, (cls, *_) in _KINDS.items()}
 
@@ -123,6 +213,8 @@ _PACKED_CLASSES = {cls: kind for kind, (cls, *_) in _KINDS.items()}
 def packed_experts_shape(experts: int, n: int, k: int, parts: int, kind: str = "bf16") -> tuple[int, ...]:
     """Shape of the packed tensor of ``[experts, n, k]`` weights of ``kind`` in ``parts`` parts."""
     _, _, per_word, width = _KINDS[kind]
+    if kind == "int4":  # K quads of 128 bytes (two 32-column chunks of nibbles) per panel
+        return (experts, parts, -(-(n // parts) // width), k // gemm_int4.QUAD, gemm_int4.QUAD_BYTES)
     shape = (experts, parts, -(-(n // parts) // width), -(-k // per_word), width, per_word)
     return shape[:-1] if per_word == 1 else shape
 
@@ -211,6 +303,126 @@ def pack_experts_fp8(
     return PackedFp8Experts(_panels(w, parts, "fp8"), scale, block, experts, n, k, parts)
 
 
+def pack_experts_int4(
+    w13: torch.Tensor, w2: torch.Tensor, group_size: int | None = INT4_GROUP, symmetric: bool = False
+) -> tuple[PackedInt4Experts, PackedInt4Experts]:
+    """Quantize stacked expert weights to four bits and pack them for :func:`fused_experts` with
+    ``moe_comp_method`` ``INT4_W4A8`` or ``INT4_W4A16``: ``w13 [E, 2I, H]`` (each expert's gate
+    rows, then its up rows) and ``w2 [E, H, I]``, floating (bf16), each expert rounded by
+    ``quantize_int4`` per group of ``group_size`` K values (asymmetric, or ``symmetric`` with zero
+    8). ``group_size`` must divide H and I; ``None`` takes 128 where it divides a weight's K, else
+    the largest multiple of 4 below it that does (as ``kernforge.nn.Linear`` with
+    ``quant="int4"``). Returns ``(w1, w2)``; :func:`quantize_experts_int4` packs one of them."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        check_cpu_tensor(w, name)
+        if w.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(w.shape)}")
+    if tuple(w2.shape) != (w13.shape[0], w13.shape[2], w13.shape[1] // 2):
+        raise ValueError(f"w13 and w2 must be [E, 2I, H] and [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    w1 = quantize_experts_int4(w13, True, group_size, symmetric, name="w13")
+    return w1, quantize_experts_int4(w2, False, group_size, symmetric, name="w2")
+
+
+def quantize_experts_int4(
+    w: torch.Tensor, gated: bool = False, group_size: int | None = None, symmetric: bool = False, *, name: str = "w"
+) -> PackedInt4Experts:
+    """One stacked weight ``w [E, N, K]`` (floating) quantized and packed as :func:`pack_experts_int4`
+    packs its two, expert by expert (no fp32 copy of the whole stack); ``gated``: a ``w1 [E, 2I,
+    H]``, its gate and up halves packed as two parts. ``group_size`` None: as kernforge.nn.Linear
+    picks it (128 where it divides K)."""
+    check_cpu_tensor(w, name)
+    if not w.is_floating_point():
+        raise TypeError(f"{name} has dtype {w.dtype}; int4 experts are quantized from floating (bf16) weights")
+    if w.dim() != 3:
+        raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(w.shape)}")
+    if gated and w.shape[1] % 2:
+        raise ValueError(f"a gated {name} [E, 2I, H] must have an even N, got shape {tuple(w.shape)}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
+    experts, n, k = map(int, w.shape)
+    group = _int4_group_size(k, group_size)
+    parts = 2 if gated else 1
+    weights = [
+        gemm_int4.quantize_int4(part, group, symmetric)
+        for expert in w.detach()
+        for part in expert.chunk(parts)  # (an empty expert has no chunks: nothing to pack)
+    ]
+    return _stacked_int4(weights, experts, parts, n, k, group)
+
+
+def _stacked_int4(weights: list, experts: int, parts: int, n: int, k: int, group: int) -> PackedInt4Experts:
+    """Per-part int4 weights (expert by expert, part by part) as one PackedInt4Experts."""
+    if not weights:
+        raise ValueError(f"int4 experts need at least one expert and one column, got [{experts}, {n}, {k}]")
+
+    def field(name: str) -> torch.Tensor:
+        values = torch.stack([getattr(weight, name) for weight in weights])
+        return values.view(experts, parts, *values.shape[1:])
+
+    return PackedInt4Experts(field("packed"), field("zeros"), field("scales"), experts, n, k, group, parts)
+
+
+def _int4_group_size(k: int, group_size: object) -> int:
+    """K values per group of an int4 weight with K = ``k``: ``group_size``, checked, or (``None``)
+    INT4_GROUP where it divides K, else the largest multiple of 4 below it that does."""
+    quad = gemm_int4.QUAD
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+        if group_size < quad or group_size % quad or k % group_size:
+            raise ValueError(
+                f"group_size must be a multiple of {quad} that divides K = {k} (H and I), got {group_size} "
+                "(group_size=None picks one per weight)"
+            )
+        return group_size
+    return gemm_int4.default_group_size(k)
+
+
+def _int4_from_tensors(w, zeros, scales, name: str, gated: bool) -> PackedInt4Experts:
+    """Packed int4 experts from ``convert_weight_packed_scale_zp``'s tensors of 3-D checkpoint tensors
+    (``w [E, ceil(N / 64), K / 4, 128]``, ``zeros``/``scales [E, G, N]``), named ``name`` in errors."""
+    expected = {name: (w, torch.uint8), f"{name}_zero": (zeros, torch.uint8), f"{name}_scale": (scales, torch.float32)}
+    for label, (t, dtype) in expected.items():
+        check_cpu_tensor(t, label)
+        if t.dtype is not dtype:
+            raise TypeError(
+                f"{label} has dtype {t.dtype}; int4 experts take {dtype} (from convert_weight_packed_scale_zp)"
+            )
+    if w.dim() != 4 or w.shape[3] != gemm_int4.QUAD_BYTES or scales.dim() != 3 or zeros.shape != scales.shape:
+        raise ValueError(
+            f"{name}, {name}_zero, {name}_scale must be [E, ceil(N/64), K/4, {gemm_int4.QUAD_BYTES}], [E, G, N], "
+            f"[E, G, N] (convert_weight_packed_scale_zp of [E, ...] checkpoint tensors), got {tuple(w.shape)}, "
+            f"{tuple(zeros.shape)}, {tuple(scales.shape)}"
+        )
+    experts, groups, n = map(int, scales.shape)
+    k = int(w.shape[2]) * gemm_int4.QUAD
+    if w.shape[0] != experts or w.shape[1] != -(-n // INT4_PANEL_WIDTH) or groups < 1 or k % groups:
+        raise ValueError(
+            f"{name} {tuple(w.shape)} does not match {name}_scale {tuple(scales.shape)}: expected "
+            f"[{experts}, {-(-n // INT4_PANEL_WIDTH)}, K/4, {gemm_int4.QUAD_BYTES}] with K a multiple of G = {groups}"
+        )
+    gemm_int4.check_group_size(k, groups)
+    if gated and n % 2:
+        raise ValueError(f"a gated {name} [E, 2I, H] must have an even N, got N = {n}")
+    w, zeros, scales = (t.contiguous() for t in (w, zeros, scales))
+    packed = PackedInt4Experts(w[:, None], zeros[:, None], scales[:, None], experts, n, k, k // groups, 1)
+    if gated and (n // 2) % gemm_int4.CHUNK:
+        return _split_gate_up(packed)
+    return packed
+
+
+def _split_gate_up(packed: PackedInt4Experts) -> PackedInt4Experts:
+    """A one-part gated int4 weight repacked in two parts (its gate and up halves), each from whole
+    panels: the products read whole 32-column chunks, which a half of I % 32 columns does not start."""
+    half = packed.n // 2
+    halves = []
+    for e in range(packed.experts):
+        codes, zeros, scales = gemm_int4.unpack_int4(packed.weight(e))
+        for columns in (slice(0, half), slice(half, packed.n)):
+            halves.append(gemm_int4.pack_int4(codes[columns], zeros[:, columns], scales[:, columns]))
+    return _stacked_int4(halves, packed.experts, 2, packed.n, packed.k, packed.group_size)
+
+
 def _kind_of(packed) -> str:
     return _PACKED_CLASSES[type(packed)]
 
@@ -223,6 +435,12 @@ def _checked_packed(packed, name: str):
             f"{LAYOUT_VERSION}: pack the weights again"
         )
     cls, dtype, _, width = _KINDS[kind]
+    if kind == "int4":
+        group = packed.group_size
+        if packed.parts not in (1, 2) or packed.n % packed.parts:
+            raise ValueError(f"{name} has {packed.parts!r} parts of its N = {packed.n}; expected 1, or 2 halves")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 4 or group % 4 or packed.k % group:
+            raise ValueError(f"{name}.group_size must be a multiple of 4 that divides K = {packed.k}, got {group!r}")
     layout = [("packed", dtype, packed_experts_shape(packed.experts, packed.n, packed.k, packed.parts, kind))]
     if kind == "int8":
         columns = (packed.experts, packed.parts, layout[0][2][2] * width)
@@ -230,6 +448,9 @@ def _checked_packed(packed, name: str):
     elif kind == "fp8":
         bn, bk = gemm_fp8._checked_block_size(packed.block_size)
         layout.append(("scale", torch.float32, (packed.experts, -(-packed.n // bn), -(-packed.k // bk))))
+    elif kind == "int4":
+        per_group = (packed.experts, packed.parts, packed.k // packed.group_size, packed.n // packed.parts)
+        layout += [("zeros", torch.uint8, per_group), ("scales", torch.float32, per_group)]
     for field, dtype, shape in layout:
         t = getattr(packed, field)
         if (
@@ -248,8 +469,9 @@ def _checked_packed(packed, name: str):
     return packed
 
 
-def _experts_weight(w: object, name: str, gated: bool, kind: str, scale, block_size):
-    """``w`` as packed experts of ``kind``: packed ones as they are, a raw stacked weight packed now."""
+def _experts_weight(w: object, name: str, gated: bool, kind: str, scale, block_size, zero=None):
+    """``w`` as packed experts of ``kind``: packed ones as they are, a raw stacked weight packed now
+    (int4: ``convert_weight_packed_scale_zp``'s tensors, with its zero points ``zero``)."""
     if type(w) in _PACKED_CLASSES:
         if _kind_of(w) != kind:
             raise TypeError(f"{name} is a {type(w).__name__}; {_KIND_FLAGS[kind]} takes {_KINDS[kind][0].__name__}")
@@ -257,12 +479,23 @@ def _experts_weight(w: object, name: str, gated: bool, kind: str, scale, block_s
             raise ValueError(
                 f"block_size {list(block_size)} differs from the {list(w.block_size)} {name} was packed with"
             )
+        if kind == "int4" and (zero is not None or scale is not None):
+            raise ValueError(
+                f"{name}_zero and {name}_scale must be None when {name} is PackedInt4Experts (it holds them)"
+            )
         return _checked_packed(w, name)
     if not isinstance(w, torch.Tensor):
         raise TypeError(
-            f"{name} must be packed experts (pack_experts, pack_experts_int8, pack_experts_fp8) or a torch.Tensor, "
-            f"got {type(w).__name__}"
+            f"{name} must be packed experts (pack_experts, pack_experts_int8, pack_experts_fp8, pack_experts_int4) "
+            f"or a torch.Tensor, got {type(w).__name__}"
         )
+    if kind == "int4":
+        if zero is None or scale is None:
+            raise ValueError(
+                f"{_KIND_FLAGS[kind]} with raw {name} needs {name}_zero and {name}_scale "
+                "(convert_weight_packed_scale_zp's w_zeros and w_scales)"
+            )
+        return _int4_from_tensors(w, zero, scale, name, gated)
     _checked_stack(w, name, _KINDS[kind][1], gated, f"fused_experts with {_KIND_FLAGS[kind]}")
     if kind == "bf16":
         return pack_experts(w, gated=gated)
@@ -274,7 +507,12 @@ def _experts_weight(w: object, name: str, gated: bool, kind: str, scale, block_s
 
 
 # How a call names each kind of weights (sgl-kernel's flags).
-_KIND_FLAGS = {"bf16": "bf16 weights (no quantization flag)", "int8": "use_int8_w8a8", "fp8": "use_fp8_w8a16"}
+_KIND_FLAGS = {
+    "bf16": "bf16 weights (no quantization flag)",
+    "int8": "use_int8_w8a8",
+    "fp8": "use_fp8_w8a16",
+    "int4": "moe_comp_method=INT4_W4A8 or INT4_W4A16",
+}
 
 
 def _checked_routing(topk_weights, topk_ids, tokens: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,25 +535,41 @@ def _checked_routing(topk_weights, topk_ids, tokens: int, experts: int) -> tuple
 
 # --------------------------------------------------------------------------- the custom op
 
+# The flags a custom op's arguments name the weights with: its int4 group sizes (non-zero for int4
+# weights) and w4a16 choose between the two int4 ops.
+_SCHEMA_QUANT = "int w1_group_size=0, int w2_group_size=0, bool w4a16=False"
+
+
+def _schema_arguments(hidden_states, w1, w2, weights: str) -> tuple[list, tuple]:
+    """The custom op's weight arguments ([hidden_states, w1's five, w2's five]) and its trailing
+    ints (block_n, block_k, w1_group_size, w2_group_size, w4a16)."""
+    arguments = [hidden_states]
+    for packed in (w1, w2):
+        check_layout_version(packed, LAYOUT_VERSION)
+        if _kind_of(packed) == "int4":
+            compensation, scale = packed.zeros, packed.scales
+        else:
+            compensation, scale = getattr(packed, "compensation", None), getattr(packed, "scale", None)
+        # fp8 weights travel as their bytes: torch's schema checks compare tensors with arithmetic fp8 lacks
+        words = packed.packed.view(torch.uint8) if _kind_of(packed) == "fp8" else packed.packed
+        arguments += [words, compensation, scale, packed.n, packed.k]
+    groups = (w1.group_size, w2.group_size) if _kind_of(w1) == "int4" else (0, 0)
+    return arguments, (*getattr(w1, "block_size", (0, 0)), *groups, weights == "int4_w4a16")
+
 
 def _to_schema(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, use_int8_w8a8=False,
                use_fp8_w8a16=False, **options):  # fmt: skip
     out = options.pop("out", None)
-    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, **options)
-    arguments = [hidden_states]
-    for packed in (w1, w2):
-        check_layout_version(packed, LAYOUT_VERSION)
-        compensation, scale = getattr(packed, "compensation", None), getattr(packed, "scale", None)
-        # fp8 weights travel as their bytes: torch's schema checks compare tensors with arithmetic fp8 lacks
-        words = packed.packed.view(torch.uint8) if _kind_of(packed) == "fp8" else packed.packed
-        arguments += [words, compensation, scale, packed.n, packed.k]
-    block = getattr(w1, "block_size", (0, 0))
-    return (*arguments, topk_weights, topk_ids, *block), hidden_states if inplace else out
+    w1, w2, weights = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, **options)
+    arguments, trailing = _schema_arguments(hidden_states, w1, w2, weights)
+    return (*arguments, topk_weights, topk_ids, *trailing), hidden_states if inplace else out
 
 
-def _rebuilt(packed, compensation, scale, n, k, block_n, block_k):
+def _rebuilt(packed, compensation, scale, n, k, block_n, block_k, group_size=0):
     """Packed experts from a custom op's tensors and ints."""
     experts, parts = int(packed.shape[0]), int(packed.shape[1])
+    if group_size:  # int4: the zero points in the compensation's place
+        return PackedInt4Experts(packed, compensation, scale, experts, n, k, group_size, parts)
     if block_n:  # fp8, as its bytes
         return PackedFp8Experts(packed.view(torch.float8_e4m3fn), scale, (block_n, block_k), experts, n, k, parts)
     if compensation is not None:
@@ -323,21 +577,24 @@ def _rebuilt(packed, compensation, scale, n, k, block_n, block_k):
     return PackedExperts(packed, experts, n, k, parts)
 
 
-def _from_schema(hidden_states, w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n, w2_k,
-                 topk_weights, topk_ids, block_n=0, block_k=0, out=None):  # fmt: skip
-    w1 = _rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k, block_n, block_k)
-    w2 = _rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k, block_n, block_k)
+def _rebuilt_pair(w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n, w2_k, block_n,
+                  block_k, w1_group_size, w2_group_size, w4a16) -> tuple:  # fmt: skip
+    """(w1, w2, the flags that name their kind) from a custom op's arguments."""
+    w1 = _rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k, block_n, block_k, w1_group_size)
+    w2 = _rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k, block_n, block_k, w2_group_size)
     kind = _kind_of(w1)
-    return fused_experts(
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        use_int8_w8a8=kind == "int8",
-        use_fp8_w8a16=kind == "fp8",
-        out=out,
-    )
+    if kind == "int4":
+        method = CPUQuantMethod.INT4_W4A16 if w4a16 else CPUQuantMethod.INT4_W4A8
+        return w1, w2, {"moe_comp_method": method}
+    return w1, w2, {"use_int8_w8a8": kind == "int8", "use_fp8_w8a16": kind == "fp8"}
+
+
+def _from_schema(hidden_states, w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n, w2_k,
+                 topk_weights, topk_ids, block_n=0, block_k=0, w1_group_size=0, w2_group_size=0, w4a16=False,
+                 out=None):  # fmt: skip
+    w1, w2, flags = _rebuilt_pair(w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n,
+                                  w2_k, block_n, block_k, w1_group_size, w2_group_size, w4a16)  # fmt: skip
+    return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, out=out, **flags)
 
 
 _TRACED = Traced(
@@ -346,7 +603,7 @@ _TRACED = Traced(
     with_out=True,
     arguments="Tensor hidden_states, Tensor w1, Tensor? w1_compensation, Tensor? w1_scale, int w1_n, int w1_k, "
     "Tensor w2, Tensor? w2_compensation, Tensor? w2_scale, int w2_n, int w2_k, Tensor topk_weights, Tensor topk_ids, "
-    "int block_n=0, int block_k=0",
+    f"int block_n=0, int block_k=0, {_SCHEMA_QUANT}",
     from_schema=_from_schema,
     to_schema=_to_schema,
 )
@@ -354,13 +611,15 @@ _TRACED = Traced(
 
 def _shared_to_schema(hidden_states, w1, w2, fused_experts_out=None, routed_scaling_factor=None, inplace=False,
                       use_int8_w8a8=False, use_fp8_w8a16=False, w1_scale=None, w2_scale=None, block_size=None,
-                      a1_scale=None, a2_scale=None, out=None):  # fmt: skip
-    (w1, w1_scale), (w2, w2_scale) = _single_expert(w1, "w1", w1_scale), _single_expert(w2, "w2", w2_scale)
-    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
-    arguments, out = _to_schema(hidden_states, w1, w2, None, None, inplace, _kind_of(w1) == "int8",
-                                _kind_of(w1) == "fp8", out=out)  # fmt: skip
-    *weights, _, _, block_n, block_k = arguments
-    return (*weights, fused_experts_out, routed_scaling_factor, block_n, block_k), out
+                      a1_scale=None, a2_scale=None, moe_comp_method=None, w1_zero=None, w2_zero=None,
+                      out=None):  # fmt: skip
+    weights = _weights_named(use_int8_w8a8, use_fp8_w8a16, moe_comp_method)
+    w1, w1_scale, w1_zero = _single_expert(w1, "w1", w1_scale, w1_zero, weights)
+    w2, w2_scale, w2_zero = _single_expert(w2, "w2", w2_scale, w2_zero, weights)
+    w1, w2, weights = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale,
+                                   a2_scale, moe_comp_method, w1_zero, w2_zero)  # fmt: skip
+    arguments, trailing = _schema_arguments(hidden_states, w1, w2, weights)
+    return (*arguments, fused_experts_out, routed_scaling_factor, *trailing), hidden_states if inplace else out
 
 
 def _shared_from_schema(
@@ -379,13 +638,14 @@ def _shared_from_schema(
     routed_scaling_factor,
     block_n=0,
     block_k=0,
+    w1_group_size=0,
+    w2_group_size=0,
+    w4a16=False,
     out=None,
 ):
-    w1 = _rebuilt(w1, w1_compensation, w1_scale, w1_n, w1_k, block_n, block_k)
-    w2 = _rebuilt(w2, w2_compensation, w2_scale, w2_n, w2_k, block_n, block_k)
-    kind = _kind_of(w1)
-    return shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor,
-                         use_int8_w8a8=kind == "int8", use_fp8_w8a16=kind == "fp8", out=out)  # fmt: skip
+    w1, w2, flags = _rebuilt_pair(w1, w1_compensation, w1_scale, w1_n, w1_k, w2, w2_compensation, w2_scale, w2_n,
+                                  w2_k, block_n, block_k, w1_group_size, w2_group_size, w4a16)  # fmt: skip
+    return shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor, out=out, **flags)
 
 
 _SHARED_TRACED = Traced(
@@ -394,7 +654,7 @@ _SHARED_TRACED = Traced(
     with_out=True,
     arguments="Tensor hidden_states, Tensor w1, Tensor? w1_compensation, Tensor? w1_scale, int w1_n, int w1_k, "
     "Tensor w2, Tensor? w2_compensation, Tensor? w2_scale, int w2_n, int w2_k, Tensor? fused_experts_out, "
-    "float? routed_scaling_factor, int block_n=0, int block_k=0",
+    f"float? routed_scaling_factor, int block_n=0, int block_k=0, {_SCHEMA_QUANT}",
     from_schema=_shared_from_schema,
     to_schema=_shared_to_schema,
 )
@@ -406,12 +666,16 @@ def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids, residual=None, re
     1 + the flat index of the first expert id out of range."""
     kind = _kind_of(w1)
 
-    def addresses(packed):  # packed words, compensation, scale
-        compensation, scale = getattr(packed, "compensation", None), getattr(packed, "scale", None)
-        return tuple(0 if t is None else t.data_ptr() for t in (packed.packed, compensation, scale))
+    def addresses(packed):  # packed words, compensation (int4: zero points), scale(s)
+        if kind == "int4":
+            tensors = (packed.packed, packed.zeros, packed.scales)
+        else:
+            tensors = (packed.packed, getattr(packed, "compensation", None), getattr(packed, "scale", None))
+        return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
     w1_packed, w1_compensation, w1_scale = addresses(w1)
-    block_n, block_k = getattr(w1, "block_size", (0, 0))
+    # int4: each weight's group size in the block size's place (w1's as block_n, w2's as block_k)
+    block_n, block_k = (w1.group_size, w2.group_size) if kind == "int4" else getattr(w1, "block_size", (0, 0))
     return kernel.fused_experts(
         out.data_ptr(),
         out.stride(0),
@@ -439,59 +703,87 @@ def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids, residual=None, re
     )
 
 
+def _weights_named(use_int8_w8a8=False, use_fp8_w8a16=False, moe_comp_method=None) -> str:
+    """The module's ``weights`` parameter that the flags name: sgl-kernel's use_* flags or its
+    ``moe_comp_method`` (which may repeat them, not contradict them)."""
+    if use_int8_w8a8 and use_fp8_w8a16:
+        raise ValueError("use_int8_w8a8 and use_fp8_w8a16 exclude each other")
+    flagged = "int8" if use_int8_w8a8 else "fp8" if use_fp8_w8a16 else None
+    if moe_comp_method is None:
+        return flagged or "bf16"
+    if isinstance(moe_comp_method, bool) or not isinstance(moe_comp_method, int):
+        raise TypeError(f"moe_comp_method must be an int (CPUQuantMethod), got {moe_comp_method!r}")
+    try:
+        weights = _WEIGHTS_OF_METHOD[CPUQuantMethod(moe_comp_method)]
+    except ValueError:
+        taken = ", ".join(f"{m.value} ({m.name})" for m in CPUQuantMethod)
+        raise ValueError(f"moe_comp_method must be one of {taken}, got {moe_comp_method!r}") from None
+    if flagged is not None and flagged != weights:
+        raise ValueError(
+            f"moe_comp_method={CPUQuantMethod(moe_comp_method).name} contradicts "
+            f"{'use_int8_w8a8' if flagged == 'int8' else 'use_fp8_w8a16'}=True"
+        )
+    return weights
+
+
 def _packed_pair(w1, w2, use_int8_w8a8=False, use_fp8_w8a16=False, w1_scale=None, w2_scale=None, block_size=None,
-                 a1_scale=None, a2_scale=None):  # fmt: skip
-    """The kind of weights the flags name, and w1, w2 packed as that kind (checked)."""
+                 a1_scale=None, a2_scale=None, moe_comp_method=None, w1_zero=None, w2_zero=None):  # fmt: skip
+    """w1, w2 packed as the kind of weights the flags name (checked), and the module's ``weights``
+    parameter for them."""
     for name, scale in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
         if scale is not None:
             raise ValueError(
                 f"{name} must be None: kernforge quantizes activations per token, dynamically (no static scales)"
             )
-    if use_int8_w8a8 and use_fp8_w8a16:
-        raise ValueError("use_int8_w8a8 and use_fp8_w8a16 exclude each other")
-    kind = "int8" if use_int8_w8a8 else "fp8" if use_fp8_w8a16 else "bf16"
+    weights = _weights_named(use_int8_w8a8, use_fp8_w8a16, moe_comp_method)
+    kind = "int4" if weights.startswith("int4") else weights
     if kind == "bf16" and (w1_scale is not None or w2_scale is not None):
-        raise ValueError("w1_scale and w2_scale are for quantized weights: pass use_int8_w8a8 or use_fp8_w8a16")
+        raise ValueError(
+            "w1_scale and w2_scale are for quantized weights: pass use_int8_w8a8, use_fp8_w8a16 or moe_comp_method"
+        )
+    if kind != "int4" and (w1_zero is not None or w2_zero is not None):
+        raise ValueError("w1_zero and w2_zero are for int4 weights (moe_comp_method=INT4_W4A8 or INT4_W4A16)")
     if kind != "fp8" and block_size is not None:
         raise ValueError("block_size is for fp8 weights (use_fp8_w8a16=True)")
-    w1 = _experts_weight(w1, "w1", True, kind, w1_scale, block_size)
-    w2 = _experts_weight(w2, "w2", False, kind, w2_scale, block_size)
+    w1 = _experts_weight(w1, "w1", True, kind, w1_scale, block_size, w1_zero)
+    w2 = _experts_weight(w2, "w2", False, kind, w2_scale, block_size, w2_zero)
     if kind == "fp8" and w1.block_size != w2.block_size:
         raise ValueError(f"w1 and w2 were packed with different block sizes, {w1.block_size} and {w2.block_size}")
-    return w1, w2
+    return w1, w2, weights
 
 
-# weight kind -> {activation dtype -> variant}; the op's own table holds the bf16 ones
-_QUANTIZED_VARIANTS: dict[str, dict] = {"int8": {}, "fp8": {}}
+# weights -> {activation dtype -> variant}; the op's own table holds the bf16 ones
+_QUANTIZED_VARIANTS: dict[str, dict] = {"int8": {}, "fp8": {}, "int4": {}, "int4_w4a16": {}}
 
 
-def _variant(op, hidden_states, kind: str):
-    """The module variant for ``hidden_states``' dtype (checked here) and the weights' kind."""
+def _variant(op, hidden_states, weights: str):
+    """The module variant for ``hidden_states``' dtype (checked here) and the ``weights`` parameter."""
     variant = variant_for_input(op.kernels, hidden_states, "hidden_states")
-    if kind == "bf16":
+    if weights == "bf16":
         return variant
-    variants = _QUANTIZED_VARIANTS[kind]
+    variants = _QUANTIZED_VARIANTS[weights]
     found = variants.get(hidden_states.dtype)
     if found is None:
-        found = variants[hidden_states.dtype] = EXPERTS.variant(dtype=DTYPE_NAMES[hidden_states.dtype], weights=kind)
+        found = variants[hidden_states.dtype] = EXPERTS.variant(dtype=DTYPE_NAMES[hidden_states.dtype], weights=weights)
     return found
 
 
-def _experts(op, hidden_states, w1, w2, topk_weights, topk_ids, inplace, out, residual=None, residual_scale=0.0):
+def _experts(op, hidden_states, w1, w2, weights, topk_weights, topk_ids, inplace, out, residual=None,
+             residual_scale=0.0):  # fmt: skip
     """What fused_experts and shared_expert share, from their packed weights on: the checks, the
     output, the kernel call."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
     tokens, hidden = map(int, hidden_states.shape)
     kind = _kind_of(w1)
-    variant = _variant(op, hidden_states, kind)
+    variant = _variant(op, hidden_states, weights)
     inter = w2.k
     if (w1.experts, w1.n, w1.k) != (w2.experts, 2 * inter, hidden) or w2.n != hidden:
         raise ValueError(
             f"w1 [{w1.experts}, {w1.n}, {w1.k}] and w2 [{w2.experts}, {w2.n}, {w2.k}] must be [E, 2I, H] and "
             f"[E, H, I] with H = {hidden} (hidden_states' last dimension)"
         )
-    width = _KINDS[kind][3]
+    width = gemm_int4.CHUNK if kind == "int4" else _KINDS[kind][3]  # int4 tiles start at whole chunks
     if w1.parts == 1 and inter % width:
         raise ValueError(
             f"w1 was packed in one part, but I = {inter} is not a multiple of {width}: pack it with gated=True"
@@ -517,11 +809,14 @@ def _experts(op, hidden_states, w1, w2, topk_weights, topk_ids, inplace, out, re
     return out
 
 
+_ExpertsWeight = PackedExperts | PackedInt8Experts | PackedFp8Experts | PackedInt4Experts | torch.Tensor
+
+
 @kernel_op(EXPERTS, traced=_TRACED, weights="bf16")
 def fused_experts(
     hidden_states: torch.Tensor,
-    w1: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
-    w2: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
+    w1: _ExpertsWeight,
+    w2: _ExpertsWeight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     inplace: bool = False,
@@ -532,6 +827,9 @@ def fused_experts(
     block_size: list[int] | None = None,
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    moe_comp_method: int | None = None,
+    w1_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE MLP of ``hidden_states [T, H]`` over each token's ``topk_ids [T, k]`` experts
@@ -541,29 +839,37 @@ def fused_experts(
     (:class:`PackedExperts` or raw); with ``use_int8_w8a8``, int8 (:class:`PackedInt8Experts`, or raw
     with per-channel ``w1_scale [E, 2I]`` and ``w2_scale [E, H]``); with ``use_fp8_w8a16``, e4m3fn
     (:class:`PackedFp8Experts`, or raw with block scales ``w1_scale``, ``w2_scale`` for
-    ``block_size = [bn, bk]``, 128 x 128 by default). ``a1_scale``/``a2_scale`` (static activation
-    scales) must be None. ``inplace=True`` writes the result into ``hidden_states``; ``out`` is a
-    buffer to write."""
-    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
-    return _experts(fused_experts, hidden_states, w1, w2, topk_weights, topk_ids, inplace, out)
+    ``block_size = [bn, bk]``, 128 x 128 by default). ``moe_comp_method`` (sgl-kernel's newer name
+    for the quantization, :class:`CPUQuantMethod`'s numbers) may say the same, and names the int4
+    weights: ``INT4_W4A8`` (3, the activations quantized per token to int8) or ``INT4_W4A16`` (5,
+    kernforge's: as they are), :class:`PackedInt4Experts` (:func:`pack_experts_int4`) or raw
+    ``convert_weight_packed_scale_zp`` tensors with their zero points ``w1_zero``/``w2_zero`` and
+    scales ``w1_scale``/``w2_scale``. ``a1_scale``/``a2_scale`` (static activation scales) must be
+    None. ``inplace=True`` writes the result into ``hidden_states``; ``out`` is a buffer to write."""
+    w1, w2, weights = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale,
+                                   a2_scale, moe_comp_method, w1_zero, w2_zero)  # fmt: skip
+    return _experts(fused_experts, hidden_states, w1, w2, weights, topk_weights, topk_ids, inplace, out)
 
 
-def _single_expert(w, name: str, scale):
-    """A shared expert's 2-D weight (or its scales) as a stack of one; packed ones as they are."""
-    if isinstance(w, torch.Tensor) and w.dim() == 2:
-        return w[None], None if scale is None else scale.reshape(1, *scale.shape)
+def _single_expert(w, name: str, scale, zero, weights: str):
+    """A shared expert's weight (or its scales and zero points) as a stack of one; packed ones as they
+    are. Raw ones are 2-D, an int4 one ``convert_weight_packed_scale_zp``'s 3-D packing."""
+    dims = 3 if weights.startswith("int4") else 2
+    if isinstance(w, torch.Tensor) and w.dim() == dims:
+        stacked = [None if t is None else t.reshape(1, *t.shape) for t in (scale, zero)]
+        return w[None], *stacked
     if isinstance(w, torch.Tensor):
-        raise ValueError(f"{name} must be 2-D (one shared expert), got shape {tuple(w.shape)}")
+        raise ValueError(f"{name} must be {dims}-D (one shared expert), got shape {tuple(w.shape)}")
     if type(w) in _PACKED_CLASSES and w.experts != 1:
         raise ValueError(f"{name} holds {w.experts} experts; a shared expert is one (pack w[None])")
-    return w, scale
+    return w, scale, zero
 
 
 @kernel_op(EXPERTS, traced=_SHARED_TRACED, weights="bf16")
 def shared_expert(
     hidden_states: torch.Tensor,
-    w1: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
-    w2: PackedExperts | PackedInt8Experts | PackedFp8Experts | torch.Tensor,
+    w1: _ExpertsWeight,
+    w2: _ExpertsWeight,
     fused_experts_out: torch.Tensor | None = None,
     routed_scaling_factor: float | None = None,
     inplace: bool = False,
@@ -574,6 +880,9 @@ def shared_expert(
     block_size: list[int] | None = None,
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    moe_comp_method: int | None = None,
+    w1_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sgl-kernel's ``shared_expert_cpu``: DeepSeek's always-on expert ``W2 (silu(W1g x) * W1u x)``
@@ -581,7 +890,8 @@ def shared_expert(
     (the routed experts' output, ``[T, H]``) in the same pass, rounded once. ``w1 [2I, H]``,
     ``w2 [H, I]`` (raw, with ``w1_scale``/``w2_scale`` as for :func:`fused_experts` less the expert
     dimension, or packed as a stack of one: ``pack_experts(w1[None], gated=True)``); the
-    quantization flags, ``inplace`` and ``out`` as for :func:`fused_experts`."""
+    quantization flags (int4 too: ``moe_comp_method``, with ``w1_zero``/``w2_zero`` for raw
+    weights), ``inplace`` and ``out`` as for :func:`fused_experts`."""
     if (fused_experts_out is None) != (routed_scaling_factor is None):
         raise ValueError("give fused_experts_out and routed_scaling_factor together (the output adds their product)")
     if fused_experts_out is not None:
@@ -593,21 +903,23 @@ def shared_expert(
             )
         if fused_experts_out.stride(-1) != 1:
             fused_experts_out = fused_experts_out.contiguous()
-    (w1, w1_scale), (w2, w2_scale) = _single_expert(w1, "w1", w1_scale), _single_expert(w2, "w2", w2_scale)
-    w1, w2 = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale)
+    weights = _weights_named(use_int8_w8a8, use_fp8_w8a16, moe_comp_method)
+    w1, w1_scale, w1_zero = _single_expert(w1, "w1", w1_scale, w1_zero, weights)
+    w2, w2_scale, w2_zero = _single_expert(w2, "w2", w2_scale, w2_zero, weights)
+    w1, w2, weights = _packed_pair(w1, w2, use_int8_w8a8, use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale,
+                                   a2_scale, moe_comp_method, w1_zero, w2_zero)  # fmt: skip
     tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else 0
     every_token = torch.zeros(tokens, 1, dtype=torch.int32)
     scale = 0.0 if routed_scaling_factor is None else float(routed_scaling_factor)
-    return _experts(
-        shared_expert, hidden_states, w1, w2, torch.ones(tokens, 1), every_token, inplace, out, fused_experts_out, scale
-    )
+    return _experts(shared_expert, hidden_states, w1, w2, weights, torch.ones(tokens, 1), every_token, inplace, out,
+                    fused_experts_out, scale)  # fmt: skip
 
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
     """A MoE model's experts run fused_experts in its dtype, on int8 weights with quant="int8", fp8
-    ones with quant="fp8_block"."""
+    ones with quant="fp8_block", int4 ones with quant="int4" (W4A8) or "int4_w4a16"."""
     if not spec.num_experts:
         return []
-    weights = {"int8": "int8", "fp8_block": "fp8"}.get(quant, "bf16")
+    weights = {"int8": "int8", "fp8_block": "fp8", "int4": "int4", "int4_w4a16": "int4_w4a16"}.get(quant, "bf16")
     return [{"module": "moe_experts", "params": {"dtype": dtype_name(spec.dtype), "weights": weights}}]
