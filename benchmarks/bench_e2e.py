@@ -16,6 +16,9 @@ measured in one run:
              prefill/decode wrappers, packed bf16 linears)
     int8     the same with optimize(..., quant="int8"): w8a8 decoder linears, lm_head bf16 (int8 too
              with --int8-lm-head)
+    int4     optimize(..., quant="int4", quant_lm_head="int8"): four-bit decoder linears (groups of 128,
+             W4A8: int8 activations), an int8 lm_head; int4_w4a16 (not run by default) the same with
+             bf16 activations (W4A16)
 
 Rows
     The columns are measured interleaved (one run of each in turn, --reps / --rounds times), since
@@ -37,7 +40,8 @@ Physical bounds, measured at the start of the run at --threads
     TPOT bound   bytes read once per step at the weight-streaming rate (kernforge's M=1 GEMM over a
                  256 MiB weight, _harness.streaming_rate): every linear weight at its
                  storage width (bf16 2 B; int8 1 B + 8 B of fp32 scales and compensation per output
-                 channel) plus the KV of every sequence at its mean length over the steps.
+                 channel; int4 0.5 B + 5 B per group of 128: an fp32 scale and a uint8 zero point, the
+                 lm_head int8) plus the KV of every sequence at its mean length over the steps.
 
     For a MoE model the linear weights are those a token runs: attention, the router, and k experts
     per layer (FLOPs); a decode step reads the experts its batch routes to, the expected number of
@@ -51,6 +55,7 @@ Physical bounds, measured at the start of the run at --threads
 
 Targets (issue 11, llama): TTFT >= 1.8x stock and <= 1.5x the FLOP bound; TPOT b1 >= 2x stock and
 <= 1.3x the bandwidth bound; TPOT b8 <= 1.5x TPOT b1; int8 TPOT <= 0.6x bf16 TPOT.
+Targets (issue 38): int4 TPOT b1 <= 1.15x its own bandwidth bound (llama), 1.3x (MoE).
 Targets (issue 19, qwen3-moe): TPOT b1 <= 1.3x the bandwidth bound and >= 5x stock; TTFT >= 3x stock.
 deepseek-v2-lite has no targets of its own yet: the MoE ones are checked (provisional).
 --tp N (llama; issue 21): a column "kf tpN", optimize(..., tp_group=...) over N ranks that share
@@ -93,17 +98,19 @@ from kernforge.integrations import transformers as kft  # noqa: E402
 from kernforge.integrations.random_llama import random_llama  # noqa: E402
 from kernforge.model_spec import ModelSpec  # noqa: E402
 
-IMPLS = ("stock", "kf", "int8")
+IMPLS = ("stock", "kf", "int8", "int4", "int4_w4a16")
+DEFAULT_IMPLS = ("stock", "kf", "int8", "int4")
+INT4_GROUP = 128  # kernforge.nn.Linear's four-bit group where it divides K (every K of these shapes)
 BATCH = 8
 
 
 def make(name: str, stock, pages: int, int8_lm_head: bool = False):
-    """(generate function, model) of one column."""
+    """(generate function, model) of one column: the four-bit ones with an int8 lm_head."""
     if name == "stock":
         return stock_generate(stock), stock
-    model = kft.optimize(
-        copy.deepcopy(stock), kv_cache_pages=pages, quant="int8" if name == "int8" else None, quant_lm_head=int8_lm_head
-    )
+    quant = None if name == "kf" else name
+    head = "int8" if name.startswith("int4") else int8_lm_head
+    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant=quant, quant_lm_head=head)
     return kernforge_generate(model), model
 
 
@@ -299,7 +306,10 @@ def bounds(config, args, peak_gflops: float, stream_gbs: float) -> dict:
     lm_head_int8 = lm_head + 8 * config.vocab_size if args.int8_lm_head else 2 * lm_head
 
     def weight_bytes(step: int) -> dict:
-        return {"bf16": 2 * (step + lm_head), "int8": step + bf16_kept + 8 * rows + lm_head_int8}
+        # int4: half a byte a weight plus a fp32 scale and a uint8 zero point per group of INT4_GROUP,
+        # with an int8 lm_head (the four-bit columns always quantize it so)
+        int4 = step * (0.5 + 5 / INT4_GROUP) + 2 * bf16_kept + lm_head + 8 * config.vocab_size
+        return {"bf16": 2 * (step + lm_head), "int8": step + bf16_kept + 8 * rows + lm_head_int8, "int4": int4}
 
     b1, b8 = weight_bytes(step_b1), weight_bytes(step_b8)
     return {
@@ -319,7 +329,11 @@ def report(results: dict, limit: dict) -> list[str]:
     rows = [["TTFT (ms)", *(ms(results[n]["ttft"]) for n in names), ms(limit["ttft"])]]
     for key, label in (("tpot_b1", "TPOT b1 (ms)"), ("tpot_b8", f"TPOT b{BATCH} (ms)")):
         rows.append(
-            [label, *(ms(results[n][key]) for n in names), f"{ms(limit[key]['bf16'])} (int8 {ms(limit[key]['int8'])})"]
+            [
+                label,
+                *(ms(results[n][key]) for n in names),
+                f"{ms(limit[key]['bf16'])} (int8 {ms(limit[key]['int8'])}, int4 {ms(limit[key]['int4'])})",
+            ]
         )
     for key, batch in (("tpot_b1", 1), ("tpot_b8", BATCH)):
         rows.append([f"tok/s b{batch}", *(H.fmt(batch / results[n][key], 1) for n in names), ""])
@@ -347,6 +361,11 @@ def targets(results: dict, limit: dict) -> list[str]:
             check(f"TPOT b{BATCH} / TPOT b1", kf["tpot_b8"] / kf["tpot_b1"], "<=", 1.5)
     if kf and q8 and not moe:
         check("int8 TPOT b1 / bf16 TPOT b1", q8["tpot_b1"] / kf["tpot_b1"], "<=", 0.6)
+    q4 = results.get("int4")
+    if q4:  # issue 38: four-bit decoder linears with an int8 head, against their own bytes
+        check(
+            "int4 TPOT b1 / its bandwidth bound", q4["tpot_b1"] / limit["tpot_b1"]["int4"], "<=", 1.3 if moe else 1.15
+        )
     tp = next((name for name in results if name.startswith("kf tp")), None)
     if kf and tp:  # issue 21: the overhead of tensor parallelism where it cannot win (ranks share the cores)
         for key, label in (("ttft", "TTFT"), ("tpot_b1", "TPOT b1"), ("tpot_b8", f"TPOT b{BATCH}")):
@@ -367,7 +386,7 @@ def main() -> int:
     p.add_argument("--new", type=int, help="new tokens for TPOT (default 128; --quick 16)")
     p.add_argument("--reps", type=int, help="TTFT runs per column after the warm-up (default 3; --quick 1)")
     p.add_argument("--rounds", type=int, help="TPOT runs per column, interleaved (default 2; --quick 1)")
-    p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impls", nargs="*", choices=IMPLS, default=list(DEFAULT_IMPLS))
     p.add_argument(
         "--tp",
         type=int,
@@ -402,7 +421,7 @@ def main() -> int:
     peak_gflops, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
     limit = {**bounds(config, args, peak_gflops, H.streaming_rate()), "model": args.model}
     info = H.print_header(
-        f"bench_e2e: transformers {args.model}, stock vs kernforge (bf16, int8)",
+        f"bench_e2e: transformers {args.model}, stock vs kernforge (bf16, int8, int4)",
         args,
         {
             "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
