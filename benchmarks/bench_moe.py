@@ -14,6 +14,8 @@ Paths compared per case (round-robin in one run, _harness.compare)
     kf int8   int8 w8a8 weights (pack_experts_int8: per-channel scales, activations quantized per
               token in the call), out= preallocated (--quant int8)
     kf fp8    e4m3 weights with 128 x 128 block scales (pack_experts_fp8), out= (--quant fp8)
+    kf int4   four-bit weights (pack_experts_int4: groups of 128, asymmetric), W4A8: activations
+              quantized per token in the call, out= (--quant int4)
     eager     transformers 5.24's expert loop (Qwen3MoeExperts.forward, what a MoE model runs in
               transformers by default): per expert hit, F.linear on the gathered rows, act * up,
               F.linear, times the weight, index_add_ (bf16 throughout)
@@ -28,7 +30,8 @@ layer's experts once; every path cycles through the same routings.
 
 Figures
     GB/s      bytes of the distinct experts' weights a call reads (experts hit x 3 x H x I x bytes
-              per weight: 2 bf16, 1 int8 and fp8) / time; % stream: against kernforge's M=1 GEMM
+              per weight: 2 bf16, 1 int8 and fp8, 0.5 + 5 / 128 int4: nibbles, fp32 scale and uint8
+              zero point per group) / time; % stream: against kernforge's M=1 GEMM
               streaming a 256 MiB weight, measured at the start and the end of this run (the
               better of the two is the reference)
     GFLOP/s   2 x T x k x 3 x H x I / time; % peak: against this CPU's bf16 peak measured in the
@@ -38,7 +41,7 @@ Figures
               loop on their dequantized weights)
 
 Usage: python benchmarks/bench_moe.py [--quick] [--model qwen3-30b-a3b olmoe deepseek-v3]
-       [--tokens 1 8 128 1024] [--quant int8 fp8] [--vllm DIR] [--json out.json]
+       [--tokens 1 8 128 1024] [--quant int8 fp8 int4] [--vllm DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,7 +57,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernforge  # noqa: E402
-from kernforge.ops.moe.experts import pack_experts, pack_experts_fp8, pack_experts_int8  # noqa: E402
+from kernforge.ops.moe.experts import (  # noqa: E402
+    CPUQuantMethod,
+    pack_experts,
+    pack_experts_fp8,
+    pack_experts_int4,
+    pack_experts_int8,
+)
 
 import _harness as H  # noqa: E402
 
@@ -159,6 +168,11 @@ class Layer:
         self.packed = {"kf": (pack_experts(self.w1, gated=True), pack_experts(self.w2), {})}
         self.dequantized = {}  # path -> (w1, w2) its reference loop runs on
         for quant in quants:
+            if quant == "int4":
+                w1, w2 = pack_experts_int4(self.w1, self.w2)
+                self.packed["kf int4"] = (w1, w2, {"moe_comp_method": CPUQuantMethod.INT4_W4A8})
+                self.dequantized["kf int4"] = (w1.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
+                continue
             make, pack, flag = QUANTS[quant]
             (q1, s1, d1), (q2, s2, d2) = make(self.w1), make(self.w2)
             self.packed[f"kf {quant}"] = (pack(q1, s1, gated=True), pack(q2, s2), {flag: True})
@@ -166,10 +180,12 @@ class Layer:
         self.vllm = VllmMoe(vllm_ops, self.w1, self.w2) if vllm_ops is not None else None
 
 
-QUANTS = {  # --quant: weights, packer, fused_experts' flag; bytes per weight
+QUANTS = {  # --quant: weights, packer, fused_experts' flag (int4: pack_experts_int4, in Layer)
     "int8": (int8_weights, pack_experts_int8, "use_int8_w8a8"),
     "fp8": (fp8_weights, lambda w, s, gated=False: pack_experts_fp8(w, s, FP8_BLOCK, gated), "use_fp8_w8a16"),
+    "int4": None,
 }
+BYTES_PER_WEIGHT = {"kf int8": 1, "kf fp8": 1, "kf int4": 0.5 + 5 / 128}
 
 
 def bench_case(model: str, tokens: int, layer: Layer, args) -> dict:
@@ -208,7 +224,7 @@ def bench_case(model: str, tokens: int, layer: Layer, args) -> dict:
     base = timings["kf"].median_ns
     paths = {}
     for name, t in timings.items():
-        nbytes = weights * (1 if name in ("kf int8", "kf fp8") else 2)
+        nbytes = weights * BYTES_PER_WEIGHT.get(name, 2)
         paths[name] = {
             "us": t.us,
             "spread": t.spread(),
@@ -263,7 +279,7 @@ def main() -> None:
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-30b-a3b"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 128, 1024])
-    p.add_argument("--quant", nargs="*", choices=sorted(QUANTS), default=["int8", "fp8"])
+    p.add_argument("--quant", nargs="*", choices=sorted(QUANTS), default=["int8", "fp8", "int4"])
     p.add_argument("--no-eager", action="store_true", help="skip transformers' loop (slow at large T)")
     p.add_argument("--vllm", metavar="DIR", help="folder holding vllm/_C*.so (else the installed vllm)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds per path and case")
