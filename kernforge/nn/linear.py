@@ -76,7 +76,14 @@ class Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> Linear:
-        """Pack ``layer``'s weight (and keep its bias) for inputs of ``dtype``."""
+        """Pack ``layer``'s weight (and keep its bias) for inputs of ``dtype``. ``layer`` may be an
+        :class:`Int4LinearWeights` (a weight that is four-bit already): quant "int4"/"int4_w4a16" pack its
+        codes as they are, the other quants take its dequantized weight."""
+        if isinstance(layer, Int4LinearWeights):
+            _check_config(dtype, quant)
+            if quant in int4.QUANTS:
+                return cls.from_int4(layer.int4(), layer.bias, dtype, quant)
+            layer = layer.dequantized()
         if not isinstance(layer, nn.Linear):
             raise TypeError(f"layer must be a torch.nn.Linear, got {type(layer).__name__}")
         _check_config(dtype, quant)
@@ -177,6 +184,74 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"dtype={dtype}, quant={self.quant}{group}"
         )
+
+
+class Int4LinearWeights(nn.Module):
+    """What stands where an ``nn.Linear`` would for a weight that is four-bit already (a checkpoint's,
+    packed as it was stored until kernforge packs it): :meth:`Linear.from_linear` packs its codes as
+    they are (no requantizing). ``in_features``, ``out_features`` and ``bias`` (a tensor or None) as
+    ``nn.Linear``'s. This class holds a :class:`~kernforge.ops.gemm.int4.PackedInt4Weight`; subclasses
+    (a checkpoint's formats) override :meth:`int4` and :meth:`codes`."""
+
+    def __init__(
+        self, packed: int4.PackedInt4Weight | None, bias: torch.Tensor | None, in_features: int, out_features: int
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self._packed = int(in_features), int(out_features), packed
+        self.bias = None if bias is None else bias.detach()
+
+    def int4(self) -> int4.PackedInt4Weight:
+        """The weight, packed for the int4 ops."""
+        return self._packed
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes uint8 [N, K], zeros uint8 [G, N], scales [G, N])``: the weight is ``(codes - zeros) * scales``."""
+        return int4.unpack_int4(self.int4())
+
+    def dequantized(self) -> nn.Linear:
+        """An ``nn.Linear`` with the dequantized weight (fp32) and the bias."""
+        layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        layer.weight = nn.Parameter(int4.dequantize_int4(self.int4()), requires_grad=False)
+        if self.bias is not None:
+            layer.bias = nn.Parameter(self.bias.float(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def concatenated(cls, layers) -> Int4LinearWeights:
+        """One weight whose output is the layers' outputs side by side (q|k|v, gate|up): their codes,
+        zeros and scales concatenated along N and packed (a fused layer's codes are unpacked here, one
+        fused layer at a time)."""
+        if not all(isinstance(layer, Int4LinearWeights) for layer in layers):
+            kinds = ", ".join(type(layer).__name__ for layer in layers)
+            raise ValueError(f"cannot fuse four-bit weights with other linears ({kinds}): all or none must be four-bit")
+        k = layers[0].in_features
+        if any(layer.in_features != k for layer in layers):
+            raise ValueError(f"layers to fuse take {[layer.in_features for layer in layers]} inputs; they must agree")
+        fused = torch.empty(sum(layer.out_features for layer in layers), k, dtype=torch.uint8)
+        zeros, scales, row = [], [], 0
+        for layer in layers:
+            codes, z, s = layer.codes()
+            if scales and s.shape[0] != scales[0].shape[0]:
+                raise ValueError(
+                    f"layers to fuse have {scales[0].shape[0]} and {s.shape[0]} groups along K: "
+                    "fused weights share one group size"
+                )
+            fused[row : row + codes.shape[0]] = codes
+            row += codes.shape[0]
+            del codes
+            zeros.append(z)
+            scales.append(s.to(torch.float32))
+        packed = int4.pack_int4(fused, torch.cat(zeros, dim=1), torch.cat(scales, dim=1))
+        del fused
+        bias = None
+        if any(layer.bias is not None for layer in layers):  # zeros for a layer without one
+            bias = torch.cat(
+                [torch.zeros(layer.out_features) if layer.bias is None else layer.bias.float() for layer in layers]
+            )
+        return cls(packed, bias, packed.k, packed.n)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

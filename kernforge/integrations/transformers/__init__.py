@@ -90,15 +90,26 @@ from kernforge.integrations.transformers._cache import (
     new_cache,
     paged_cache,
 )
+from kernforge.integrations.transformers._checkpoints import Int4CheckpointLinear, from_pretrained
 from kernforge.integrations.transformers._generate import generate
 from kernforge.jit import KernelNotCachedError
 from kernforge.model_spec import ModelSpec
 from kernforge.nn import Linear
+from kernforge.nn.linear import Int4LinearWeights
 from kernforge.ops._common import MAX_HEAD_DIM
 
 _compat.warn_if_untested(transformers.__version__)
 
-__all__ = ["KVCacheFullError", "PagedCache", "UnsupportedModelError", "generate", "new_cache", "optimize"]
+__all__ = [
+    "Int4CheckpointLinear",
+    "KVCacheFullError",
+    "PagedCache",
+    "UnsupportedModelError",
+    "from_pretrained",
+    "generate",
+    "new_cache",
+    "optimize",
+]
 
 # model_type -> the causal LM class optimize() takes
 SUPPORTED_MODELS = {
@@ -193,7 +204,7 @@ def optimize(
             else:
                 _replace_layer(layer, config, spec, dtype, quant, stock)
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
-        if type(model.lm_head) is nn.Linear:
+        if _linear_like(model.lm_head):
             head_quant = quant_lm_head if isinstance(quant_lm_head, str) else quant if quant_lm_head else None
             if comm is None:
                 model.lm_head = Linear.from_linear(model.lm_head, dtype=dtype, quant=head_quant)
@@ -373,7 +384,7 @@ def _check_kernels(config, spec: AttentionSpec | MLASpec, quant: str | None, mod
 def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list) -> None:
     attn = layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if type(getattr(attn, name, None)) is not nn.Linear:
+        if not _linear_like(getattr(attn, name, None)):
             raise UnsupportedModelError(f"{type(attn).__name__} has no nn.Linear {name}: not a Llama-family attention")
     _check_qk_norms(attn, spec)
     clip_qkv = getattr(config, "clip_qkv", None)
@@ -453,7 +464,7 @@ def _check_qk_norms(attn, spec: AttentionSpec) -> None:
 def _replaced_mlp(mlp, activation: str, dtype, quant, stock: list) -> nn.Module:
     """A dense MLP on kernforge: GatedMLP, or its own forward over kernforge linears."""
     if activation in _kernels.GATED_ACTIVATIONS and all(
-        type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")
+        _linear_like(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
     ):
         return _modules.GatedMLP(mlp, activation, dtype, quant)
     stock.append(
@@ -461,9 +472,14 @@ def _replaced_mlp(mlp, activation: str, dtype, quant, stock: list) -> nn.Module:
         "run on kernforge.nn.Linear)"
     )
     for name, child in mlp.named_children():
-        if type(child) is nn.Linear:
+        if _linear_like(child):
             setattr(mlp, name, Linear.from_linear(child, dtype=dtype, quant=quant))
     return mlp
+
+
+def _linear_like(module) -> bool:
+    """An ``nn.Linear``, or what stands for one whose weight is four-bit already (``from_pretrained``'s)."""
+    return type(module) is nn.Linear or isinstance(module, Int4LinearWeights)
 
 
 def _is_sparse_moe(mlp) -> bool:
