@@ -2,7 +2,7 @@
 
 vLLM loads the ``vllm.general_plugins`` entry points in every process it starts; kernforge's is
 :func:`register`, which puts these parts in place (``KERNFORGE_VLLM``: ``1`` all of them, ``0``
-none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, ``mla``; unset:
+none, a comma-separated list of ``attention``, ``layers``, ``linear``, ``moe``, ``mla``, ``int4``; unset:
 every part, each running kernforge's kernels only where a self-check on the served model's shapes
 measured them faster than vLLM's own on this CPU, once per machine, kept in kernforge's cache and
 logged: :mod:`kernforge.integrations.vllm.selfcheck`):
@@ -12,6 +12,9 @@ logged: :mod:`kernforge.integrations.vllm.selfcheck`):
 * registers kernforge's RMSNorm, SiluAndMul and rotary embeddings as vLLM's out-of-tree custom ops
   and runs unquantized bf16 linear layers on kernforge's prepacked GEMM, int8 w8a8 ones on its int8
   GEMM: :mod:`kernforge.integrations.vllm.layers`;
+* runs vLLM's 4-bit linear layers (AWQ, GPTQ, compressed-tensors W4A16 and W4A8) on kernforge's
+  int4 GEMM, W4A8 (``KERNFORGE_VLLM_INT4=w4a16``: W4A16), through vLLM's mixed-precision kernel
+  registry: :mod:`kernforge.integrations.vllm.int4`;
 * runs vLLM's unquantized CPU MoE layers (bf16, SiLU-gated experts) on kernforge's ``fused_experts``
   and the CPU router's softmax and grouped top-k on kernforge's routing ops:
   :mod:`kernforge.integrations.vllm.moe`;
@@ -32,7 +35,7 @@ from __future__ import annotations
 import os
 
 ENABLE_VARIABLE = "KERNFORGE_VLLM"
-PARTS = ("attention", "layers", "linear", "moe", "mla")
+PARTS = ("attention", "layers", "linear", "moe", "mla", "int4")
 ATTENTION_BACKEND = "kernforge.integrations.vllm.attention.KernforgeAttentionBackend"
 MLA_BACKEND = "kernforge.integrations.vllm.mla.KernforgeMLABackend"
 MLA_PREFILL_BACKEND = "kernforge.integrations.vllm.mla.KernforgeMLAPrefillBackend"
@@ -96,6 +99,8 @@ def register() -> list[str]:
         replaced.append("attention (CPU_ATTN)")
     if "layers" in parts:
         replaced += layers.register_custom_ops()
+    if "int4" in parts:
+        replaced += _register_int4(logger)
     if "linear" in parts:
         replaced += _register_linear(layers, logger)
     if "moe" in parts:
@@ -138,6 +143,18 @@ def _register_linear(layers, logger) -> list[str]:
             "(vLLM changed them); int8 linear layers stay on vLLM's kernels"
         )
     return replaced
+
+
+def _register_int4(logger) -> list[str]:
+    from kernforge.integrations.vllm import int4
+
+    if int4.register_int4_linear():
+        return ["int4 linear layers (AWQ, GPTQ, compressed-tensors)"]
+    logger.warning_once(
+        "vllm.model_executor.kernels.linear has no _POSSIBLE_KERNELS / register_linear_kernel (vLLM changed "
+        "them); int4 linear layers stay on vLLM's kernels"
+    )
+    return []
 
 
 def _register_moe(logger) -> list[str]:

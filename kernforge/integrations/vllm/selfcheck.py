@@ -11,7 +11,10 @@ checked where it meets the served model's shapes, against the kernel vLLM would 
   prefill chunk, against vLLM's ``CPU_ATTN`` metadata builder and kernels on its own cache;
 * ``moe``: each unquantized MoE layer shape (experts, hidden and intermediate sizes, top-k), the
   experts' ``fused_experts`` on kernforge's packed weights against the CPU experts vLLM's oracle
-  picks (``cpu_fused_moe`` on its prepacked weights) at random routing, for one token and for 64.
+  picks (``cpu_fused_moe`` on its prepacked weights) at random routing, for one token and for 64;
+* ``int4``: each 4-bit linear layer's mode, dtype, weight type and shape, ``int4_scaled_mm_cpu`` (or
+  ``int4_w4a16_linear``) against the mixed-precision kernel vLLM would pick (``CPUWNA16LinearKernel``:
+  ``cpu_gemm_wna16``, or sgl-kernel's W4A8 on AMX) at one row and at a prefill chunk.
 
 Each case runs both sides alternately after a warm-up (which compiles kernforge's kernel) and
 keeps the medians; the part goes to kernforge where the geometric mean of vLLM's time over
