@@ -307,6 +307,8 @@ def _gptq_scheme(qc: dict) -> Int4Scheme:
     fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"GPTQ checkpoint_format {fmt!r} (gptq and gptq_v2 are; marlin, bitblas, ... are not)")
+    if qc.get("is_marlin_format"):
+        raise _refuse("GPTQ in Marlin's format (is_marlin_format)")
     pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
     if pack_dtype != "int32":
         raise _refuse(f"GPTQ pack_dtype {pack_dtype!r} (words of int32 are)")
