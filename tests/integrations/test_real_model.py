@@ -55,7 +55,7 @@ def test_bf16_perplexity_and_greedy_text_match_stock(smollm2):
     model, tokenizer, tokens, stock = smollm2
     ours = kft.optimize(copy.deepcopy(model), kv_cache_pages=128)
     assert abs(_perplexity(ours, tokens) / stock - 1) <= 0.005
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = [{"role": "user", "content": "Explain what a CPU cache is in two sentences."}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)
