@@ -69,7 +69,7 @@ class Linear(nn.Module):
             self.register_buffer("weight_packed", torch.zeros(fp8.packed_shape(n, k), dtype=torch.float8_e4m3fn))
             self.register_buffer("weight_scale", torch.zeros(fp8.scale_shape(n, k, FP8_BLOCK)))
         else:
-            self._register_int4(n, k, _int4_group(k, group_size))
+            self._register_int4(n, k, int4.checked_group_size(k, group_size, "in_features"))
         # the quantized GEMMs add the bias in fp32; weight_packed_linear takes it in x's dtype
         bias_dtype = dtype if quant is None else torch.float32
         self.register_buffer("bias", torch.zeros(n, dtype=bias_dtype) if bias else None)
@@ -93,7 +93,7 @@ class Linear(nn.Module):
         if not weight.is_floating_point():
             raise TypeError(f"layer.weight has dtype {weight.dtype}; expected a floating dtype")
         if quant in int4.QUANTS:
-            packed = int4.quantize_int4(weight, _int4_group(weight.shape[1], None))
+            packed = int4.quantize_int4(weight, group_size=None)
             return cls.from_int4(packed, layer.bias, dtype, quant)
         module = cls(layer.in_features, layer.out_features, layer.bias is not None, dtype, quant)
         if quant is None:
@@ -305,17 +305,6 @@ def _layout_version(quant: str | None) -> int:
     if quant in int4.QUANTS:
         return int4.LAYOUT_VERSION
     return {None: bf16.LAYOUT_VERSION, "int8": int8.LAYOUT_VERSION, "fp8_block": fp8.LAYOUT_VERSION}[quant]
-
-
-def _int4_group(k: int, group_size: int | None) -> int:
-    """``group_size``, checked, or the default for K = ``k`` (``int4.default_group_size``)."""
-    if group_size is None:
-        return int4.default_group_size(k)
-    if not isinstance(group_size, int) or group_size < int4.QUAD or group_size % int4.QUAD or k % group_size:
-        raise ValueError(
-            f"group_size must be a multiple of {int4.QUAD} that divides in_features = {k}, got {group_size!r}"
-        )
-    return group_size
 
 
 def _check_config(dtype: object, quant: object) -> None:

@@ -145,7 +145,6 @@ def test_int8_logits_track_stock(llama):
 def test_int4_logits_track_the_dequantized_model(llama, quant):
     """Four-bit linears compute the model whose weights are their dequantized four-bit values: W4A16
     to bf16's precision, W4A8 within its int8 activations' rounding; an int8 head on request."""
-    from kernforge.nn.linear import _int4_group
     from kernforge.ops.gemm.int4 import dequantize_int4, quantize_int4
 
     stock, _, _ = llama
@@ -154,7 +153,7 @@ def test_int4_logits_track_the_dequantized_model(llama, quant):
         for module in dequantized.model.layers.modules():
             if type(module) is torch.nn.Linear:
                 weight = module.weight.float()
-                packed = quantize_int4(weight, _int4_group(weight.shape[1], None))
+                packed = quantize_int4(weight, group_size=None)
                 module.weight.copy_(dequantize_int4(packed))
     quantized = kft.optimize(copy.deepcopy(stock), quant=quant, quant_lm_head="int8")
     assert quantized.model.layers[0].mlp.down_proj.quant == quant and quantized.lm_head.quant == "int8"

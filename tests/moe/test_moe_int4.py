@@ -377,8 +377,7 @@ def test_transformers_moe_with_int4_experts_tracks_its_dequantized_weights(monke
     stock, _ = moe_tests.build("qwen2_moe")
 
     def dequantize(weight):  # as kernforge.nn.Linear and quantize_experts_int4 group K
-        group = moe_experts._int4_group_size(weight.shape[1], None)
-        return dequantize_int4(quantize_int4(weight.float(), group))
+        return dequantize_int4(quantize_int4(weight.float(), group_size=None))
 
     dequantized = moe_tests.copy.deepcopy(stock).float()
     with torch.no_grad():

@@ -58,6 +58,7 @@ from vllm.scalar_type import scalar_types
 import kernforge
 from kernforge import torch_library as ops
 from kernforge.integrations.vllm import selfcheck
+from kernforge.integrations.vllm.layers import register_first_cpu_kernel
 from kernforge.ops.gemm.int4 import PACK_QUANTIZED, QUAD
 
 MODE_VARIABLE = "KERNFORGE_VLLM_INT4"
@@ -298,15 +299,8 @@ def _int4_cases(
 
 
 def register_int4_linear() -> bool:
-    """Put :class:`KernforgeInt4LinearKernel` first in vLLM's CPU mixed-precision kernels; False
-    (nothing registered) when vLLM's kernel list is not the one this was written for."""
-    kernels = getattr(linear_kernels, "_POSSIBLE_KERNELS", None)
-    register = getattr(linear_kernels, "register_linear_kernel", None)
-    if not isinstance(kernels, dict) or register is None:
-        return False
+    """Put :class:`KernforgeInt4LinearKernel` first in vLLM's CPU mixed-precision kernels (ahead of
+    Dynamic4bit / CPUWNA16); False (nothing registered) when vLLM's kernel list is not the one this was
+    written for."""
     int4_mode()  # a wrong KERNFORGE_VLLM_INT4 fails at startup, not at the first layer
-    cpu_kernels = kernels.setdefault(PlatformEnum.CPU, [])
-    if KernforgeInt4LinearKernel not in cpu_kernels:
-        register(KernforgeInt4LinearKernel, PlatformEnum.CPU, "mp")
-        cpu_kernels.insert(0, cpu_kernels.pop())  # vLLM appends; Dynamic4bit / CPUWNA16 take the layers first
-    return True
+    return register_first_cpu_kernel(KernforgeInt4LinearKernel, "_POSSIBLE_KERNELS", "mp")

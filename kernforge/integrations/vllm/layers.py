@@ -218,12 +218,19 @@ class KernforgeInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
 def register_int8_linear() -> bool:
     """Put :class:`KernforgeInt8ScaledMMLinearKernel` first in vLLM's CPU int8 kernels; False
     (nothing registered) when vLLM's kernel list is not the one this was written for."""
-    kernels = getattr(linear_kernels, "_POSSIBLE_INT8_KERNELS", None)
+    return register_first_cpu_kernel(KernforgeInt8ScaledMMLinearKernel, "_POSSIBLE_INT8_KERNELS", "int8")
+
+
+def register_first_cpu_kernel(kernel: type, kernel_list: str, kind: str) -> bool:
+    """Register ``kernel`` with vLLM's ``register_linear_kernel(kernel, CPU, kind)`` and move it to the
+    front of the CPU entry of ``linear_kernels.<kernel_list>`` (vLLM appends, and takes the first kernel
+    that can implement a layer); False, nothing registered, where vLLM has no such list or function."""
+    kernels = getattr(linear_kernels, kernel_list, None)
     register = getattr(linear_kernels, "register_linear_kernel", None)
     if not isinstance(kernels, dict) or register is None:
         return False
     cpu_kernels = kernels.setdefault(PlatformEnum.CPU, [])
-    if KernforgeInt8ScaledMMLinearKernel not in cpu_kernels:
-        register(KernforgeInt8ScaledMMLinearKernel, PlatformEnum.CPU, "int8")
-        cpu_kernels.insert(0, cpu_kernels.pop())  # vLLM appends; its own kernels accept every layer
+    if kernel not in cpu_kernels:
+        register(kernel, PlatformEnum.CPU, kind)
+        cpu_kernels.insert(0, cpu_kernels.pop())
     return True

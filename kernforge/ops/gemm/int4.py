@@ -42,11 +42,13 @@ from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import TORCH_DTYPES, dtype_name, num_threads
 from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import STATUS, check_cpu_tensor, checked_fp32_bias, matrix_rows, packed_weight
+from kernforge.ops.gemm.bf16 import m_bucket
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 64  # columns per panel; the kernels' tile width divides it
 QUAD = 4  # K elements per packed quad (one VNNI-4 word per column once unpacked)
 QUAD_BYTES = PANEL_WIDTH * QUAD // 2
+DEFAULT_GROUP = 128  # K elements per scale and zero point where a weight is quantized here (checkpoints' usual)
 CHUNK = 32  # columns per 64-byte chunk: low nibbles are its first 16, high nibbles its last 16
 MAX_ZERO = 16  # GPTQ's "stored zero + 1" reaches 16
 
@@ -131,7 +133,7 @@ def tile_shape(dtype: torch.dtype, m: int, n: int, k: int, group_size: int) -> d
     """The problem as the candidates see it: x's dtype name, M's power-of-two bucket, N, K, group."""
     return {
         "dtype": DTYPE_NAMES[dtype],
-        "m": 1 << min(max(m - 1, 0).bit_length(), 10),
+        "m": m_bucket(m),
         "n": n,
         "k": k,
         "group": group_size,
@@ -255,17 +257,18 @@ def dequantize_int4(packed: PackedInt4Weight, dtype: torch.dtype = torch.float32
     return (values * scales.t().repeat_interleave(group, dim=1)).to(dtype)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> PackedInt4Weight:
-    """Round ``weight [N, K]`` (floating) to 4 bits per group of ``group_size`` K elements, nearest
-    value of GPTQ's grid (see the module's docstring), and pack it."""
+def quantize_int4(
+    weight: torch.Tensor, group_size: int | None = DEFAULT_GROUP, symmetric: bool = False
+) -> PackedInt4Weight:
+    """Round ``weight [N, K]`` (floating) to 4 bits per group of ``group_size`` K elements (``None``:
+    :func:`default_group_size`), nearest value of GPTQ's grid (see the module's docstring), and pack it."""
     check_cpu_tensor(weight, "weight")
     if not weight.is_floating_point():
         raise TypeError(f"weight has dtype {weight.dtype}; expected a floating dtype")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    if not isinstance(group_size, int) or group_size < QUAD or group_size % QUAD or k % group_size:
-        raise ValueError(f"group_size must be a multiple of {QUAD} that divides K = {k}, got {group_size!r}")
+    group_size = checked_group_size(k, group_size)
     groups = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
     if symmetric:
         amax = groups.abs().amax(-1)
@@ -371,9 +374,6 @@ def _format(quant_method_4bit: object) -> Int4Format:
         raise ValueError(f"quant_method_4bit must be one of {names}, got {quant_method_4bit!r}") from None
 
 
-DEFAULT_GROUP = 128  # K elements per scale and zero point where a weight is quantized here (checkpoints' usual)
-
-
 def default_group_size(k: int) -> int:
     """The group size kernforge quantizes a weight with K = ``k`` in: ``DEFAULT_GROUP`` where it
     divides K, else the largest multiple of 4 below it that does (K itself if K is smaller)."""
@@ -381,6 +381,18 @@ def default_group_size(k: int) -> int:
         if k % size == 0:
             return size
     raise ValueError(f"four-bit weights need K to be a multiple of {QUAD}, got {k}")
+
+
+def checked_group_size(k: int, group_size: object, k_name: str = "K") -> int:
+    """``group_size`` for a weight with K = ``k`` (``k_name`` in errors): a multiple of ``QUAD`` that
+    divides K, or ``None`` for :func:`default_group_size`. What every int4 packer takes."""
+    if group_size is None:
+        return default_group_size(k)
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+    if group_size < QUAD or group_size % QUAD or k % group_size:
+        raise ValueError(f"group_size must be a multiple of {QUAD} that divides {k_name} = {k}, got {group_size}")
+    return group_size
 
 
 def check_group_size(k: int, groups: int) -> None:
@@ -445,7 +457,8 @@ def int4_group_sums(x: torch.Tensor, w: PackedInt4Weight) -> torch.Tensor:
     zero)`` with ``q`` :func:`~kernforge.ops.gemm.int8.per_token_quant_int8`'s int8 values of ``x
     [M, K]`` (for tests, and callers that scale themselves)."""
     packed = _weight(w, None, None)
-    kernel = _kernel(int4_scaled_mm_cpu, x)
+    _check_x(x)
+    kernel = int4_scaled_mm_cpu.kernels.variant(x.dtype).kernel()
     m, _, x2, ldx = matrix_rows(x, "x", packed.k, "w's K")
     groups = packed.k // packed.group_size
     out = torch.empty(m, groups, packed.n, dtype=torch.int32)
@@ -476,16 +489,14 @@ def _weight(w, w_zeros, w_scales) -> PackedInt4Weight:
     return PackedInt4Weight.from_tensors(w, w_zeros, w_scales)
 
 
-def _kernel(op, x: object):
+def _check_x(x: object) -> None:
     check_cpu_tensor(x, "x")
     if x.dtype not in DTYPE_NAMES:
         raise TypeError(f"x has dtype {x.dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
-    return op.kernels.variant(x.dtype).kernel()
 
 
 def _run(entry: str, x, w, w_zeros, w_scales, bias, config: dict | None = None) -> torch.Tensor:
-    op = int4_scaled_mm_cpu if entry == "w4a8" else int4_w4a16_linear
-    _kernel(op, x)  # the checks of x
+    _check_x(x)
     packed = _weight(w, w_zeros, w_scales)
     m, _, x2, ldx = matrix_rows(x, "x", packed.k, "w's K")
     bias = checked_fp32_bias(bias, packed.n)

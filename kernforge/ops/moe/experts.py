@@ -340,7 +340,7 @@ def quantize_experts_int4(
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
     experts, n, k = map(int, w.shape)
-    group = _int4_group_size(k, group_size)
+    group = gemm_int4.checked_group_size(k, group_size)
     parts = 2 if gated else 1
     weights = [
         gemm_int4.quantize_int4(part, group, symmetric)
@@ -360,22 +360,6 @@ def _stacked_int4(weights: list, experts: int, parts: int, n: int, k: int, group
         return values.view(experts, parts, *values.shape[1:])
 
     return PackedInt4Experts(field("packed"), field("zeros"), field("scales"), experts, n, k, group, parts)
-
-
-def _int4_group_size(k: int, group_size: object) -> int:
-    """K values per group of an int4 weight with K = ``k``: ``group_size``, checked, or (``None``)
-    INT4_GROUP where it divides K, else the largest multiple of 4 below it that does."""
-    quad = gemm_int4.QUAD
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
-        if group_size < quad or group_size % quad or k % group_size:
-            raise ValueError(
-                f"group_size must be a multiple of {quad} that divides K = {k} (H and I), got {group_size} "
-                "(group_size=None picks one per weight)"
-            )
-        return group_size
-    return gemm_int4.default_group_size(k)
 
 
 def _int4_from_tensors(w, zeros, scales, name: str, gated: bool) -> PackedInt4Experts:
