@@ -66,6 +66,7 @@ parallelism cannot win on 2 cores: this bounds its overhead).
     .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: 2 layers, short prompts
     .venv/bin/python benchmarks/bench_e2e.py --layers 4 --new 32 --impls stock kf
     .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe  # 4 layers of Qwen3-30B-A3B
+    .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe --layers 48 --impls int4  # all 48, built lazily
     .venv/bin/python benchmarks/bench_e2e.py --model deepseek-v2-lite  # 4 layers of DeepSeek-V2-Lite
     .venv/bin/python benchmarks/bench_e2e.py --impls kf --tp 2  # TP=2 x 1 thread vs TP=1 x 2 threads
 """
@@ -95,7 +96,7 @@ from llama_generate import (  # noqa: E402
 )
 
 from kernforge.integrations import transformers as kft  # noqa: E402
-from kernforge.integrations.random_llama import random_llama  # noqa: E402
+from kernforge.integrations.random_llama import random_layer_weights, random_llama  # noqa: E402
 from kernforge.model_spec import ModelSpec  # noqa: E402
 
 IMPLS = ("stock", "kf", "int8", "int4", "int4_w4a16")
@@ -104,13 +105,17 @@ INT4_GROUP = 128  # kernforge.nn.Linear's four-bit group where it divides K (eve
 BATCH = 8
 
 
-def make(name: str, stock, pages: int, int8_lm_head: bool = False):
-    """(generate function, model) of one column: the four-bit ones with an int8 lm_head."""
+def make(name: str, stock, pages: int, int8_lm_head: bool = False, materialize_layer=None):
+    """(generate function, model) of one column: the four-bit ones with an int8 lm_head. With
+    ``materialize_layer``, ``stock``'s layers wait on the meta device and it is optimized in place."""
     if name == "stock":
         return stock_generate(stock), stock
     quant = None if name == "kf" else name
     head = "int8" if name.startswith("int4") else int8_lm_head
-    model = kft.optimize(copy.deepcopy(stock), kv_cache_pages=pages, quant=quant, quant_lm_head=head)
+    model = stock if materialize_layer else copy.deepcopy(stock)
+    model = kft.optimize(
+        model, kv_cache_pages=pages, quant=quant, quant_lm_head=head, materialize_layer=materialize_layer
+    )
     return kernforge_generate(model), model
 
 
@@ -410,7 +415,14 @@ def main() -> int:
     H.setup_threads(args.threads)
     roof, roof_path = H.load_roof()
     H.wait_for_quiet(args.wait_quiet)
-    if args.model == "qwen3-moe" or (args.model == "deepseek-v2-lite" and args.checkpoint):
+    # a random Qwen3-MoE without the stock column is built a layer at a time as optimize packs it, so
+    # that one column of all 48 layers fits at four bits (the bf16 model is 61 GB)
+    lazy = args.model == "qwen3-moe" and not args.checkpoint and "stock" not in args.impls and args.tp == 1
+    if lazy and len(args.impls) != 1:
+        p.error("without the stock column, qwen3-moe runs one column (--impls int4): each is built at its packed size")
+    if lazy:
+        stock = moe_generate.random_qwen3_moe(args.layers, lazy=True)
+    elif args.model == "qwen3-moe" or (args.model == "deepseek-v2-lite" and args.checkpoint):
         stock = moe_generate.build_model(args.checkpoint, args.layers, None)  # a checkpoint: any causal LM
     elif args.model == "deepseek-v2-lite":
         stock = random_llama("deepseek-v2-lite", 0, args.layers, attn_implementation="sdpa")
@@ -435,7 +447,8 @@ def main() -> int:
         },
     )
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
-    generates = {name: make(name, stock, pages, args.int8_lm_head)[0] for name in args.impls}
+    materialize = random_layer_weights(stock) if lazy else None
+    generates = {name: make(name, stock, pages, args.int8_lm_head, materialize)[0] for name in args.impls}
     tensor_parallel = None
     if args.tp > 1:
         tensor_parallel = generates[f"kf tp{args.tp}"] = TensorParallelColumn(args, args.tp, pages)

@@ -13,6 +13,13 @@ then 64 routed experts of 1408 with 6 per token and 2 shared ones; its vocabular
 its 27 layers unless ``--layers`` says otherwise: vLLM's CPU platform runs it on CPU_MLA (block size
 16, no chunked prefill), which kernforge's ``mla`` part replaces; a third case, the batch-1 request
 with 1 output token, gives its prefill time, so TPOT at batch 1 = (batch 1 - that) / (output - 1).
+With ``--awq`` (issue 38): Llama-3.2-1B's shape written as an AWQ GEMM checkpoint
+(``random_llama.quantize_awq``: each decoder linear rounded by ``quantize_int4``, groups of 128,
+zero points; lm_head and embeddings bf16). vLLM loads it with ``AutoAWQMarlinLinearMethod``, whose
+kernel ``choose_mp_linear_kernel`` picks (each run's log says which; printed and checked): stock,
+``CPUWNA16LinearKernel`` (``cpu_gemm_wna16``, W4A16, on a CPU without AMX); with the plugin,
+kernforge's ``int4`` part, W4A8 by default and W4A16 in the ``kf-w4a16`` column
+(``KERNFORGE_VLLM_INT4=w4a16``), asserted to run kernforge's kernel on every 4-bit layer.
 Each round starts a fresh engine per column, stock then kernforge, alternating (this VM's DRAM
 bandwidth moves over minutes); every figure is a median over rounds. Environment as vLLM's CPU
 docs recommend, the same for both columns: ``VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>``,
@@ -32,18 +39,22 @@ and torch's oneDNN at M=N=K=4096), plus each decode step's bytes (every weight o
 every running sequence) at the weight-streaming rate (kernforge's M=1 GEMM on a 256 MiB weight,
 larger than the L3). For the MoE model a token's FLOPs count its k experts (and the router), and a
 decode step of B sequences reads the experts B tokens choose, E (1 - (1 - k/E)^B) per layer under
-uniform routing.
+uniform routing. For the AWQ model a decoder weight streams as 0.5 B plus its group's share of an fp16
+scale and a 4-bit zero point (lm_head stays 2 B); its prefill FLOPs count at the bf16 GEMM rate.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # 2 rounds (about 15 minutes)
     .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe           # Qwen3-30B-A3B's shape, 4 layers
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the same model, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --mla --quick --columns stock=0 kf-mla=mla
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --awq           # AWQ int4: stock, kf (W4A8), kf-w4a16
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --awq --quick
     .venv-vllm/bin/python benchmarks/bench_vllm.py --serve --rounds 1 --columns stock=0 kf=
     .venv-vllm/bin/python benchmarks/bench_vllm.py --each-part     # + a column per part alone
 
 The default columns are stock (``KERNFORGE_VLLM=0``) and kf (unset: each part where the plugin's
-self-check measured it faster on this CPU; the verdicts each engine logged are printed).
+self-check measured it faster on this CPU; the verdicts each engine logged are printed); a column
+``NAME=PARTS:MODE`` also sets ``KERNFORGE_VLLM_INT4=MODE``.
 """
 
 from __future__ import annotations
@@ -61,7 +72,7 @@ from pathlib import Path
 import torch
 
 import kernforge
-from kernforge.integrations.random_llama import SHAPES, is_moe, make_model_dir
+from kernforge.integrations.random_llama import SHAPES, is_moe, make_model_dir, quantize_awq
 from kernforge.integrations.vllm.server import openai_server
 
 import _harness as H
@@ -81,6 +92,11 @@ SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_t
 MAX_POSITION = {"llama-3.2-1b": 131072, "qwen3-30b-a3b": 40960, "deepseek-v2-lite": 163840}
 MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48: its 4-layer experts are 4.8 GB of bf16, the whole model 6 GB
 MLA_LAYERS = 4  # of DeepSeek-V2-Lite's 27, the first dense: 3 layers of experts are 1.7 GB of bf16
+AWQ_GROUP = 128
+# an AWQ decoder weight's bytes: its nibble, and per group its fp16 scale and 4-bit zero point
+AWQ_WEIGHT_BYTES = 0.5 + (2 + 0.5) / AWQ_GROUP
+AWQ_COLUMNS = ["stock=0", "kf=", "kf-w4a16=:w4a16"]
+KERNFORGE_INT4 = "KernforgeInt4LinearKernel"
 
 
 def plugin_active(log: str) -> bool:
@@ -94,28 +110,65 @@ def moe_experts(log: str) -> str | None:
     return found.group(1) if found else None
 
 
+def int4_kernel(log: str) -> str | None:
+    """The mixed-precision kernel vLLM chose for its 4-bit linear layers, from a process's log (None: none)."""
+    found = sorted(set(re.findall(r"Using (\w+) for mixed-precision linear", log)))
+    return ", ".join(found) or None
+
+
+def vllm_int4_mode() -> str:
+    """What vLLM's CPUWNA16LinearKernel runs for bf16 layers here (its process_weights_after_loading's test)."""
+    w4a8 = torch.cpu._is_amx_tile_supported() and bool(int(os.environ.get("VLLM_CPU_INT4_W4A8", "1")))
+    return "W4A8, sgl-kernel's int4_scaled_mm_cpu (AMX)" if w4a8 else "W4A16, cpu_gemm_wna16 (no AMX)"
+
+
 def self_check_verdicts(log: str) -> list[str]:
     """The plugin's self-check verdicts a process logged (kernforge.integrations.vllm.selfcheck)."""
-    return sorted(set(re.findall(r"kernforge (?:attention|linear|moe) \(.*?\): .*", log)))
+    return sorted(set(re.findall(r"kernforge (?:attention|linear|moe|int4) \(.*?\): .*", log)))
 
 
-def check_engine(column: str, parts: str, result: dict) -> None:
-    """The plugin is on exactly where KERNFORGE_VLLM says (and runs the MoE layers where it should)."""
+def check_engine(column: str, spec: str, result: dict) -> None:
+    """The plugin is on exactly where KERNFORGE_VLLM says (and runs the MoE and 4-bit layers where it should,
+    the latter in the column's int4 mode)."""
+    parts, _, mode = spec.partition(":")
     assert result["plugin_active"] == (parts != "0"), f"{column}: the plugin's state is not KERNFORGE_VLLM's"
     experts = result["moe_experts"]
     if experts is not None:
         wanted = parts in ("", "1") or "moe" in parts.split(",")
         assert (experts == "KernforgeCPUUnquantizedExperts") == wanted, f"{column}: MoE layers on {experts}"
+    if result["int4_kernel"] is not None:
+        wanted = parts in ("", "1") or "int4" in parts.split(",")
+        assert (result["int4_kernel"] == KERNFORGE_INT4) == wanted, f"{column}: int4 on {result['int4_kernel']}"
+        for verdict in [v for v in result["verdicts"] if v.startswith("kernforge int4")]:
+            assert verdict.startswith(f"kernforge int4 ({mode or 'w4a8'} "), f"{column}: {verdict}"
+            assert "kernforge's kernels" in verdict, f"{column}: a 4-bit layer left on vLLM's: {verdict}"
 
 
-def model_parts(shape_name: str) -> tuple[str, ...]:
-    """The plugin's parts that a model of this shape runs."""
+def model_parts(shape_name: str, awq: bool = False) -> tuple[str, ...]:
+    """The plugin's parts that a model of this shape (its AWQ copy with ``awq``) runs."""
     extra = {"deepseek-v2-lite": ("moe", "mla"), "qwen3-30b-a3b": ("moe",)}.get(shape_name, ())
-    return ("attention", "layers", "linear", *extra)
+    return ("attention", "layers", "linear", *extra, *(("int4",) if awq else ()))
 
 
-def engine_environment(parts: str, threads: int) -> dict:
-    env = dict(os.environ, KERNFORGE_VLLM=parts)
+def column_text(spec: str) -> str:
+    parts, _, mode = spec.partition(":")
+    return f"KERNFORGE_VLLM={parts}" + (f" KERNFORGE_VLLM_INT4={mode}" if mode else "")
+
+
+def bench_model(shape_name: str, layers: int, args) -> Path:
+    """The model directory the run serves, made once in --model-cache: bf16, or with --awq its AWQ copy."""
+    cache = Path(args.model_cache)
+    model = make_model_dir(
+        cache / f"{shape_name}-{layers}l", shape_name, max_position=MAX_POSITION[shape_name], layers=args.layers
+    )
+    return quantize_awq(model, cache / f"{shape_name}-{layers}l-awq-g{AWQ_GROUP}", AWQ_GROUP) if args.awq else model
+
+
+def engine_environment(spec: str, threads: int) -> dict:
+    """A column's engine environment; ``spec`` is KERNFORGE_VLLM's value, ``:<mode>`` after it
+    KERNFORGE_VLLM_INT4's."""
+    parts, _, mode = spec.partition(":")
+    env = dict(os.environ, KERNFORGE_VLLM=parts, **({"KERNFORGE_VLLM_INT4": mode} if mode else {}))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -142,6 +195,7 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
         result["wall_s"] = time.monotonic() - started
         result["plugin_active"] = plugin_active(run.stdout + run.stderr)
         result["moe_experts"] = moe_experts(run.stdout + run.stderr)
+        result["int4_kernel"] = int4_kernel(run.stdout + run.stderr)
         result["verdicts"] = self_check_verdicts(run.stdout + run.stderr)
         return result
 
@@ -164,6 +218,7 @@ def vllm_serve(model: Path, parts: str, args) -> dict:
         result = json.loads((Path(tmp) / "serve.json").read_text())
         log = (Path(tmp) / "server.log").read_text()
         result["plugin_active"], result["moe_experts"] = plugin_active(log), moe_experts(log)
+        result["int4_kernel"], result["verdicts"] = int4_kernel(log), self_check_verdicts(log)
         return result
 
 
@@ -246,8 +301,11 @@ def mla_bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int
     return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
 
 
-def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, rates: dict) -> float:
-    """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate."""
+def bound_seconds(
+    shape: dict, prompts: int, input_len: int, output_len: int, rates: dict, linear_bytes: float = 2.0
+) -> float:
+    """Prefill FLOPs at the GEMM rate + decode steps' bytes at the streaming rate (the decoder layers'
+    weights at ``linear_bytes`` each, lm_head's at bf16's 2)."""
     if "kv_lora_rank" in shape:
         return mla_bound_seconds(shape, prompts, input_len, output_len, rates)
     hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
@@ -268,7 +326,8 @@ def bound_seconds(shape: dict, prompts: int, input_len: int, output_len: int, ra
     prefill = prompts * (2 * per_token * input_len + 2 * layers * heads * head_dim * input_len**2 + 2 * lm_head)
     kv_per_token = layers * 2 * kv_heads * head_dim * 2
     decode_bytes = sum(
-        2 * (per_step + lm_head) + prompts * (input_len + step) * kv_per_token for step in range(output_len - 1)
+        linear_bytes * per_step + 2 * lm_head + prompts * (input_len + step) * kv_per_token
+        for step in range(output_len - 1)
     )
     return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
 
@@ -292,13 +351,17 @@ def main() -> None:
     parser.add_argument(
         "--mla", action="store_true", help="DeepSeek-V2-Lite's shape (multi-head latent attention, experts) instead"
     )
+    parser.add_argument(
+        "--awq", action="store_true", help="Llama-3.2-1B's shape as an AWQ checkpoint (4-bit decoder linears)"
+    )
     parser.add_argument("--model-cache", default=str(Path.home() / ".cache" / "kernforge-bench"))
     parser.add_argument(
         "--columns",
         nargs="+",
-        default=["stock=0", "kf="],
-        help="NAME=KERNFORGE_VLLM per column, the first the baseline (kf=: unset, the self-checked default; "
-        "e.g. kf-no-linear=attention,layers)",
+        default=None,
+        help="NAME=KERNFORGE_VLLM[:KERNFORGE_VLLM_INT4] per column, the first the baseline (kf=: unset, the "
+        "self-checked default; e.g. kf-no-linear=attention,layers, kf-w4a16=:w4a16); default stock=0 kf= "
+        f"(--awq: {' '.join(AWQ_COLUMNS)})",
     )
     parser.add_argument(
         "--each-part", action="store_true", help="a column per part alone (KERNFORGE_VLLM=<part>) after --columns"
@@ -307,6 +370,9 @@ def main() -> None:
     parser.add_argument("--serve-prompts", type=int, default=32)
     parser.add_argument("--rate", type=float, default=0.25, help="requests/s, Poisson (stock sustains ~0.35 here)")
     args = parser.parse_args()
+    if args.awq and (args.moe or args.mla):
+        parser.error("--awq is Llama-3.2-1B's shape: not with --moe or --mla")
+    args.columns = args.columns or (AWQ_COLUMNS if args.awq else ["stock=0", "kf="])
     if args.quick:
         args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
     shape_name = "deepseek-v2-lite" if args.mla else "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
@@ -318,21 +384,18 @@ def main() -> None:
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
     H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
-    model = make_model_dir(
-        Path(args.model_cache) / f"{shape_name}-{shape['num_hidden_layers']}l",
-        shape_name,
-        max_position=MAX_POSITION[shape_name],
-        layers=args.layers,
-    )
-    print(f"model: {shape_name} shape, {shape['num_hidden_layers']} layers, random weights ({model})", flush=True)
+    model = bench_model(shape_name, shape["num_hidden_layers"], args)
+    awq = f", AWQ int4 decoder linears (group {AWQ_GROUP})" if args.awq else ""
+    print(f"model: {shape_name} shape, {shape['num_hidden_layers']} layers, random weights{awq} ({model})", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")],
+        [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")]
+        + (["--quant", "int4"] if args.awq else []),
         check=True,
         capture_output=True,
     )
     columns = dict(column.split("=", 1) for column in args.columns)
     if args.each_part:
-        columns.update((part, part) for part in model_parts(shape_name))
+        columns.update((part, part) for part in model_parts(shape_name, args.awq))
     if args.serve:
         return serve_main(model, columns, args)
     rates = measured_rates(args.threads)
@@ -346,8 +409,10 @@ def main() -> None:
             for column, parts in columns.items():
                 result = vllm_throughput(model, parts, prompts, input_len, output_len, args)
                 check_engine(column, parts, result)
+                assert result["int4_kernel"] or not args.awq, f"{column}: no 4-bit linear kernel in the engine's log"
                 runs.setdefault((case, column), []).append(result)
                 experts = f" (MoE: {result['moe_experts']})" if is_moe(shape_name) else ""
+                experts += f" (int4: {result['int4_kernel']})" if args.awq else ""
                 print(
                     f"round {round_ + 1} {case:8s} {column:12s} {result['elapsed_time']:7.2f} s "
                     f"{result['tokens_per_second']:7.1f} tok/s{experts}",
@@ -358,7 +423,7 @@ def main() -> None:
     rows, summary = [], {}
     for case, (prompts, input_len, output_len) in cases.items():
         tokens = prompts * (input_len + output_len)
-        bound = bound_seconds(shape, prompts, input_len, output_len, rates)
+        bound = bound_seconds(shape, prompts, input_len, output_len, rates, AWQ_WEIGHT_BYTES if args.awq else 2.0)
         base = statistics.median(r["elapsed_time"] for r in runs[case, baseline])
         for column in columns:
             seconds = statistics.median(r["elapsed_time"] for r in runs[case, column])
@@ -397,8 +462,11 @@ def main() -> None:
         f"({', '.join(f'{k} {v:.0f}' for k, v in rates['gemm_by'].items())}; the CPU's bf16 peak "
         f"{rates['bf16_peak_gflops'] or float('nan'):.0f}), "
         f"weight streaming {rates['stream_gbs']:.1f} GB/s; medians of {args.rounds} round(s); "
-        f"columns: {', '.join(f'{k} = KERNFORGE_VLLM={v}' for k, v in columns.items())}"
+        f"columns: {', '.join(f'{k} = {column_text(v)}' for k, v in columns.items())}"
     )
+    if args.awq:
+        kernels = ", ".join(f"{c} {runs['fixed', c][0]['int4_kernel']}" for c in columns)
+        print(f"4-bit linear layers (AutoAWQMarlinLinearMethod): {kernels}; vLLM's CPUWNA16 runs {vllm_int4_mode()}")
     H.write_json(args.json, {"summary": summary, "rates": rates, "runs": {f"{c}/{k}": v for (c, k), v in runs.items()}})
 
 

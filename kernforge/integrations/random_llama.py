@@ -168,10 +168,16 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, **config):
+def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, *, lazy_layers: bool = False, **config):
     """A bf16 ``LlamaForCausalLM`` of ``shape`` (a ``Qwen3MoeForCausalLM`` or ``DeepseekV2ForCausalLM``
     for those shapes; ``layers`` decoder layers if given; ``config`` overrides more) with weights
-    drawn from N(0, initializer_range), norms at 1."""
+    drawn from N(0, initializer_range), norms at 1.
+
+    ``lazy_layers``: the decoder layers stay on the meta device (no memory) until
+    :func:`random_layer_weights`'s function draws them one at a time, as ``optimize(model,
+    materialize_layer=...)`` reaches each: a model larger than memory in bf16 (Qwen3-30B-A3B's 48
+    layers are 61 GB) is then quantized a layer at a time. Its layers' weights are not those of the
+    eager model of the same seed."""
     import torch
     from transformers.initialization import no_init_weights
 
@@ -189,19 +195,64 @@ def random_llama(shape: str = "tiny", seed: int = 0, layers: int | None = None, 
     fields.update({"num_hidden_layers": layers} if layers else {}, **config)
     model_config = config_class(**fields)
     with no_init_weights():  # transformers' per-module init is slow at 1B; the weights are drawn below
-        model = model_class(model_config).to(torch.bfloat16)
+        if lazy_layers:
+            with torch.device("meta"):
+                model = model_class(model_config).to(torch.bfloat16)
+            _materialize_all_but_layers(model)
+        else:
+            model = model_class(model_config).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-            elif is_moe(shape):  # drawn in bf16: a layer's experts are 1.2 GB at 30B-A3B, an fp32 draw doubles that
-                parameter.normal_(0.0, model_config.initializer_range, generator=generator)
-            else:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * model_config.initializer_range)
+    _draw(model.named_parameters(), generator, model_config.initializer_range, in_bf16=is_moe(shape))
     # no_init_weights also skips tying: without this, lm_head is a second copy of the embedding
     model.tie_weights()
     return model.eval()
+
+
+def random_layer_weights(model, seed: int = 0):
+    """``fill(index, layer)``: draws decoder layer ``index`` of a ``random_llama(...,
+    lazy_layers=True)`` model in place (off the meta device, a generator of its own per layer):
+    ``optimize``'s ``materialize_layer``."""
+    import torch
+
+    std, in_bf16 = model.config.initializer_range, _is_moe_config(model.config)
+
+    def fill(index: int, layer) -> None:
+        layer.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index + 1)
+        _draw(layer.named_parameters(), generator, std, in_bf16)
+
+    return fill
+
+
+def _is_moe_config(config) -> bool:
+    return any(hasattr(config, name) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def _materialize_all_but_layers(model) -> None:
+    """A model built on the meta device: everything but its decoder layers moved to (uninitialized)
+    CPU memory, the rotary embedding rebuilt (its frequencies are computed, not drawn)."""
+    for name, child in model.model.named_children():
+        if name != "layers":
+            child.to_empty(device="cpu")
+    model.lm_head.to_empty(device="cpu")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+
+
+def _draw(named_parameters, generator, std: float, in_bf16: bool) -> None:
+    """N(0, std) into every parameter not on the meta device, norms at 1. MoE weights are drawn in
+    bf16 (a layer's experts are 1.2 GB at 30B-A3B: an fp32 draw would double that)."""
+    import torch
+
+    with torch.no_grad():
+        for name, parameter in named_parameters:
+            if parameter.is_meta:
+                continue
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            elif in_bf16:
+                parameter.normal_(0.0, std, generator=generator)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
 
 
 def make_model_dir(
@@ -271,6 +322,62 @@ def quantize_w8a8(source: str | Path, path: str | Path) -> Path:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = W8A8_QUANTIZATION
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for other in source.iterdir():
+        if other.name not in ("model.safetensors", "config.json", marker.name) and other.is_file():
+            shutil.copy(other, path / other.name)
+    marker.write_text(recipe)
+    return path
+
+
+_AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j of an AWQ word sits in its nibble _AWQ_ORDER[j]
+
+
+def quantize_awq(source: str | Path, path: str | Path, group_size: int = 128) -> Path:
+    """Write a copy of the model directory ``source`` as an AWQ GEMM checkpoint (what AutoAWQ
+    writes, what vLLM loads as ``quant_method: awq``): its decoder layers' linear weights rounded by
+    kernforge's ``quantize_int4`` (asymmetric, ``group_size`` K per group), so an int4 benchmark needs
+    no calibration; lm_head and the embeddings stay bf16. Kept if ``path`` already holds it."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kernforge.ops.gemm.int4 import quantize_int4, unpack_int4
+
+    source, path = Path(source), Path(path)
+    marker = path / "kernforge-random-model.txt"
+    recipe = f"awq g{group_size} of {(source / 'kernforge-random-model.txt').read_text()}"
+    if marker.exists() and marker.read_text() == recipe:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    shifts = torch.tensor(_AWQ_ORDER, dtype=torch.int32) * 4
+
+    def awq_words(values: torch.Tensor) -> torch.Tensor:  # [R, N] (0..15) -> int32 [R, N/8], AWQ's order
+        words = values.to(torch.int32).view(values.shape[0], -1, 8) << shifts
+        return words.sum(-1, dtype=torch.int32)  # the nibbles do not overlap: the sum is their OR
+
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _W8A8_LAYERS):
+            tensors[name] = tensor
+            continue
+        codes, zeros, scales = unpack_int4(quantize_int4(tensor, group_size, symmetric=False))
+        prefix = name.removesuffix("weight")
+        tensors[prefix + "qweight"] = awq_words(codes.t().contiguous())  # [K, N/8]
+        tensors[prefix + "qzeros"] = awq_words(zeros)  # [G, N/8]
+        tensors[prefix + "scales"] = scales.to(torch.float16)  # [G, N]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for other in source.iterdir():
         if other.name not in ("model.safetensors", "config.json", marker.name) and other.is_file():

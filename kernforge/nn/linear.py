@@ -33,6 +33,7 @@ from kernforge.ops._registry import DTYPE_NAMES
 from kernforge.ops.gemm import bf16, fp8, int4, int8
 
 QUANTS = (None, "int8", "fp8_block", *int4.QUANTS)
+_QUANTIZE_ROWS = 8192  # rows quantized at once (an fp32 block of 8192 x 8192 is 256 MiB)
 FP8_BLOCK = (128, 128)  # (N, K) block of one fp8 weight scale, DeepSeek-V3's
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -256,10 +257,15 @@ class Int4LinearWeights(nn.Module):
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``(w_q [N, K] int8, w_scale [N] fp32)`` with
-    ``w_scale = amax / 127`` (an all-zero row gets a tiny scale instead of a division by zero)."""
-    w = weight.float()
-    scale = w.abs().amax(1).clamp_min(1e-10) / 127
-    w_q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    ``w_scale = amax / 127`` (an all-zero row gets a tiny scale instead of a division by zero).
+    Rows are taken a block at a time: an fp32 copy of a whole 150k-row lm_head would be 1.2 GB."""
+    w_q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = slice(start, start + _QUANTIZE_ROWS)
+        w = weight[rows].to(torch.float32, copy=True)  # divided in place below
+        scale[rows] = w.abs().amax(1).clamp_min(1e-10) / 127
+        w_q[rows] = w.div_(scale[rows, None]).round_().clamp_(-127, 127)
     return w_q, scale
 
 

@@ -355,7 +355,7 @@ def test_every_blocking_candidate_matches(tier, candidate):
     """Each blocking the tuner may pick computes the same product (rows around every row block and
     few-rows threshold)."""
     packed = _packed(70, 256, 64)
-    for m in (1, 2, 3, 4, 65, 129, 257):
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 65, 129, 257):
         x = _x(m, 256, torch.bfloat16, ("blocking",))
         for w4a8, reference in ((True, _w4a8_reference), (False, _w4a16_reference)):
             _assert_close(int4.linear_with_config(x, packed, candidate.params, w4a8), reference(x, packed), x.dtype)

@@ -146,6 +146,21 @@ def test_int8_weight_quantization_is_per_channel_symmetric():
     assert w_q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]
 
 
+def test_int8_weight_quantization_by_row_blocks_matches_the_whole_and_leaves_the_weight(monkeypatch):
+    """Rows are quantized a block at a time (no fp32 copy of a 150k-row lm_head): 3-row blocks over 10
+    rows give what one fp32 pass gives, and an fp32 weight (whose .float() is itself) is not written."""
+    import kernforge.nn.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_QUANTIZE_ROWS", 3)
+    w = torch.randn(10, 7, generator=torch.Generator().manual_seed(0))
+    before = w.clone()
+    w_q, scale = knn.quantize_weight_int8(w)
+    expected_scale = w.abs().amax(1) / 127
+    torch.testing.assert_close(scale, expected_scale, rtol=0, atol=0)
+    assert torch.equal(w_q, torch.round(w / expected_scale[:, None]).to(torch.int8))
+    assert torch.equal(w, before)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()

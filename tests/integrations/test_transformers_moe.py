@@ -361,6 +361,46 @@ def test_moe_example_runs(kernforge_cache_dir):
     assert "decode tokens/s" in result.stdout and "sequence 0: " in result.stdout
 
 
+# --------------------------------------------------------------------------- layers materialized one at a time
+
+
+def lazy_tiny_moe():
+    from kernforge.integrations.random_llama import random_layer_weights, random_llama
+
+    model = random_llama("tiny-moe", 5, lazy_layers=True)
+    return model, random_layer_weights(model, 5)
+
+
+def test_lazy_layers_optimize_as_the_same_weights_loaded_eagerly():
+    """optimize(materialize_layer=...) packs each meta layer as it fills it: the model computes what
+    optimize gives for the same weights in memory from the start, and no layer stays on meta."""
+    lazy, fill = lazy_tiny_moe()
+    assert all(p.is_meta for p in lazy.model.layers.parameters()) and not lazy.lm_head.weight.is_meta
+    eager = copy.deepcopy(lazy)
+    for index, layer in enumerate(eager.model.layers):
+        fill(index, layer)
+    eager = kft.optimize(eager, kv_cache_pages=64, quant="int4")
+    filled = []
+    lazy = kft.optimize(
+        lazy, kv_cache_pages=64, quant="int4", materialize_layer=lambda i, layer: (filled.append(i), fill(i, layer))
+    )
+    assert filled == [0, 1] and not any(p.is_meta for p in lazy.parameters())
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(lazy(ids).logits, eager(ids).logits)
+    assert lazy.generation_config.pad_token_id is None  # and no stop token: nothing to pad with but 0
+    assert kft.generate(lazy, ids, max_new_tokens=3, eos_token_id=[]).shape == (1, 12)
+
+
+def test_meta_layers_without_materialize_layer_are_refused_before_any_change():
+    lazy, _ = lazy_tiny_moe()
+    attention = lazy.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="meta device: only decoder layers may wait there"):
+        kft.optimize(lazy, kv_cache_pages=64)
+    assert lazy.model.layers[0].self_attn is attention  # nothing replaced
+    with pytest.raises(ValueError, match="materialize_layer left decoder layer 0 with weights on the meta device"):
+        kft.optimize(lazy, kv_cache_pages=64, materialize_layer=lambda index, layer: None)
+
+
 _FRESH_PROCESS = """
 import json, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -154,6 +154,7 @@ def optimize(
     page_size: int = 16,
     quant_lm_head: bool | str = False,
     tp_group=None,
+    materialize_layer=None,
 ) -> nn.Module:
     """Make ``model`` (a Llama-family or MoE ``*ForCausalLM``, :data:`SUPPORTED_MODELS`) run on
     kernforge, in place; returns it.
@@ -172,10 +173,16 @@ def optimize(
     calls ``optimize`` on its own copy of the model: attention heads and the MLP's intermediate
     rows split among the ranks, kernforge's all-reduce after o_proj and down_proj, the vocabulary of
     lm_head split and its logits all-gathered (``_tensor_parallel``); dense Llama-family models.
+
+    ``materialize_layer``: called as ``materialize_layer(index, layer)`` just before decoder layer
+    ``index`` is replaced, for a model whose decoder layers wait on the meta device (built with
+    ``torch.device("meta")``; :func:`~kernforge.integrations.random_llama.random_layer_weights` fills
+    random ones): each layer's weights exist only until it is packed, so a model larger than memory
+    in its own dtype (Qwen3-30B-A3B, 61 GB in bf16) loads quantized in its packed size.
     """
     if getattr(model, "_kernforge", None) is not None:
         raise ValueError("this model is already optimized by kernforge")
-    config, decoder = _checked_model(model)
+    config, decoder = _checked_model(model, materialize_layer is not None)
     dtype = model.dtype
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
@@ -198,7 +205,8 @@ def optimize(
         # RoPE for every position the pool can hold (capped by the model's context length)
         positions = min(pool.num_pages * pool.page_size, getattr(config, "max_position_embeddings", None) or 1 << 30)
         decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb, positions)
-        for layer in decoder.layers:
+        for index, layer in enumerate(decoder.layers):
+            _materialized(layer, index, materialize_layer)
             if mla:
                 _replace_deepseek_layer(layer, config, model_spec, dtype, quant, stock)
             else:
@@ -226,7 +234,7 @@ def optimize(
 # --------------------------------------------------------------------------- checks
 
 
-def _checked_model(model):
+def _checked_model(model, layers_materialized: bool = False):
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head") or not hasattr(model, "model"):
@@ -239,11 +247,23 @@ def _checked_model(model):
     for name in ("layers", "rotary_emb", "norm", "embed_tokens"):
         if not hasattr(decoder, name):
             raise UnsupportedModelError(f"{type(model).__name__}.model has no {name}: not a Llama-family decoder")
-    for parameter in model.parameters():
-        if parameter.device.type != "cpu":
+    in_layers = {id(parameter) for parameter in decoder.layers.parameters()} if layers_materialized else set()
+    for name, parameter in model.named_parameters():
+        if parameter.is_meta and id(parameter) not in in_layers:
+            raise ValueError(
+                f"{name} is on the meta device: only decoder layers may wait there, filled by materialize_layer"
+            )
+        if parameter.device.type not in ("cpu", "meta"):
             raise UnsupportedModelError(f"the model is on {parameter.device}; kernforge runs on the CPU")
-        break
     return config, decoder
+
+
+def _materialized(layer: nn.Module, index: int, materialize_layer) -> None:
+    """Decoder layer ``index`` with its weights in memory (``materialize_layer`` fills a meta layer)."""
+    if materialize_layer is not None:
+        materialize_layer(index, layer)
+        if any(parameter.is_meta for parameter in layer.parameters()):
+            raise ValueError(f"materialize_layer left decoder layer {index} with weights on the meta device")
 
 
 def _check_rope(rotary) -> None:

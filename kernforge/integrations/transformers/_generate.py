@@ -50,7 +50,7 @@ def generate(
     eos = _token_set(config.eos_token_id if eos_token_id is None else eos_token_id)
     pad = pad_token_id if pad_token_id is not None else config.pad_token_id
     if pad is None:
-        pad = int(eos[0]) if eos is not None else 0
+        pad = int(eos[0]) if eos is not None and len(eos) else 0  # eos_token_id=[]: no stop token
 
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None

@@ -94,7 +94,7 @@ INT4_GEMM_ARGS = Struct(
 GEMM_INT4 = Module(
     "gemm_int4",
     "gemm_int4.cpp.jinja",
-    params={"dtype": DType(), "row_block": Int(choices=(64, 128, 256)), "few_rows": Int(choices=(1, 2, 4))},
+    params={"dtype": DType(), "row_block": Int(choices=(64, 128, 256)), "few_rows": Int(choices=(1, 2, 4, 8, 16))},
     structs=[INT4_GEMM_ARGS],
     entries=[
         Entry("w4a8", "const kf_int4_gemm* args", returns="int64_t"),
@@ -114,7 +114,8 @@ def _blocking(rank: int, when, **changed) -> Candidate:
 
 # The tuner's candidates (python -m kernforge tune gemm_int4), per (x dtype, M bucket, N, K, group): rows
 # per task (an unpacked block serves them all: more rows, fewer unpacks, a bigger tile) where M spans
-# more than one task, and how many rows still go straight from the nibbles (decode) where M is that small.
+# more than one task, and how many rows still go straight from the nibbles (decode; up to 16 rows in
+# passes of 4) where M is that small.
 INT4_CANDIDATES = Candidates(
     "int4_gemm",
     GEMM_INT4,
@@ -123,6 +124,7 @@ INT4_CANDIDATES = Candidates(
         _blocking(1, lambda shape: shape["m"] > 64, row_block=256),
         _blocking(2, lambda shape: shape["m"] > 64, row_block=64),
         _blocking(3, lambda shape: 2 < shape["m"] <= 4, few_rows=2),
+        _blocking(4, lambda shape: 4 < shape["m"] <= 16, few_rows=16),  # small batches from the nibbles too
     ],
     reference=Candidate({"row_block": 64, "few_rows": 1}, ALL_TIERS),
     bucket=lambda s: f"{s['dtype']}_m{s['m']}_n{s['n']}_k{s['k']}_g{s['group']}",

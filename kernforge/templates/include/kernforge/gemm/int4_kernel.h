@@ -180,13 +180,20 @@ inline void zero_words(const Problem& p, int64_t g, int64_t n0, uint8_t bias, ui
 
 // Calls task(m0, n0, rows) for every output tile, with the problem's checks done.
 // The blocking, a module parameter each (kernforge.ops.gemm.int4.INT4_CANDIDATES tunes them): rows per
-// task (one unpacked block serves all of them) and the row count up to which (decode) the codes go
-// from the nibbles to the products directly.
+// task (one unpacked block serves all of them) and the row count up to which (decode, small batches)
+// the codes go from the nibbles to the products directly, in passes of at most MR rows over the tile's
+// codes (which stay in L2 between passes: 64 columns of K = 8192 are 256 KiB).
 template <int64_t kRowBlock_, int kFewRows_>
 struct Blocking {
   static constexpr int64_t kRowBlock = kRowBlock_;
   static constexpr int kFewRows = kFewRows_;
 };
+
+// pass(r0, rows_in_pass) over `rows` rows in passes of at most kPass.
+template <int kPass, class Pass>
+inline void in_passes(int64_t rows, const Pass& pass) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kPass) pass(r0, std::min<int64_t>(kPass, rows - r0));
+}
 
 template <int NR, int64_t kRowBlock, class Task>
 inline int64_t for_each_tile(const Problem& p, int64_t num_threads, const Task& task) {
@@ -471,12 +478,14 @@ inline bool amx_rows(int64_t rows) { return rows >= amx::kMinRows && amx::tiles_
 // fused MoE runs them from its own parallel loop (so AMX tile state lives in the task).
 template <int MR, int NR, class Block>
 void w4a8_task(const Problem& p, const uint8_t* a, int64_t lda, int64_t rows, int64_t n0, float* tile) {
-  constexpr int kFewRows = Block::kFewRows < MR ? Block::kFewRows : MR;  // the tile's registers bound it
+  constexpr int kPass = Block::kFewRows < MR ? Block::kFewRows : MR;  // the tile's registers bound a pass
   std::fill_n(tile, rows * NR, 0.0f);
-  if (rows <= kFewRows) {  // decode: straight from the nibbles
-    w4a8_few_rows<kFewRows, NR>(rows, p, n0, a, lda,
-                                [&](int64_t g, const int32_t* sums) { scale_into<NR>(p, g, n0, rows, sums, tile); });
-    return;
+  if (rows <= Block::kFewRows) {  // decode: straight from the nibbles
+    return in_passes<kPass>(rows, [&](int64_t r0, int64_t pass_rows) {
+      w4a8_few_rows<kPass, NR>(pass_rows, p, n0, a + r0 * lda, lda, [&](int64_t g, const int32_t* sums) {
+        scale_into<NR>(p, g, n0, pass_rows, sums, tile + r0 * NR);
+      });
+    });
   }
   alignas(64) uint32_t block[kDepthBlock / kQuad * NR];
   alignas(64) uint32_t zeros[NR];
@@ -520,11 +529,13 @@ int64_t w4a8(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_thread
 // rows, unpacked blocks on the int8 micro-kernel for more).
 template <int MR, int NR, class Block, class OnGroup>
 int64_t w4a8_group_sums(const Problem& p, const uint8_t* a, int64_t lda, int64_t num_threads, const OnGroup& on_group) {
-  constexpr int kFewRows = Block::kFewRows < MR ? Block::kFewRows : MR;
+  constexpr int kPass = Block::kFewRows < MR ? Block::kFewRows : MR;
   return for_each_tile<NR, Block::kRowBlock>(p, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
-    if (rows <= kFewRows) {
-      return w4a8_few_rows<kFewRows, NR>(rows, p, n0, a + m0 * lda, lda,
-                                         [&](int64_t g, const int32_t* sums) { on_group(m0, n0, rows, g, sums); });
+    if (rows <= Block::kFewRows) {
+      return in_passes<kPass>(rows, [&](int64_t r0, int64_t pass_rows) {
+        w4a8_few_rows<kPass, NR>(pass_rows, p, n0, a + (m0 + r0) * lda, lda,
+                                 [&](int64_t g, const int32_t* sums) { on_group(m0 + r0, n0, pass_rows, g, sums); });
+      });
     }
     alignas(64) uint32_t block[kDepthBlock / kQuad * NR];
     alignas(64) uint32_t zeros[NR];
@@ -556,9 +567,13 @@ void w4a16_task(const Problem& p, const T* x, int64_t ldx, int64_t rows, int64_t
   std::fill_n(tile, rows * NR, 0.0f);
 #if KF_HAS_DPBF16
   if constexpr (kUsesDpbf16<T>) {
+    constexpr int kPass = Block::kFewRows < MR ? Block::kFewRows : MR;
     if (rows <= Block::kFewRows) {  // decode: straight from the nibbles
-      return w4a16_few_rows<Block::kFewRows, NR>(
-          rows, p, n0, x, ldx, [&](int64_t g, const float* sums) { scale_into<NR>(p, g, n0, rows, sums, tile); });
+      return in_passes<kPass>(rows, [&](int64_t r0, int64_t pass_rows) {
+        w4a16_few_rows<kPass, NR>(pass_rows, p, n0, x + r0 * ldx, ldx, [&](int64_t g, const float* sums) {
+          scale_into<NR>(p, g, n0, pass_rows, sums, tile + r0 * NR);
+        });
+      });
     }
   }
 #endif
