@@ -35,11 +35,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/vllm
 
-# Style: ruff (lint and format) over the Python, clang-format over the C++ headers. CI runs it.
+# Style: ruff (lint and format) over the Python, clang-format over the C++ headers; then types: mypy
+# over kernforge/ (config and baseline: [tool.mypy] in pyproject.toml; cache in .mypy_cache). CI runs it.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_HEADERS)
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(PY_SOURCES)

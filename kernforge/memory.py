@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +30,7 @@ _MADV_HUGEPAGE = 14  # back this range with huge pages from now on (at first tou
 _MADV_COLLAPSE = 25  # Linux 6.1+: move the range's populated pages into huge pages now
 
 
-def _madvise():
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)
@@ -44,7 +46,7 @@ def _advise(start: int, length: int, advice: int) -> bool:
     return _madvise_fn is not None and length > 0 and _madvise_fn(start, length, advice) == 0
 
 
-def _check_size(size: tuple) -> tuple[int, ...]:
+def _check_size(size: tuple[Any, ...]) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in size):
@@ -54,7 +56,7 @@ def _check_size(size: tuple) -> tuple[int, ...]:
     return tuple(size)
 
 
-def empty_kv_cache(*size, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def empty_kv_cache(*size: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``torch.empty(*size, dtype=dtype)`` for a KV cache, its memory in 2 MiB huge pages where Linux
     allows: the tensor starts on a 2 MiB boundary of a fresh allocation that is advised
     (``MADV_HUGEPAGE``) before anything touches it, so its pages fault in as huge pages. Any shape

@@ -23,6 +23,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import filelock
 
@@ -120,7 +121,7 @@ class Entry:
             timeout = float(os.environ.get("KERNFORGE_LOCK_TIMEOUT", "600"))
         return filelock.FileLock(str(locks / f"{self.key}.lock"), timeout=timeout, thread_local=False)
 
-    def trusted_meta(self) -> dict | None:
+    def trusted_meta(self) -> dict[str, Any] | None:
         """The metadata if the entry is complete and its .so is intact, else None."""
         try:
             meta = json.loads(self.meta_path.read_text())
@@ -144,7 +145,7 @@ class Entry:
     def temp_so(self) -> Path:
         return self.dir / f"kernel.so.tmp-{os.getpid()}-{threading.get_ident()}"
 
-    def commit(self, built_so: Path, meta: dict) -> dict:
+    def commit(self, built_so: Path, meta: dict[str, Any]) -> dict[str, Any]:
         os.replace(built_so, self.so)
         meta = {
             **meta,
@@ -161,7 +162,7 @@ class Entry:
         self.so.unlink(missing_ok=True)
 
 
-def entries(root: Path | None = None) -> list[tuple[Entry, dict | None]]:
+def entries(root: Path | None = None) -> list[tuple[Entry, dict[str, Any] | None]]:
     """Every entry folder with its trusted metadata (None if incomplete)."""
     root = root or cache_root()
     found = []

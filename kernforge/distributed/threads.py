@@ -11,10 +11,11 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+from typing import Any
 
 import torch
 
-_BINDING: dict | None = None  # what bind_threads last did, for kernforge.info
+_BINDING: dict[str, Any] | None = None  # what bind_threads last did, for kernforge.info
 
 _SYS_SET_MEMPOLICY = 238  # x86-64
 _MPOL_BIND = 2
@@ -77,12 +78,12 @@ def init_cpu_threads_env(cpu_ids: str) -> str:
     return bind_threads(cpu_ids)
 
 
-def binding() -> dict | None:
+def binding() -> dict[str, Any] | None:
     """What :func:`bind_threads` did in this process, or None."""
     return _BINDING
 
 
-def describe(b: dict | None) -> str:
+def describe(b: dict[str, Any] | None) -> str:
     if b is None:
         return (
             f"not bound ({torch.get_num_threads()} torch threads on CPUs {_compact(sorted(os.sched_getaffinity(0)))})"

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 # name -> (register index in the probe's output, bit, XCR0 state the OS must enable)
 _XCR0_AVX = 0b110  # SSE and AVX (YMM) state
@@ -219,7 +220,7 @@ def use_isa(tier: str) -> Iterator[str]:
         set_isa(previous)
 
 
-def cpu_info() -> dict:
+def cpu_info() -> dict[str, Any]:
     """Features, runnable tiers and the tier in use."""
     features = cpu_features()
     return {

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -90,7 +91,7 @@ def template_path(template: str) -> Path | None:
     return None
 
 
-def render(template: str, variables: dict) -> str:
+def render(template: str, variables: dict[str, Any]) -> str:
     try:
         return _environment_for(tuple(template_dirs())).get_template(template).render(variables)
     except jinja2.TemplateNotFound as exc:
@@ -121,7 +122,7 @@ def included_headers(source: str) -> list[tuple[str, Path]]:
     """(include name, resolved file) of every quoted include reachable from ``source``."""
     roots = tuple(include_dirs())
     found: dict[str, Path] = {}
-    pending = [(m.decode(), None) for m in _QUOTED_INCLUDE.findall(source.encode())]
+    pending: list[tuple[str, Path | None]] = [(m.decode(), None) for m in _QUOTED_INCLUDE.findall(source.encode())]
     while pending:
         name, including_dir = pending.pop()
         path = _resolve(name, (including_dir, *roots) if including_dir else roots)

@@ -126,7 +126,7 @@ class Candidates:
         return self.module.built_tier(tier or isa.selected_tier())
 
 
-def _jsonable_params(params: Mapping[str, Any]) -> dict:
+def _jsonable_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _jsonable(v) for k, v in sorted(params.items())}
 
 
@@ -136,7 +136,7 @@ class TuningStore:
     def __init__(self, root: Path | None = None):
         self.root = (root or disk.cache_root()) / "tuning"
 
-    def lookup(self, kernel: str, bucket: str, tier: str) -> dict | None:
+    def lookup(self, kernel: str, bucket: str, tier: str) -> dict[str, Any] | None:
         record = self._load(kernel).get(self._key(bucket, tier))
         if record is None:
             return None
@@ -151,7 +151,7 @@ class TuningStore:
             return None
         return record["winner"]
 
-    def record(self, kernel: str, bucket: str, tier: str, winner: dict, seconds: dict) -> None:
+    def record(self, kernel: str, bucket: str, tier: str, winner: dict[str, Any], seconds: dict[str, Any]) -> None:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         with filelock.FileLock(str(self._path(kernel)) + ".lock"):
             records = self._load(kernel)
@@ -174,7 +174,7 @@ class TuningStore:
     def _path(self, kernel: str) -> Path:
         return self.root / f"{kernel}.json"
 
-    def _load(self, kernel: str) -> dict:
+    def _load(self, kernel: str) -> dict[str, Any]:
         path = self._path(kernel)
         try:
             records = json.loads(path.read_text())

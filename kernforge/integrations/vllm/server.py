@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def openai_server(
-    model: str | Path, arguments: list[str], env: dict, log: Path, timeout_s: float = 900
+    model: str | Path, arguments: list[str], env: dict[str, str], log: Path, timeout_s: float = 900
 ) -> Iterator[str]:
     """Serve ``model`` with vLLM's extra CLI ``arguments``, output to ``log``; yields the base URL
     once ``/health`` answers (RuntimeError if the server exits or is not ready in ``timeout_s``)."""
@@ -45,7 +45,7 @@ def openai_server(
             process.kill()
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_healthy(port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
