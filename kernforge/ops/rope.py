@@ -19,76 +19,77 @@ the cache and a bad ``indptr`` raise ValueError, found by the kernel before it w
 The in-place ops write through views: q and k may be slices of a packed qkv tensor (any token
 and head strides; the last dimension must be contiguous). The out-of-place ops return
 ``(q_rope, k_rope)`` allocated with ``torch.empty_like``, as FlashInfer does.
+
+For other families' ops (MLA's projections rotate q_pe out of place and k_pe in place, from one
+cache): :func:`cos_sin_angles` checks a cache and its positions once (:func:`checked_positions`
+the positions alone) and :func:`rotate_heads` runs the kernel on ``[nnz, heads, head_dim]`` views.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module
+from kernforge.jit.module import DType, Entry, Module, Struct
 from kernforge.ops._common import _overlaps, num_threads, same_dtype, variant_for_input
 from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 _I = "int64_t"
 # q/k: rows of head_dim elements at token and head strides, read at q / k and written at q_out /
 # k_out (the same addresses in place). Positions: pos_ids, else the ragged indptr + offsets.
-# Angles: rows of cos_sin_cache, else frequencies from the rope_* parameters.
+# Angles: rows of cos_sin_cache, else frequencies from the rope_* parameters. Filled by name per
+# call (_run); a field a form does not use stays 0.
+ROPE_ARGS = Struct(
+    "kf_rope_args",
+    (
+        ("q", _I),
+        ("q_s0", _I),
+        ("q_s1", _I),
+        ("num_q_heads", _I),
+        ("k", _I),
+        ("k_s0", _I),
+        ("k_s1", _I),
+        ("num_k_heads", _I),
+        ("q_out", _I),
+        ("q_out_s0", _I),
+        ("q_out_s1", _I),
+        ("k_out", _I),
+        ("k_out_s0", _I),
+        ("k_out_s1", _I),
+        ("nnz", _I),
+        ("head_dim", _I),
+        ("rotary_dim", _I),
+        ("interleave", _I),
+        ("pos_ids", _I),
+        ("pos_ids_64", _I),
+        ("indptr", _I),
+        ("offsets", _I),
+        ("batch", _I),
+        ("segments_64", _I),
+        ("cos_sin_cache", _I),
+        ("cache_rows", _I),
+        ("cache_stride", _I),
+        ("rope_scale", "double"),
+        ("rope_theta", "double"),
+        ("llama31", _I),
+        ("low_freq_factor", "double"),
+        ("high_freq_factor", "double"),
+        ("old_context_len", "double"),
+        ("num_threads", _I),
+    ),
+)
 ROPE = Module(
     "rope",
     "rope.cpp.jinja",
     params={"dtype": DType()},
-    entries=[
-        Entry(
-            "run",
-            (
-                ("q", _I),
-                ("q_s0", _I),
-                ("q_s1", _I),
-                ("num_q_heads", _I),
-                ("k", _I),
-                ("k_s0", _I),
-                ("k_s1", _I),
-                ("num_k_heads", _I),
-                ("q_out", _I),
-                ("q_out_s0", _I),
-                ("q_out_s1", _I),
-                ("k_out", _I),
-                ("k_out_s0", _I),
-                ("k_out_s1", _I),
-                ("nnz", _I),
-                ("head_dim", _I),
-                ("rotary_dim", _I),
-                ("interleave", _I),
-                ("pos_ids", _I),
-                ("pos_ids_64", _I),
-                ("indptr", _I),
-                ("offsets", _I),
-                ("batch", _I),
-                ("segments_64", _I),
-                ("cos_sin_cache", _I),
-                ("cache_rows", _I),
-                ("cache_stride", _I),
-                ("rope_scale", "double"),
-                ("rope_theta", "double"),
-                ("llama31", _I),
-                ("low_freq_factor", "double"),
-                ("high_freq_factor", "double"),
-                ("old_context_len", "double"),
-                ("num_threads", _I),
-            ),
-            returns="int64_t",
-        )
-    ],
+    structs=[ROPE_ARGS],
+    entries=[Entry("run", "const kf_rope_args* args", returns="int64_t")],
 )
 
 # Kernel errors: (kind << 32) | index (kf::rope::ErrorKind).
 _POSITION_OUT_OF_RANGE, _BAD_INDPTR = 1, 2
-
-_NO_SEGMENTS = (0, 0, 0, 0)  # indptr, offsets, batch, segments_64
-_NO_CACHE = (0, 0, 0)  # cos_sin_cache, cache_rows, cache_stride
-_CACHED_FREQUENCIES = (1.0, 1.0, 0, 0.0, 0.0, 0.0)  # unused with a cache
 
 
 # --------------------------------------------------------------------------- FlashInfer's ops
@@ -327,6 +328,78 @@ def apply_llama31_rope(
     )
 
 
+# --------------------------------------------------------------------------- for other families
+
+
+@dataclass(frozen=True)
+class CosSinAngles:
+    """Angles from a cos/sin cache, checked once (:func:`cos_sin_angles`): what :func:`rotate_heads` reads."""
+
+    cache: torch.Tensor  # float32 [rows, rotary_dim] (cos | sin halves), rows row_stride elements apart
+    rotary_dim: int
+    rows: int
+    row_stride: int
+    positions: torch.Tensor  # int32 or int64 [nnz], contiguous: token t turns by cache row positions[t]
+    positions_64: int  # 1 if positions are int64
+
+
+def checked_positions(positions, nnz: int | None = None, name: str = "positions") -> torch.Tensor:
+    """``positions`` as the RoPE kernel reads them: a 1-D int32 or int64 CPU tensor (of ``nnz``
+    entries if given), contiguous (a strided one is copied); TypeError or ValueError naming ``name``
+    otherwise. Their range is the kernel's to check (against the cache's rows, before it writes)."""
+    return _index_tensor(positions, name, nnz)[0]
+
+
+def cos_sin_angles(positions, cos_sin_cache, nnz: int | None = None) -> CosSinAngles:
+    """The angles of the ``cos_sin_cache`` ops for :func:`rotate_heads`, checked as those ops check
+    them: ``cos_sin_cache`` float32 ``[max_position, rotary_dim]`` (even rotary_dim; a strided last
+    dimension is copied), then ``positions`` as :func:`checked_positions`."""
+    cache, rotary_dim, rows, row_stride = _checked_cache(cos_sin_cache)
+    positions, positions_64 = _index_tensor(positions, "positions", nnz)
+    return CosSinAngles(cache, rotary_dim, rows, row_stride, positions, positions_64)
+
+
+def rotate_heads(
+    q: torch.Tensor,
+    q_out: torch.Tensor,
+    k: torch.Tensor,
+    k_out: torch.Tensor,
+    angles: CosSinAngles,
+    interleave: bool = False,
+) -> None:
+    """One RoPE kernel call on heads held as views, for ops of other families (MLA's projections):
+    ``q_out = rope(q)`` and ``k_out = rope(k)``, each ``[nnz, heads, head_dim]`` at any token and head
+    strides with a contiguous last dimension, an output either its input (in place) or memory of its
+    own. The first ``angles.rotary_dim`` elements of each head turn (neox halves, or interleaved
+    pairs), the rest are copied; a position beyond the cache raises ValueError before anything is
+    written (the ``cos_sin_cache`` ops are this call on FlashInfer's argument forms)."""
+    variant = variant_for_input(apply_rope_with_cos_sin_cache.kernels, q, "q")
+    same_dtype(k, "k", q, "q")
+    qg, kg = _heads(q, "q"), _heads(k, "k")
+    _same_tokens(qg, kg, "q", "k")
+    qog = qg if q_out is q else _output_heads(q_out, "q_out", qg, q)
+    kog = kg if k_out is k else _output_heads(k_out, "k_out", kg, q)
+    _check_writable(qog, "q_out")
+    _check_writable(kog, "k_out")
+    if angles.positions.shape[0] != qg[0]:
+        raise ValueError(f"angles hold {angles.positions.shape[0]} positions for {qg[0]} tokens of q")
+    if angles.rotary_dim > qg[2]:
+        raise ValueError(f"the cache's rotary_dim ({angles.rotary_dim}) exceeds q's head_dim ({qg[2]})")
+    fields = _cache_fields(angles.cache, angles.rows, angles.row_stride, angles.positions, angles.positions_64)
+    status = _run(variant, q, qg, k, kg, (q_out, qog, k_out, kog), angles.rotary_dim, interleave, fields)
+    if status:
+        _raise_kernel_error(status, positions=angles.positions, cache_rows=angles.rows)
+
+
+def _output_heads(out, name: str, geometry, q):
+    """The geometry of an output with memory of its own, for heads of ``geometry`` (q's dtype)."""
+    same_dtype(out, name, q, "q")
+    out_geometry = _heads(out, name)
+    if out_geometry[:3] != geometry[:3]:
+        raise ValueError(f"{name} must have shape {geometry[:3]} (its input's), got {out_geometry[:3]}")
+    return out_geometry
+
+
 # --------------------------------------------------------------------------- the three forms
 
 
@@ -346,19 +419,8 @@ def _with_cos_sin_cache(kernels, positions, query, key, head_size, cos_sin_cache
     outputs = _outputs(
         query, qg, key, kg, in_place, ("query", "key"), lambda t, name: _packed_heads(t, head_size, name)
     )
-    status = _run(
-        variant,
-        query,
-        qg,
-        key,
-        kg,
-        outputs,
-        rotary_dim,
-        not is_neox,
-        (positions.data_ptr(), positions_64, *_NO_SEGMENTS),
-        (cache.data_ptr(), cache_rows, cache_stride),
-        _CACHED_FREQUENCIES,
-    )
+    angles = _cache_fields(cache, cache_rows, cache_stride, positions, positions_64)
+    status = _run(variant, query, qg, key, kg, outputs, rotary_dim, not is_neox, angles)
     if status:
         _raise_kernel_error(status, positions=positions, cache_rows=cache_rows)
     return None if in_place else (outputs[0], outputs[2])
@@ -368,19 +430,8 @@ def _with_pos_ids(kernels, q, k, pos_ids, rotary_dim, interleave, frequencies, i
     variant, qg, kg, rotary_dim = _checked_qk(kernels, q, k, rotary_dim)
     pos_ids, pos_ids_64 = _index_tensor(pos_ids, "pos_ids", qg[0])
     outputs = _outputs(q, qg, k, kg, in_place, ("q", "k"), _heads)
-    _run(
-        variant,
-        q,
-        qg,
-        k,
-        kg,
-        outputs,
-        rotary_dim,
-        interleave,
-        (pos_ids.data_ptr(), pos_ids_64, *_NO_SEGMENTS),
-        _NO_CACHE,
-        frequencies,
-    )
+    frequencies["pos_ids"], frequencies["pos_ids_64"] = pos_ids.data_ptr(), pos_ids_64
+    _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, frequencies)
     return None if in_place else (outputs[0], outputs[2])
 
 
@@ -392,51 +443,59 @@ def _with_segments(kernels, q, k, indptr, offsets, rotary_dim, interleave, frequ
     if indptr_64 != segments_64:
         raise TypeError(f"indptr ({indptr.dtype}) and offsets ({offsets.dtype}) must have the same dtype")
     outputs = _outputs(q, qg, k, kg, in_place, ("q", "k"), _heads)
-    status = _run(
-        variant,
-        q,
-        qg,
-        k,
-        kg,
-        outputs,
-        rotary_dim,
-        interleave,
-        (0, 0, indptr.data_ptr(), offsets.data_ptr(), batch, segments_64),
-        _NO_CACHE,
-        frequencies,
-    )
+    frequencies.update(indptr=indptr.data_ptr(), offsets=offsets.data_ptr(), batch=batch, segments_64=segments_64)
+    status = _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, frequencies)
     if status:
         _raise_kernel_error(status, indptr=indptr, nnz=qg[0])
     return None if in_place else (outputs[0], outputs[2])
 
 
-def _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, positions, angles, frequencies) -> int:
-    """One kernel call; returns its status (0, or an error for _raise_kernel_error)."""
+def _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, source: dict) -> int:
+    """One kernel call; returns its status (0, or an error for _raise_kernel_error). ``source``: the
+    fields of ROPE_ARGS that say where the positions and the angles come from (the others are q's and
+    k's, set here; a field left out is 0)."""
     q_out, qog, k_out, kog = outputs
-    return variant.kernel().run(
-        q.data_ptr(),
-        qg[3],
-        qg[4],
-        qg[1],
-        k.data_ptr(),
-        kg[3],
-        kg[4],
-        kg[1],
-        q_out.data_ptr(),
-        qog[3],
-        qog[4],
-        k_out.data_ptr(),
-        kog[3],
-        kog[4],
-        qg[0],
-        qg[2],
-        rotary_dim,
-        1 if interleave else 0,
-        *positions,
-        *angles,
-        *frequencies,
-        num_threads(),
+    kernel = variant.kernel()
+    return kernel.run(
+        kernel.new(
+            "kf_rope_args",
+            {
+                "q": q.data_ptr(),
+                "q_s0": qg[3],
+                "q_s1": qg[4],
+                "num_q_heads": qg[1],
+                "k": k.data_ptr(),
+                "k_s0": kg[3],
+                "k_s1": kg[4],
+                "num_k_heads": kg[1],
+                "q_out": q_out.data_ptr(),
+                "q_out_s0": qog[3],
+                "q_out_s1": qog[4],
+                "k_out": k_out.data_ptr(),
+                "k_out_s0": kog[3],
+                "k_out_s1": kog[4],
+                "nnz": qg[0],
+                "head_dim": qg[2],
+                "rotary_dim": rotary_dim,
+                "interleave": 1 if interleave else 0,
+                "num_threads": num_threads(),
+                **source,
+            },
+        )
     )
+
+
+def _cache_fields(cache, rows: int, row_stride: int, positions, positions_64: int) -> dict:
+    """ROPE_ARGS' angles from cache rows picked by ``positions`` (the frequencies, unused then, 1)."""
+    return {
+        "pos_ids": positions.data_ptr(),
+        "pos_ids_64": positions_64,
+        "cos_sin_cache": cache.data_ptr(),
+        "cache_rows": rows,
+        "cache_stride": row_stride,
+        "rope_scale": 1.0,
+        "rope_theta": 1.0,
+    }
 
 
 def _raise_kernel_error(status, *, positions=None, cache_rows=0, indptr=None, nnz=0):
@@ -457,22 +516,22 @@ def _raise_kernel_error(status, *, positions=None, cache_rows=0, indptr=None, nn
 # --------------------------------------------------------------------------- arguments
 
 
-def _frequencies(rope_scale, rope_theta):
-    """Kernel arguments rope_scale .. old_context_len for plain RoPE."""
-    return float(rope_scale), float(rope_theta), 0, 0.0, 0.0, 0.0
+def _frequencies(rope_scale, rope_theta) -> dict:
+    """ROPE_ARGS' frequency fields for plain RoPE (a fresh dict: the form adds its positions)."""
+    return {"rope_scale": float(rope_scale), "rope_theta": float(rope_theta)}
 
 
-def _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
+def _llama31_frequencies(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len) -> dict:
     if high_freq_factor == low_freq_factor:  # the blend divides by their difference
         raise ValueError(f"high_freq_factor and low_freq_factor must differ, both are {high_freq_factor}")
-    return (
-        float(rope_scale),
-        float(rope_theta),
-        1,
-        float(low_freq_factor),
-        float(high_freq_factor),
-        float(old_context_len),
-    )
+    return {
+        "rope_scale": float(rope_scale),
+        "rope_theta": float(rope_theta),
+        "llama31": 1,
+        "low_freq_factor": float(low_freq_factor),
+        "high_freq_factor": float(high_freq_factor),
+        "old_context_len": float(old_context_len),
+    }
 
 
 def _checked_qk(kernels, q, k, rotary_dim):

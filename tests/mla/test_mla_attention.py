@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernforge
-from kernforge.ops.attention._wrapper import PlanStateError
+from kernforge.ops.attention.prefill_core import PlanStateError
 
 from op_helpers import randn, seeded
 from references import attention_reference

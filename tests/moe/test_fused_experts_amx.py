@@ -28,6 +28,7 @@ EXPERTS_EMULATED = Module(
     "moe_amx_emulated",
     "moe_amx_emulated.cpp.jinja",
     params=EXPERTS.params,
+    structs=EXPERTS.structs.values(),
     entries=[*EXPERTS.entries.values(), Entry("take_counters", "int64_t counters")],
     tiers={"avx512": "avx512"},
     register=False,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kernforge
+from kernforge.ops import rope
 
 from op_helpers import DTYPE_IDS, DTYPES, seeded
 
@@ -484,6 +485,49 @@ def test_cos_sin_cache_3d_and_strided_cache(assert_close_ref):
     kernforge.apply_rope_with_cos_sin_cache_inplace(positions, q, k, 64, cache)
     assert_close_ref(q, expected_q, torch.bfloat16)
     assert_close_ref(k, expected_k, torch.bfloat16)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleave"])
+def test_rotate_heads_for_other_families(interleave, tier, assert_close_ref):
+    """rope.rotate_heads, what MLA's projections call: q from strided rows rotated into another
+    tensor's strided rows (partial rotary_dim: the rest copied), k in place, nothing else written."""
+    g = seeded("rotate_heads", interleave)
+    nnz, heads, head_dim, rotary_dim = 5, 3, 48, 32
+    cache = ref_cache(64, rotary_dim)
+    positions = positions_for(nnz, g, torch.int64, 64)
+    angles = rope.cos_sin_angles(positions, cache, nnz)
+    q_rows = torch.randn(nnz, heads, head_dim + 16, generator=g).to(torch.bfloat16)
+    out_rows = torch.zeros(nnz, heads, head_dim + 8, dtype=torch.bfloat16)
+    k_rows = torch.randn(nnz, 1, head_dim + 4, generator=g).to(torch.bfloat16)
+    q, q_out, k = q_rows[..., 16:], out_rows[..., 8:], k_rows[..., 4:]
+    q_in, k_in, rest = q.clone(), k.clone(), (q_rows.clone(), k_rows[..., :4].clone())
+    rope.rotate_heads(q, q_out, k, k, angles, interleave)
+    half = rotary_dim // 2
+    cos, sin = cache[positions, :half], cache[positions, half:]
+    assert_close_ref(q_out, ref_rotate(q_in, cos, sin, rotary_dim, interleave), torch.bfloat16)
+    assert_close_ref(k, ref_rotate(k_in, cos, sin, rotary_dim, interleave), torch.bfloat16)
+    assert torch.equal(q_rows, rest[0]) and torch.equal(k_rows[..., :4], rest[1])
+    assert not out_rows[..., :8].any()
+
+
+def test_rotate_heads_refuses_before_writing():
+    cache, q, k = ref_cache(8, 16), torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    angles = rope.cos_sin_angles(torch.tensor([0, 1, 2]), cache, 3)
+    with pytest.raises(ValueError, match=r"q_out must have shape \(3, 2, 16\)"):
+        rope.rotate_heads(q, torch.empty(3, 2, 8), k, k, angles)
+    with pytest.raises(TypeError, match="q_out has dtype"):
+        rope.rotate_heads(q, torch.empty(3, 2, 16, dtype=torch.bfloat16), k, k, angles)
+    with pytest.raises(ValueError, match="2 positions for 3 tokens"):
+        rope.rotate_heads(q, q, k, k, rope.cos_sin_angles(torch.tensor([0, 1]), cache))
+    with pytest.raises(ValueError, match=r"rotary_dim \(16\) exceeds q's head_dim \(8\)"):
+        rope.rotate_heads(q[..., :8], q[..., :8], k[..., :8], k[..., :8], angles)
+    k_before = k.clone()
+    far = rope.cos_sin_angles(torch.tensor([0, 8, 1]), cache, 3)
+    with pytest.raises(ValueError, match=r"positions\[1\] = 8 is out of range"):
+        rope.rotate_heads(q, torch.zeros_like(q), k, k, far)
+    assert torch.equal(k, k_before)
+    with pytest.raises(TypeError, match="positions must have dtype"):
+        rope.checked_positions(torch.tensor([0.0]))
 
 
 # --------------------------------------------------------------------------- errors

@@ -23,32 +23,43 @@ from __future__ import annotations
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module
+from kernforge.jit.module import DType, Entry, Module, Struct
 from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
 from kernforge.ops._registry import kernel_op
 
-# Strides are in elements, in each tensor's dimension order (v: token, head[, dim]; s: token, head);
-# lse = 0 skips the merged s; mask = 0 merges every token.
+
+def _int64_fields(*names: str) -> tuple[tuple[str, str], ...]:
+    return tuple((name, "int64_t") for name in names)
+
+
+# Filled by name per call. Strides are in elements, in each tensor's dimension order (v: token,
+# head[, dim]; s: token, head); lse = 0 skips the merged s; mask = 0 merges every token.
+_MERGED = ("out", "out_s0", "out_s1", "lse", "lse_s0", "lse_s1")  # the merged v and s
+MERGE_PAIRS_ARGS = Struct(
+    "kf_merge_pairs_args",
+    _int64_fields(
+        *_MERGED,
+        *("v_a", "va_s0", "va_s1", "s_a", "sa_s0", "sa_s1"),
+        *("v_b", "vb_s0", "vb_s1", "s_b", "sb_s0", "sb_s1"),
+        *("mask", "mask_s0", "seq_len", "num_heads", "head_dim", "num_threads"),
+    ),
+)
+MERGE_STATES_ARGS = Struct(
+    "kf_merge_states_args",
+    _int64_fields(
+        *_MERGED,
+        *("v", "v_s0", "v_s1", "v_s2", "s", "s_s0", "s_s1", "s_s2"),
+        *("seq_len", "num_states", "num_heads", "head_dim", "num_threads"),
+    ),
+)
 CASCADE = Module(
     "cascade",
     "cascade.cpp.jinja",
     params={"dtype": DType()},
+    structs=[MERGE_PAIRS_ARGS, MERGE_STATES_ARGS],
     entries=[
-        Entry(
-            "merge_pairs",
-            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
-            "int64_t lse_s1, int64_t v_a, int64_t va_s0, int64_t va_s1, int64_t s_a, int64_t sa_s0, "
-            "int64_t sa_s1, int64_t v_b, int64_t vb_s0, int64_t vb_s1, int64_t s_b, int64_t sb_s0, "
-            "int64_t sb_s1, int64_t mask, int64_t mask_s0, int64_t seq_len, int64_t num_heads, "
-            "int64_t head_dim, int64_t num_threads",
-        ),
-        Entry(
-            "merge_states",
-            "int64_t out, int64_t out_s0, int64_t out_s1, int64_t lse, int64_t lse_s0, "
-            "int64_t lse_s1, int64_t v, int64_t v_s0, int64_t v_s1, int64_t v_s2, int64_t s, "
-            "int64_t s_s0, int64_t s_s1, int64_t s_s2, int64_t seq_len, int64_t num_states, "
-            "int64_t num_heads, int64_t head_dim, int64_t num_threads",
-        ),
+        Entry("merge_pairs", "const kf_merge_pairs_args* args"),
+        Entry("merge_states", "const kf_merge_states_args* args"),
     ],
 )
 
@@ -108,21 +119,30 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     s_merged = torch.empty((seq_len, num_heads), dtype=torch.float32)
     if seq_len * num_heads == 0:
         return v_merged, s_merged
-    kernel.merge_states(
-        v_merged.data_ptr(),
-        *v_merged.stride()[:2],
-        s_merged.data_ptr(),
-        *s_merged.stride(),
-        v.data_ptr(),
-        *v_strides[:3],
-        s.data_ptr(),
-        *s.stride(),
-        seq_len,
-        num_states,
-        num_heads,
-        head_dim,
-        num_threads(),
-    )
+    (out_s0, out_s1, _), (lse_s0, lse_s1) = v_merged.stride(), s_merged.stride()
+    (v_s0, v_s1, v_s2, _), (s_s0, s_s1, s_s2) = v_strides, s.stride()
+    args = {
+        "out": v_merged.data_ptr(),
+        "out_s0": out_s0,
+        "out_s1": out_s1,
+        "lse": s_merged.data_ptr(),
+        "lse_s0": lse_s0,
+        "lse_s1": lse_s1,
+        "v": v.data_ptr(),
+        "v_s0": v_s0,
+        "v_s1": v_s1,
+        "v_s2": v_s2,
+        "s": s.data_ptr(),
+        "s_s0": s_s0,
+        "s_s1": s_s1,
+        "s_s2": s_s2,
+        "seq_len": seq_len,
+        "num_states": num_states,
+        "num_heads": num_heads,
+        "head_dim": head_dim,
+        "num_threads": num_threads(),
+    }
+    kernel.merge_states(kernel.new("kf_merge_states_args", args))
     return v_merged, s_merged
 
 
@@ -195,26 +215,31 @@ def _merge_pairs(kernel, out, lse, v_a, s_a, v_b, s_b, mask) -> None:
     out_strides = out.stride()
     v_a, va_strides = readable_rows(v_a, v_a.shape, v_a.stride())
     v_b, vb_strides = readable_rows(v_b, v_b.shape, v_b.stride())
-    kernel.merge_pairs(
-        out.data_ptr(),
-        out_strides[0],
-        out_strides[1],
-        lse.data_ptr(),
-        *lse.stride(),
-        v_a.data_ptr(),
-        va_strides[0],
-        va_strides[1],
-        s_a.data_ptr(),
-        *s_a.stride(),
-        v_b.data_ptr(),
-        vb_strides[0],
-        vb_strides[1],
-        s_b.data_ptr(),
-        *s_b.stride(),
-        0 if mask is None else mask.data_ptr(),
-        0 if mask is None else mask.stride(0),
-        seq_len,
-        num_heads,
-        head_dim,
-        num_threads(),
-    )
+    (lse_s0, lse_s1), (sa_s0, sa_s1), (sb_s0, sb_s1) = lse.stride(), s_a.stride(), s_b.stride()
+    args = {
+        "out": out.data_ptr(),
+        "out_s0": out_strides[0],
+        "out_s1": out_strides[1],
+        "lse": lse.data_ptr(),
+        "lse_s0": lse_s0,
+        "lse_s1": lse_s1,
+        "v_a": v_a.data_ptr(),
+        "va_s0": va_strides[0],
+        "va_s1": va_strides[1],
+        "s_a": s_a.data_ptr(),
+        "sa_s0": sa_s0,
+        "sa_s1": sa_s1,
+        "v_b": v_b.data_ptr(),
+        "vb_s0": vb_strides[0],
+        "vb_s1": vb_strides[1],
+        "s_b": s_b.data_ptr(),
+        "sb_s0": sb_s0,
+        "sb_s1": sb_s1,
+        "seq_len": seq_len,
+        "num_heads": num_heads,
+        "head_dim": head_dim,
+        "num_threads": num_threads(),
+    }
+    if mask is not None:  # else 0: every token merged
+        args["mask"], args["mask_s0"] = mask.data_ptr(), mask.stride(0)
+    kernel.merge_pairs(kernel.new("kf_merge_pairs_args", args))

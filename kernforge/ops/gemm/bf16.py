@@ -311,6 +311,18 @@ def _checked_packed(packed: object) -> tuple[int, int]:
     )
 
 
+def checked_packed_weight(packed: object) -> tuple[int, int]:
+    """(N, K) of a :class:`PackedWeight`, checked as :func:`weight_packed_linear` checks it: for ops
+    that check their weights once and run :func:`linear_variant`'s kernel on them many times."""
+    return _checked_packed(packed)
+
+
+def linear_variant(dtype: torch.dtype, m: int, n: int, k: int) -> Variant:
+    """The GEMM variant :func:`weight_packed_linear` runs for ``x [m, k]`` of ``dtype`` times a packed
+    ``[n, k]`` weight: the tile tuned for the shape's bucket on this tier, else the tier's default."""
+    return _chosen_variant(dtype, m, n, k)
+
+
 def _panel_width(packed: PackedWeight) -> int:
     """A multiple of PANEL_WIDTH, which every tile's NR divides: then the weight runs under every tier
     and tuned choice alike, rather than under some and not others."""

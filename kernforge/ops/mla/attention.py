@@ -4,11 +4,12 @@
 DeepSeek's absorbed attention is one KV head shared by every query head: keys are the latent and
 rope parts of a token, ``[ckv | kpe]`` (512 + 64), values are the latent alone (512), and each
 query head's absorbed ``[q_nope | q_pe]`` attends to them. kernforge runs it on the batch prefill
-kernel (``attention/prefill.h``) as MQA with head_dim_qk 576 and head_dim_vo 512: the heads of a
-query token are rows of one tile, so each latent row is read once for all heads and both products
-are GEMMs on the micro-kernels (vdpbf16ps; AMX tiles on the amx tier), ``[rows x 576] . [576 x
-block]`` then ``P . ckv``. The prefill planner splits the KV of a batch's requests across threads
-(merged by LSE) when there are fewer tiles than threads or one request outweighs a thread's share.
+kernel (``attention/prefill.h``; the wrapper is a ``kernforge.ops.attention.prefill_core.PrefillCore``)
+as MQA with head_dim_qk 576 and head_dim_vo 512: the heads of a query token are rows of one tile,
+so each latent row is read once for all heads and both products are GEMMs on the micro-kernels
+(vdpbf16ps; AMX tiles on the amx tier), ``[rows x 576] . [576 x block]`` then ``P . ckv``. The
+prefill planner splits the KV of a batch's requests across threads (merged by LSE) when there are
+fewer tiles than threads or one request outweighs a thread's share.
 
 Semantics follow FlashInfer's: ``q_nope [nnz, H, head_dim_ckv]`` and ``q_pe [nnz, H,
 head_dim_kpe]``; ``ckv_cache [num_pages, page_size, head_dim_ckv]`` and ``kpe_cache [num_pages,
@@ -33,15 +34,14 @@ import torch
 
 from kernforge.ops._common import MAX_HEAD_DIM, TORCH_DTYPES, dtype_name, index_vector, kv_cache_dtype
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES, export, model_kernels
-from kernforge.ops.attention._wrapper import (
-    PlanStateError,
-    attention_outputs,
-    check_positive,
-    fill_layer,
-    logit_scale,
-)
 from kernforge.ops.attention.page import KV_DTYPES, CacheShape, append_rows
-from kernforge.ops.attention.prefill import MAX_HEAD_DIM_QK, _PrefillWrapper, prefill_variant_params
+from kernforge.ops.attention.prefill_core import (
+    MAX_HEAD_DIM_QK,
+    PlanStateError,
+    PrefillCore,
+    check_positive,
+    prefill_variant_params,
+)
 
 # FlashInfer's MLA plan arguments as the prefill planner's messages name them.
 _ARGUMENT_NAMES = {"paged_kv_indptr": "kv_indptr", "paged_kv_indices": "kv_indices"}
@@ -86,7 +86,7 @@ class LatentCache:
         )
 
 
-class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
+class BatchMLAPagedAttentionWrapper(PrefillCore):
     """FlashInfer's MLA wrapper: ``plan()`` once per batch, ``run()`` per layer.
 
     ``float_workspace_buffer`` is a CPU tensor holding each thread's scratch and split requests'
@@ -215,8 +215,6 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
             raise ValueError(f"ckv_cache has page_size {cache.page_size} but plan() was given {plan.page_size}")
         if plan.max_page >= cache.num_pages:
             raise ValueError(f"kv_indices holds page {plan.max_page}, beyond ckv_cache's {cache.num_pages} pages")
-        out, lse = attention_outputs(out, lse, torch.Size((*rows, head_dim_ckv)), plan.out_dtype, return_lse)
-
         ckv_strides = (*cache.ckv_strides, 0)  # (page, token, head): one KV head
         io = plan.io
         if head_dim_kpe == 0:  # no rope part: K rows are the latent, q rows q_nope (q_pe, kpe never read)
@@ -230,10 +228,9 @@ class BatchMLAPagedAttentionWrapper(_PrefillWrapper):
             io.q_pe, (io.q_pe_stride_token, io.q_pe_stride_head, _) = q_pe.data_ptr(), q_pe.stride()
             io.k_pe, (io.k_pe_stride_page, io.k_pe_stride_token) = cache.kpe, cache.kpe_strides
             io.pe_dim = head_dim_kpe
-        qk_scale = logit_scale(plan.sm_scale, 0.0, q_scale, k_scale)
-        fill_layer(io, q, cache.ckv, ckv_strides, cache.ckv, ckv_strides, out, lse, qk_scale, v_scale)
-        plan.kernel.run(plan.args, io)
-        return (out, lse) if return_lse else out
+        return self._launch_layer(
+            q, cache.ckv, ckv_strides, cache.ckv, ckv_strides, out, lse, return_lse, q_scale, k_scale, v_scale
+        )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

@@ -73,16 +73,16 @@ from kernforge.ops._registry import DTYPE_NAMES, export
 from kernforge.ops.gemm._common import check_cpu_tensor, raise_for_status
 from kernforge.ops.gemm.bf16 import (
     PackedWeight,
-    _checked_packed,
-    _chosen_variant,
+    checked_packed_weight,
     convert_weight_packed,
+    linear_variant,
     weight_packed_linear,
 )
 from kernforge.ops.gemm.bmm import bmm, checked_scale, scaled_once
 from kernforge.ops.gemm.fp8 import PackedFp8Weight, convert_weight_packed_fp8, fp8_scaled_mm
 from kernforge.ops.gemm.int8 import PackedInt8Weight, convert_weight_packed_int8, int8_scaled_mm_with_quant
 from kernforge.ops.norm import rmsnorm
-from kernforge.ops.rope import _checked_cache, _index_tensor, _raise_kernel_error, apply_rope_with_cos_sin_cache
+from kernforge.ops.rope import CosSinAngles, checked_positions, cos_sin_angles, rotate_heads
 
 # ----------------------------------------------------------------------------- the ops
 
@@ -340,17 +340,6 @@ class _HeadWeights:
     scale: float | None
 
 
-@dataclass
-class _Rope:
-    """The checked cos/sin rows and positions the RoPE kernel reads."""
-
-    cache: torch.Tensor
-    rows: int
-    row_stride: int
-    positions: torch.Tensor
-    positions_64: int
-
-
 def _absorbed_inputs(qa, kv, w_kc, q_b, q_a_norm, kv_a_norm, rope, eps, heads):
     """Stages 2-5 on the q_a product ``qa [T, q_lora_rank]`` and the kv_a product ``kv [T, kv_lora_rank +
     rope_dim]`` (rows of the fused product, or its own tensor: k_input's storage either way)."""
@@ -367,7 +356,9 @@ def _absorbed_inputs(qa, kv, w_kc, q_b, q_a_norm, kv_a_norm, rope, eps, heads):
     q = q_b(qa).view(tokens, heads, -1)  # [T, H, qk_nope_head_dim + rope_dim]
     nope = q.shape[2] - rope_dim
     _per_head_products(q_input[..., :rank].transpose(0, 1), q[..., :nope].transpose(0, 1), w_kc)
-    _rotate(q[..., nope:], q_input[..., rank:], k_input[..., rank:], rope)
+    # one RoPE kernel call, interleaved pairs: q_pe out of place into q_input, k_pe in place
+    k_pe = k_input[..., rank:]
+    rotate_heads(q[..., nope:], q_input[..., rank:], k_pe, k_pe, rope, interleave=True)
     return q_input, k_input, v_input
 
 
@@ -385,7 +376,7 @@ def _per_head_products(out: torch.Tensor, a: torch.Tensor, weights: _HeadWeights
     if a.stride(2) != 1 and a.shape[2] > 1:
         a = a.contiguous()
     for packed in weights.weights:
-        _checked_packed(packed)
+        checked_packed_weight(packed)
     if weights.scale is None:
         _packed_products(out, a, weights.weights)
     else:
@@ -397,7 +388,7 @@ def _packed_products(out: torch.Tensor, a: torch.Tensor, packed: Sequence[Packed
     dtype (``a``'s last dimension contiguous)."""
     heads, m, k = a.shape
     n = packed[0].n
-    kernel, size, threads = _chosen_variant(a.dtype, m, n, k).kernel(), a.element_size(), num_threads()
+    kernel, size, threads = linear_variant(a.dtype, m, n, k).kernel(), a.element_size(), num_threads()
     a_ptr, out_ptr = a.data_ptr(), out.data_ptr()
     for h, weight in enumerate(packed):
         status = kernel.linear(
@@ -405,26 +396,6 @@ def _packed_products(out: torch.Tensor, a: torch.Tensor, packed: Sequence[Packed
             weight.packed.data_ptr(), weight.panel_width, 0, m, n, k, threads,
         )  # fmt: skip
         raise_for_status(status, "the per-head GEMM")
-
-
-def _rotate(q_pe: torch.Tensor, q_out: torch.Tensor, k_pe: torch.Tensor, rope: _Rope) -> None:
-    """One RoPE kernel call, interleaved pairs: ``q_out = rope(q_pe)`` (heads at any strides) and
-    ``k_pe`` in place."""
-    kernel = apply_rope_with_cos_sin_cache.kernels.variant(q_pe.dtype).kernel()
-    tokens, heads, rope_dim = q_pe.shape
-    status = kernel.run(
-        q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1), heads,
-        k_pe.data_ptr(), k_pe.stride(0), k_pe.stride(1), 1,
-        q_out.data_ptr(), q_out.stride(0), q_out.stride(1),
-        k_pe.data_ptr(), k_pe.stride(0), k_pe.stride(1),
-        tokens, rope_dim, rope_dim, 1,  # nnz, head_dim, rotary_dim, interleave
-        rope.positions.data_ptr(), rope.positions_64, 0, 0, 0, 0,  # pos_ids; no ragged segments
-        rope.cache.data_ptr(), rope.rows, rope.row_stride,
-        1.0, 1.0, 0, 0.0, 0.0, 0.0,  # frequencies: unused with a cache
-        num_threads(),
-    )  # fmt: skip
-    if status:
-        _raise_kernel_error(status, positions=rope.positions, cache_rows=rope.rows)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -493,7 +464,7 @@ def _check_norm_weight(weight: object, name: str, size: int, x: torch.Tensor) ->
         raise ValueError(f"{name} must have shape ({size},), got {tuple(weight.shape)}")
 
 
-def _checked_rope(positions, cos_sin_cache, x: torch.Tensor, rope_dim: int) -> _Rope:
+def _checked_rope(positions, cos_sin_cache, x: torch.Tensor, rope_dim: int) -> CosSinAngles:
     tokens = x.shape[0]
     if rope_dim % 2:
         raise ValueError(f"rope_dim (kv_a_proj_weight's rows - kv_lora_rank) must be even, got {rope_dim}")
@@ -507,7 +478,7 @@ def _checked_rope(positions, cos_sin_cache, x: torch.Tensor, rope_dim: int) -> _
             f"cos_sin_cache must be [max_position, rope_dim = {rope_dim}] (cos | sin halves), "
             f"got shape {tuple(cos_sin_cache.shape)}"
         )
-    positions, positions_64 = _index_tensor(positions, "positions", tokens)
+    positions = checked_positions(positions, tokens)
     rows = cos_sin_cache.shape[0]
     if cos_sin_cache.dtype is not torch.float32:  # gather this call's rows, widened exactly
         if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < rows:
@@ -516,9 +487,8 @@ def _checked_rope(positions, cos_sin_cache, x: torch.Tensor, rope_dim: int) -> _
                 f"positions[{bad}] = {int(positions[bad])} is out of range for cos_sin_cache, which has {rows} rows"
             )
         cos_sin_cache = cos_sin_cache.index_select(0, positions.long()).float()
-        positions, positions_64, rows = torch.arange(tokens, dtype=torch.int32), 0, tokens
-    cache, _, rows, row_stride = _checked_cache(cos_sin_cache)
-    return _Rope(cache, rows, row_stride, positions, positions_64)
+        positions = torch.arange(tokens, dtype=torch.int32)
+    return cos_sin_angles(positions, cos_sin_cache, tokens)
 
 
 def _checked_head_weights(

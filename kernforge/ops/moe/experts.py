@@ -53,7 +53,7 @@ import enum
 
 import torch
 
-from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module, Struct
 from kernforge.ops._common import checked_out, dtype_name, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, Traced, kernel_op, model_kernels
 from kernforge.ops.gemm import fp8 as gemm_fp8
@@ -89,22 +89,44 @@ _WEIGHTS_OF_METHOD = {
     CPUQuantMethod.INT4_W4A16: "int4_w4a16",
 }
 
+_I64 = "int64_t"
+# The fused_experts entry's arguments, filled by name per call (run_kernel); strides in elements.
+EXPERTS_ARGS = Struct(
+    "kf_fused_experts_args",
+    (
+        ("out", _I64),  # [tokens, hidden] rows, ldo apart
+        ("ldo", _I64),
+        ("x", _I64),  # [tokens, hidden] rows, ldx apart
+        ("ldx", _I64),
+        ("tokens", _I64),
+        ("hidden", _I64),
+        ("inter", _I64),
+        ("w1_packed", _I64),
+        ("w1_parts", _I64),
+        ("w1_compensation", _I64),  # int8: the compensation; int4: the zero points; else 0
+        ("w1_scale", _I64),  # int8 / fp8 / int4: the scales; else 0
+        ("w2_packed", _I64),
+        ("w2_compensation", _I64),
+        ("w2_scale", _I64),
+        ("block_n", _I64),  # fp8: the scale blocks; int4: w1's group size (block_n) and w2's (block_k)
+        ("block_k", _I64),
+        ("panel_width", _I64),
+        ("experts", _I64),
+        ("topk_weights", _I64),  # fp32 [tokens, topk]
+        ("topk_ids", _I64),  # int32 [tokens, topk]
+        ("topk", _I64),
+        ("residual", _I64),  # out += residual_scale * residual ([tokens, hidden] rows, ld_residual apart), or 0
+        ("ld_residual", _I64),
+        ("residual_scale", "double"),
+        ("num_threads", _I64),
+    ),
+)
 EXPERTS = Module(
     "moe_experts",
     "moe_experts.cpp.jinja",
     params={"dtype": DType(), "weights": Enum(("bf16", "int8", "fp8", "int4", "int4_w4a16"))},
-    entries=[
-        Entry(
-            "fused_experts",
-            "int64_t out, int64_t ldo, int64_t x, int64_t ldx, int64_t tokens, int64_t hidden, int64_t inter, "
-            "int64_t w1_packed, int64_t w1_parts, int64_t w1_compensation, int64_t w1_scale, int64_t w2_packed, "
-            "int64_t w2_compensation, int64_t w2_scale, int64_t block_n, int64_t block_k, int64_t panel_width, "
-            "int64_t experts, "
-            "int64_t topk_weights, int64_t topk_ids, int64_t topk, int64_t residual, int64_t ld_residual, "
-            "double residual_scale, int64_t num_threads",
-            returns="int64_t",
-        )
-    ],
+    structs=[EXPERTS_ARGS],
+    entries=[Entry("fused_experts", "const kf_fused_experts_args* args", returns="int64_t")],
     tiers=ALL_TIERS,  # the amx build multiplies blocks of 5 rows or more in AMX tiles
 )
 
@@ -649,42 +671,43 @@ def run_kernel(kernel, out, x, w1, w2, topk_weights, topk_ids, residual=None, re
     and w2 packed alike; out += residual_scale * residual where given); returns its status: 0, else
     1 + the flat index of the first expert id out of range."""
     kind = _kind_of(w1)
-
-    def addresses(packed):  # packed words, compensation (int4: zero points), scale(s)
-        if kind == "int4":
-            tensors = (packed.packed, packed.zeros, packed.scales)
-        else:
-            tensors = (packed.packed, getattr(packed, "compensation", None), getattr(packed, "scale", None))
-        return tuple(0 if t is None else t.data_ptr() for t in tensors)
-
-    w1_packed, w1_compensation, w1_scale = addresses(w1)
-    # int4: each weight's group size in the block size's place (w1's as block_n, w2's as block_k)
-    block_n, block_k = (w1.group_size, w2.group_size) if kind == "int4" else getattr(w1, "block_size", (0, 0))
-    return kernel.fused_experts(
-        out.data_ptr(),
-        out.stride(0),
-        x.data_ptr(),
-        x.stride(0),
-        x.shape[0],
-        x.shape[1],
-        w2.k,
-        w1_packed,
-        w1.parts,
-        w1_compensation,
-        w1_scale,
-        *addresses(w2),
-        block_n,
-        block_k,
-        _KINDS[kind][3],
-        w1.experts,
-        topk_weights.data_ptr(),
-        topk_ids.data_ptr(),
-        topk_ids.shape[1],
-        0 if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0),
-        residual_scale,
-        num_threads(),
-    )
+    block_n, block_k = 0, 0
+    if kind == "int4":  # the zero points as the compensation; each weight's group size as a block size
+        extras = (w1.zeros, w1.scales, w2.zeros, w2.scales)
+        block_n, block_k = w1.group_size, w2.group_size
+    elif kind == "int8":
+        extras = (w1.compensation, w1.scale, w2.compensation, w2.scale)
+    elif kind == "fp8":
+        extras = (None, w1.scale, None, w2.scale)
+        block_n, block_k = w1.block_size
+    else:
+        extras = (None, None, None, None)
+    fields = {
+        "out": out.data_ptr(),
+        "ldo": out.stride(0),
+        "x": x.data_ptr(),
+        "ldx": x.stride(0),
+        "tokens": x.shape[0],
+        "hidden": x.shape[1],
+        "inter": w2.k,
+        "w1_packed": w1.packed.data_ptr(),
+        "w1_parts": w1.parts,
+        "w2_packed": w2.packed.data_ptr(),
+        "block_n": block_n,
+        "block_k": block_k,
+        "panel_width": _KINDS[kind][3],
+        "experts": w1.experts,
+        "topk_weights": topk_weights.data_ptr(),
+        "topk_ids": topk_ids.data_ptr(),
+        "topk": topk_ids.shape[1],
+        "num_threads": num_threads(),
+    }
+    for name, t in zip(("w1_compensation", "w1_scale", "w2_compensation", "w2_scale"), extras):
+        if t is not None:
+            fields[name] = t.data_ptr()
+    if residual is not None:
+        fields.update(residual=residual.data_ptr(), ld_residual=residual.stride(0), residual_scale=residual_scale)
+    return kernel.fused_experts(kernel.new("kf_fused_experts_args", fields))
 
 
 def _weights_named(use_int8_w8a8=False, use_fp8_w8a16=False, moe_comp_method=None) -> str:
