@@ -17,6 +17,8 @@ same for every allocation of 2 MiB or more.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -121,3 +123,24 @@ def zero_in_huge_pages(tensor: torch.Tensor) -> int:
     data[:head].zero_()
     data[head + length :].zero_()
     return length
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). A model
+    loaded or quantized a layer at a time frees each layer's temporaries between long-lived packed
+    weights, where glibc keeps them resident: trimmed per layer, peak memory is the packed model plus one
+    layer's temporaries (untrimmed, 0.035 GB more per layer of Qwen3-30B-A3B's shape at four bits)."""
+    malloc_trim = _malloc_trim()
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function

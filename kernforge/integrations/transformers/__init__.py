@@ -93,6 +93,7 @@ from kernforge.integrations.transformers._cache import (
 from kernforge.integrations.transformers._checkpoints import Int4CheckpointLinear, from_pretrained
 from kernforge.integrations.transformers._generate import generate
 from kernforge.jit import KernelNotCachedError
+from kernforge.memory import trim_heap
 from kernforge.model_spec import ModelSpec
 from kernforge.nn import Linear
 from kernforge.nn.linear import Int4LinearWeights
@@ -211,6 +212,8 @@ def optimize(
                 _replace_deepseek_layer(layer, config, model_spec, dtype, quant, stock)
             else:
                 _replace_layer(layer, config, spec, dtype, quant, stock)
+            if materialize_layer is not None:
+                trim_heap()  # this layer's freed temporaries, back to the OS before the next is drawn
         decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
         if _linear_like(model.lm_head):
             head_quant = quant_lm_head if isinstance(quant_lm_head, str) else quant if quant_lm_head else None

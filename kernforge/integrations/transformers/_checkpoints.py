@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernforge.memory import trim_heap
 from kernforge.nn.linear import Int4LinearWeights
 from kernforge.ops.gemm import int4
 
@@ -485,7 +486,7 @@ class Int4CheckpointLinear(Int4LinearWeights):
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(codes uint8 [N, K], zeros uint8 [G, N], scales [G, N])`` from the checkpoint's tensors."""
-        _trim_heap()  # the previous layer's temporaries, freed, back to the OS before this layer's
+        trim_heap()  # the previous layer's temporaries, freed, back to the OS before this layer's
         n, k, groups = self.out_features, self.in_features, self.group_count
         if self.layout == "awq":
             codes = _nibbles(self._read("qweight"), _AWQ_ORDER).t()
@@ -531,27 +532,6 @@ def _nibbles(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     if order != _SEQUENTIAL:
         nibbles = nibbles[..., list(order)]
     return nibbles.flatten(-2)
-
-
-_LIBC = None
-
-
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). A layer's
-    temporaries are freed but, in the heap between long-lived packed weights, stay resident: trimmed
-    each layer, peak memory is the packed model plus one layer's temporaries, not plus all of them."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
 
 
 def _quantized_layers(files: SafetensorsFiles, scheme: Int4Scheme) -> dict[str, str]:
