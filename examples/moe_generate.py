@@ -17,7 +17,8 @@ apart: a difference that is not at a near-tie of the output logits is reported, 
 ``--no-stock``: kernforge alone, on random weights drawn a layer at a time as ``optimize`` packs
 them (``random_llama(..., lazy_layers=True)``, ``optimize(..., materialize_layer=...)``), so that
 only the packed model is ever in memory: Qwen3-30B-A3B's 48 layers are 61 GB in bf16 (no stock
-model to compare with on a 24 GB machine), about 18 GB with four-bit experts and an int8 lm_head.
+model to compare with on a 24 GB machine), about 18 GB with four-bit experts and an int8 lm_head
+(19.9 GB at the peak of the build).
 Prints the time to build it, its peak memory, TTFT and TPOT.
 """
 
