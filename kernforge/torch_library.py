@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 
 from kernforge.ops._registry import PUBLIC, TRACED
-from kernforge.ops.attention._wrapper import WorkspaceWrapper
+from kernforge.ops.attention import WorkspaceWrapper
 
 NAMESPACE = "kernforge"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # FRAGMENT: other modules may add ops to the namespace
@@ -314,7 +314,7 @@ def attention_run(
 class _TraceableRun:
     """run() through ``attention_run``: eagerly the wrapper's own, traced one ``kernforge::attention_run``.
     Any wrapper following the traceable-run protocol (``traced_tensors``, ``run_arguments``,
-    ``planned_output``: kernforge.ops.attention._wrapper) fits, whatever its run() takes."""
+    ``planned_output``: kernforge.ops.attention.WorkspaceWrapper) fits, whatever its run() takes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
-from kernforge.jit.module import Codes, DType, Entry, Int, Module, Struct
+from kernforge.jit.module import Codes, DType, Entry, Int, Kernel, Module, Struct
 from kernforge.ops._common import TORCH_DTYPES, check_head_dim, dtype_name, index_vector, kv_cache_dtype, num_threads
 from kernforge.ops._registry import export, model_kernels
 from kernforge.ops.attention._wrapper import (
@@ -53,6 +54,28 @@ from kernforge.ops.attention._wrapper import (
 from kernforge.ops.attention.page import check_kv_layout, unpack_paged_kv_cache
 
 _I64 = "int64_t"
+# The planner's input (the batch's int32 page table, its shape, the window) and where it writes the
+# partition (``plan``, ``capacity`` int32s; attention/work_plan.h's PlanLayout).
+DECODE_PLAN_ARGS = Struct(
+    "kf_decode_plan_args",
+    tuple(
+        (name, _I64)
+        for name in (
+            "indptr",
+            "last_page_len",
+            "indices",
+            "batch",
+            "num_indices",
+            "page_size",
+            "num_kv_heads",
+            "window_left",
+            "num_lists",
+            "min_split",
+            "plan",
+            "capacity",
+        )
+    ),
+)
 # Fixed for the plan's lifetime: filled once in plan().
 DECODE_PLAN = Struct(
     "kf_decode_planned",
@@ -108,16 +131,10 @@ DECODE = Module(
         "head_dim": Int(minimum=1, maximum=512),
         "group": Int(minimum=0, maximum=MAX_GROUP),
     },
-    structs=[DECODE_PLAN, DECODE_IO],
+    structs=[DECODE_PLAN_ARGS, DECODE_PLAN, DECODE_IO],
     codes=[PLAN_ERROR, PLAN_HEADER, PLAN_INTS],
     entries=[
-        Entry(
-            "plan",
-            "int64_t indptr, int64_t last_page_len, int64_t indices, int64_t batch, "
-            "int64_t num_indices, int64_t page_size, int64_t num_kv_heads, int64_t window_left, "
-            "int64_t num_lists, int64_t min_split, int64_t plan, int64_t capacity",
-            returns=_I64,
-        ),
+        Entry("plan", "const kf_decode_plan_args* args", returns=_I64),
         Entry("plan_capacity", "int64_t units, int64_t num_lists", returns=_I64),
         Entry("scratch_floats", "int64_t heads, int64_t group", returns=_I64),
         Entry("run", "const kf_decode_planned* plan, const kf_decode_layer* io"),
@@ -154,6 +171,180 @@ def decode_variant_params(
 def _index_copy(t, name: str) -> torch.Tensor:
     """A private int32 copy of a 1-D CPU index tensor: run() must not see later edits to it."""
     return index_vector(t, name).clone()
+
+
+class _DecodeProblem(NamedTuple):
+    """plan()'s scalar arguments, checked: what the kernel variant, the partition and run() depend on."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    out_dtype: torch.dtype
+    window_left: int
+    soft_cap: float
+    sm_scale: float | None  # as given: None is 1 / sqrt(head_dim), once the variant has checked head_dim
+
+
+class _PageTable(NamedTuple):
+    """The batch's page table as private int32 copies: run() must not see later edits to the caller's."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.last_page_len.numel()
+
+
+class _Partition(NamedTuple):
+    """The plan: the batch's work (units of KV heads x KV tokens) cut into one list per thread, in the
+    plan buffer (attention/work_plan.h's layout), and what its header says."""
+
+    buffer: torch.Tensor  # int32: header, list offsets, work items, merges
+    lists: int  # threads the work was cut for
+    units: int  # batch * num_kv_heads: the buffer's layout; a unit may hold several KV heads
+    num_slots: int  # partial states of split requests
+    unit_heads: int  # KV heads per unit
+    max_page: int  # the largest page the table names (-1: none)
+
+
+class _WorkspaceLayout(NamedTuple):
+    """Where run()'s buffers lie in the workspace, in bytes from its start: the split requests'
+    partial states first, then each thread's scratch."""
+
+    partials: int
+    scratch: int
+    total_bytes: int
+
+
+def _checked_problem(
+    num_qo_heads,
+    num_kv_heads,
+    head_dim: int,
+    page_size,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    window_left,
+    logits_soft_cap,
+    sm_scale,
+) -> _DecodeProblem:
+    """plan()'s scalars checked (ValueError or TypeError naming the argument)."""
+    group = check_heads(num_qo_heads, num_kv_heads)
+    check_positive("page_size", page_size)
+    soft_cap = checked_soft_cap(logits_soft_cap)
+    window_left = checked_window(window_left)
+    return _DecodeProblem(
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_dtype=dtypes[0],
+        kv_dtype=dtypes[1],
+        out_dtype=dtypes[2],
+        window_left=window_left,
+        soft_cap=soft_cap,
+        sm_scale=sm_scale,
+    )
+
+
+def _checked_page_table(indptr, indices, last_page_len) -> _PageTable:
+    """The page table's tensors checked (1-D CPU integers) and copied to int32."""
+    last_page_len = _index_copy(last_page_len, "last_page_len")
+    batch = last_page_len.numel()
+    # FlashInfer's decode takes the batch from last_page_len and subtracts indptr from it entry by
+    # entry (get_seq_lens), so unlike prefill's and MLA's plans it takes no longer indptr buffer.
+    indptr = index_vector(indptr, "indptr", batch + 1, "len(last_page_len) + 1").clone()
+    return _PageTable(indptr, _index_copy(indices, "indices"), last_page_len)
+
+
+def _partition(kernel: Kernel, table: _PageTable, problem: _DecodeProblem, disable_split_kv: bool) -> _Partition:
+    """The planner's partition of the batch across this process's threads; the page table's values
+    (indptr order, last page lengths, page indices) are checked there, naming the argument."""
+    lists = num_threads()
+    units = table.batch * problem.num_kv_heads
+    buffer = torch.empty(kernel.plan_capacity(units, lists), dtype=torch.int32)
+    args = {
+        "indptr": table.indptr.data_ptr(),
+        "last_page_len": table.last_page_len.data_ptr(),
+        "indices": table.indices.data_ptr(),
+        "batch": table.batch,
+        "num_indices": table.indices.numel(),
+        "page_size": problem.page_size,
+        "num_kv_heads": problem.num_kv_heads,
+        "window_left": problem.window_left,
+        "num_lists": lists,
+        "min_split": _NO_SPLIT if disable_split_kv else _MIN_SPLIT,
+        "plan": buffer.data_ptr(),
+        "capacity": buffer.numel(),
+    }
+    error = kernel.plan(kernel.new("kf_decode_plan_args", args))
+    if error:
+        raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES)
+    header = buffer[: PLAN_HEADER.kHeaderSize].tolist()
+    return _Partition(
+        buffer=buffer,
+        lists=lists,
+        units=units,
+        num_slots=header[PLAN_HEADER.kNumSlots],
+        unit_heads=header[PLAN_HEADER.kHeadsPerUnit],
+        max_page=header[PLAN_HEADER.kMaxPage],
+    )
+
+
+def _workspace_layout(kernel: Kernel, partition: _Partition, problem: _DecodeProblem) -> _WorkspaceLayout:
+    """The workspace run() needs for this partition: a partial state (head_dim floats and an LSE) per
+    query head of each split slot, then each thread's scratch, all fp32."""
+    partial_floats = partition.num_slots * partition.unit_heads * problem.group * (problem.head_dim + 1)
+    scratch_floats = partition.lists * kernel.scratch_floats(partition.unit_heads, problem.group)
+    return _WorkspaceLayout(partials=0, scratch=4 * partial_floats, total_bytes=4 * (partial_floats + scratch_floats))
+
+
+def _attention_plan(
+    kernel: Kernel,
+    problem: _DecodeProblem,
+    table: _PageTable,
+    partition: _Partition,
+    layout: _WorkspaceLayout,
+    workspace: torch.Tensor,
+) -> AttentionPlan:
+    """What run() reads: the kernel's plan struct (addresses into the kept tensors and the
+    workspace) and the planned values it checks its arguments against."""
+    base = workspace.data_ptr()
+    plan_args = {
+        "plan": partition.buffer.data_ptr(),
+        "indptr": table.indptr.data_ptr(),
+        "indices": table.indices.data_ptr(),
+        "workspace": base + layout.scratch,
+        "partials": base + layout.partials,
+        "units": partition.units,
+        "group": problem.group,
+        "page_size": problem.page_size,
+        "soft_cap": problem.soft_cap,
+    }
+    return AttentionPlan(
+        kernel=kernel,
+        args=kernel.new("kf_decode_planned", plan_args),
+        io=kernel.new("kf_decode_layer"),
+        keep=(partition.buffer, table.indptr, table.indices, table.last_page_len, workspace),
+        batch=table.batch,
+        q_shape=torch.Size((table.batch, problem.num_qo_heads, problem.head_dim)),
+        num_kv_heads=problem.num_kv_heads,
+        head_dim=problem.head_dim,
+        head_dim_vo=problem.head_dim,
+        page_size=problem.page_size,
+        max_page=partition.max_page,
+        q_dtype=problem.q_dtype,
+        kv_dtype=problem.kv_dtype,
+        out_dtype=problem.out_dtype,
+        window_left=problem.window_left,
+        soft_cap=problem.soft_cap,
+        sm_scale=1.0 / math.sqrt(problem.head_dim) if problem.sm_scale is None else float(problem.sm_scale),
+    )
 
 
 class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
@@ -227,78 +418,16 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         if data_type is not None:  # FlashInfer's deprecated spelling fills what is None
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
-        q_dtype, kv_dtype, out_dtype = plan_dtypes(q_data_type, kv_data_type, o_data_type)
-        group = check_heads(num_qo_heads, num_kv_heads)
-        check_positive("page_size", page_size)
-        soft_cap = checked_soft_cap(logits_soft_cap)
-        window_left = checked_window(window_left)
-
-        last_page_len = _index_copy(last_page_len, "last_page_len")
-        batch = last_page_len.numel()
-        # FlashInfer's decode takes the batch from last_page_len and subtracts indptr from it entry by
-        # entry (get_seq_lens), so unlike prefill's and MLA's plans it takes no longer indptr buffer.
-        indptr = index_vector(indptr, "indptr", batch + 1, "len(last_page_len) + 1").clone()
-        indices = _index_copy(indices, "indices")
-
-        kernel = DECODE.variant(**decode_variant_params(q_dtype, kv_dtype, out_dtype, head_dim, group)).kernel()
-        lists = num_threads()
-        units = batch * num_kv_heads  # the plan buffer's layout; a unit may hold several KV heads
-        plan_buffer = torch.empty(kernel.plan_capacity(units, lists), dtype=torch.int32)
-        error = kernel.plan(
-            indptr.data_ptr(),
-            last_page_len.data_ptr(),
-            indices.data_ptr(),
-            batch,
-            indices.numel(),
-            page_size,
-            num_kv_heads,
-            window_left,
-            lists,
-            _NO_SPLIT if disable_split_kv else _MIN_SPLIT,
-            plan_buffer.data_ptr(),
-            plan_buffer.numel(),
+        dtypes = plan_dtypes(q_data_type, kv_data_type, o_data_type)
+        problem = _checked_problem(
+            num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, window_left, logits_soft_cap, sm_scale
         )
-        if error:
-            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES)
-        header = plan_buffer[: PLAN_HEADER.kHeaderSize].tolist()
-        num_slots, max_page = header[PLAN_HEADER.kNumSlots], header[PLAN_HEADER.kMaxPage]
-        unit_heads = header[PLAN_HEADER.kHeadsPerUnit]
-        partial_floats = num_slots * unit_heads * group * (head_dim + 1)
-        workspace = self._workspace(4 * (partial_floats + lists * kernel.scratch_floats(unit_heads, group)))
-        base = workspace.data_ptr()
-        plan_args = kernel.new(
-            "kf_decode_planned",
-            {
-                "plan": plan_buffer.data_ptr(),
-                "indptr": indptr.data_ptr(),
-                "indices": indices.data_ptr(),
-                "workspace": base + 4 * partial_floats,
-                "partials": base,
-                "units": units,
-                "group": group,
-                "page_size": page_size,
-                "soft_cap": soft_cap,
-            },
-        )
-        self._plan = AttentionPlan(
-            kernel=kernel,
-            args=plan_args,
-            io=kernel.new("kf_decode_layer"),
-            keep=(plan_buffer, indptr, indices, last_page_len, workspace),
-            batch=batch,
-            q_shape=torch.Size((batch, num_qo_heads, head_dim)),
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            head_dim_vo=head_dim,
-            page_size=page_size,
-            max_page=max_page,
-            q_dtype=q_dtype,
-            kv_dtype=kv_dtype,
-            out_dtype=out_dtype,
-            window_left=window_left,
-            soft_cap=soft_cap,
-            sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
-        )
+        table = _checked_page_table(indptr, indices, last_page_len)
+        kernel = DECODE.variant(**decode_variant_params(*dtypes, head_dim, problem.group)).kernel()
+        partition = _partition(kernel, table, problem, disable_split_kv)
+        layout = _workspace_layout(kernel, partition, problem)
+        workspace = self._workspace(layout.total_bytes)
+        self._plan = _attention_plan(kernel, problem, table, partition, layout, workspace)
 
     begin_forward = plan
 

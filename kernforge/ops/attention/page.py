@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from kernforge.jit.module import DType, Entry, Module
+from kernforge.jit.module import DType, Entry, Module, Struct
 from kernforge.ops._common import index_vector, num_threads
 from kernforge.ops._registry import FP8_DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 
@@ -267,50 +267,52 @@ def _new(source, kv_layout, name, pages, a, b, head_dim, dtype, k_ptr, v_ptr, k_
 
 # --------------------------------------------------------------------------- appending
 
-_I64 = "int64_t "
+_I64 = "int64_t"
+# The append kernel's arguments: the new rows (key/value at token and head strides), where they go
+# (each token's request and position), the K and V planes (address and page, token, head strides),
+# and the page table. Filled per call by name (append_rows).
+APPEND_ARGS = Struct(
+    "kf_append_args",
+    tuple(
+        (name, _I64)
+        for name in (
+            "key",
+            "key_stride_n",
+            "key_stride_h",
+            "value",
+            "value_stride_n",
+            "value_stride_h",
+            "batch_indices",
+            "positions",
+            "num_tokens",
+            "k_cache",
+            "k_page_stride",
+            "k_token_stride",
+            "k_head_stride",
+            "v_cache",
+            "v_page_stride",
+            "v_token_stride",
+            "v_head_stride",
+            "kv_indices",
+            "num_kv_indices",
+            "kv_indptr",
+            "batch_size",
+            "num_pages",
+            "page_size",
+            "num_heads",
+            "head_dim",
+            "value_dim",  # V rows' length: head_dim, except for MLA's rope part
+            "num_threads",
+        )
+    ),
+)
 # Appending copies rows, so one variant per element type; fp8 caches are appended in fp8, as FlashInfer.
 PAGE = Module(
     "page",
     "page.cpp.jinja",
     params={"dtype": DType(choices=("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"))},
-    entries=[
-        Entry(
-            "append",
-            ", ".join(
-                _I64 + arg
-                for arg in (
-                    "key",
-                    "key_stride_n",
-                    "key_stride_h",
-                    "value",
-                    "value_stride_n",
-                    "value_stride_h",
-                    "batch_indices",
-                    "positions",
-                    "num_tokens",
-                    "k_cache",
-                    "k_page_stride",
-                    "k_token_stride",
-                    "k_head_stride",
-                    "v_cache",
-                    "v_page_stride",
-                    "v_token_stride",
-                    "v_head_stride",
-                    "kv_indices",
-                    "num_kv_indices",
-                    "kv_indptr",
-                    "batch_size",
-                    "num_pages",
-                    "page_size",
-                    "num_heads",
-                    "head_dim",
-                    "value_dim",  # V rows' length: head_dim, except for MLA's rope part
-                    "num_threads",
-                )
-            ),
-            returns="int64_t",
-        )
-    ],
+    structs=[APPEND_ARGS],
+    entries=[Entry("append", "const kf_append_args* args", returns=_I64)],
 )
 
 
@@ -445,7 +447,7 @@ def append_rows(
     stride, tokens); ``planes`` the K and V planes as (address, page, token, head strides). Every
     index is checked before anything is written (errors name the arguments)."""
     variant = _APPEND_VARIANTS.get(dtype) or _first_append_variant(dtype)
-    (key, key_n, key_h, num_tokens), (value, value_n, value_h, value_tokens) = key, value
+    num_tokens, value_tokens = key[3], value[3]
     if value_tokens != num_tokens:
         raise ValueError(f"{names[1]} has {value_tokens} tokens but {names[0]} has {num_tokens}; they must match")
     batch_size = _batch_size(kv_last_page_len)
@@ -456,31 +458,57 @@ def append_rows(
     kv_indices = index_vector(kv_indices, "kv_indices", None, None)
     if num_tokens == 0:
         return
-    status = variant.kernel().append(
-        key.data_ptr(),
-        key_n,
-        key_h,
-        value.data_ptr(),
-        value_n,
-        value_h,
-        batch_indices.data_ptr(),
-        positions.data_ptr(),
-        num_tokens,
-        *planes[0],
-        *planes[1],
-        kv_indices.data_ptr(),
-        kv_indices.numel(),
-        kv_indptr.data_ptr(),
-        batch_size,
-        shape.num_pages,
-        shape.page_size,
-        shape.num_heads,
-        shape.key_dim,
-        shape.value_dim,
-        num_threads(),
-    )
+    kernel = variant.kernel()
+    args = _append_args(key, value, batch_indices, positions, planes, kv_indices, kv_indptr, batch_size, shape)
+    status = kernel.append(kernel.new("kf_append_args", args))
     if status:
         _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, shape)
+
+
+def _append_args(
+    key_rows: tuple,
+    value_rows: tuple,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    planes: tuple,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    batch_size: int,
+    shape: CacheShape,
+) -> dict[str, int]:
+    """APPEND_ARGS' fields for checked rows (``key_rows``/``value_rows``: append_rows' ``key`` and
+    ``value``), index vectors and planes."""
+    (key, key_n, key_h, num_tokens), (value, value_n, value_h, _) = key_rows, value_rows
+    (k_cache, k_page, k_token, k_head), (v_cache, v_page, v_token, v_head) = planes
+    return {
+        "key": key.data_ptr(),
+        "key_stride_n": key_n,
+        "key_stride_h": key_h,
+        "value": value.data_ptr(),
+        "value_stride_n": value_n,
+        "value_stride_h": value_h,
+        "batch_indices": batch_indices.data_ptr(),
+        "positions": positions.data_ptr(),
+        "num_tokens": num_tokens,
+        "k_cache": k_cache,
+        "k_page_stride": k_page,
+        "k_token_stride": k_token,
+        "k_head_stride": k_head,
+        "v_cache": v_cache,
+        "v_page_stride": v_page,
+        "v_token_stride": v_token,
+        "v_head_stride": v_head,
+        "kv_indices": kv_indices.data_ptr(),
+        "num_kv_indices": kv_indices.numel(),
+        "kv_indptr": kv_indptr.data_ptr(),
+        "batch_size": batch_size,
+        "num_pages": shape.num_pages,
+        "page_size": shape.page_size,
+        "num_heads": shape.num_heads,
+        "head_dim": shape.key_dim,
+        "value_dim": shape.value_dim,
+        "num_threads": num_threads(),
+    }
 
 
 _APPEND_VARIANTS = append_paged_kv_cache.kernels.by_dtype  # {cache dtype: variant}, filled on first use

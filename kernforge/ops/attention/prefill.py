@@ -313,7 +313,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(PrefillCore):
         self._make_plan(
             qo_indptr,
             kv_indptr,
-            None,
+            None,  # no pages: no last_page_len, indices or page size (1)
             None,
             num_qo_heads,
             num_kv_heads,

@@ -10,11 +10,12 @@ makes one kernel call (``attention/prefill.h``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from kernforge.jit import isa
-from kernforge.jit.module import ALL_TIERS, Codes, DType, Entry, Int, IntTuple, Module, Struct
+from kernforge.jit.module import ALL_TIERS, Codes, DType, Entry, Int, IntTuple, Kernel, Module, Struct
 from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import MAX_HEAD_DIM, check_head_dim, index_vector, num_threads
 from kernforge.ops.attention._wrapper import (
@@ -200,6 +201,8 @@ _PLAN_MESSAGES = {
 # A tile is split along the KV (when tiles are fewer than threads) into pieces of at least this
 # many key blocks: each piece then costs a partial state and a share of the merge.
 _MIN_SPLIT_BLOCKS = 2
+# Bytes: run()'s workspace starts on a cache line.
+_ALIGNMENT = 64
 
 
 def _check_head_dims(head_dim_qk, head_dim_vo) -> None:
@@ -305,135 +308,29 @@ class PrefillCore(WorkspaceWrapper):
         disable_split_kv: bool = False,
         renamed: dict | None = None,
     ) -> None:
+        """plan()'s shared path, paged (``last_page_len``, ``indices``, ``page_size``) or ragged
+        (``self._ragged``: those unused): check the arguments, list the work items, lay out the
+        workspace, and leave the plan in ``self._plan``. ``renamed`` maps a planner argument to the
+        name the caller's API gives it; ``module``: PREFILL, or a test build of its template."""
         self._plan = None
-        check_pos_encoding_mode(pos_encoding_mode)
-        group = check_heads(num_qo_heads, num_kv_heads)
-        head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
-        _check_head_dims(head_dim_qk, head_dim_vo)
-        q_dtype, kv_dtype, out_dtype = plan_dtypes(q_data_type, kv_data_type, o_data_type)
-        soft_cap = checked_soft_cap(logits_soft_cap)
-        window_left = checked_window(window_left)
-
-        qo_indptr = index_vector(qo_indptr, "qo_indptr").clone()
-        batch = qo_indptr.numel() - 1
-        if batch < 0:
-            raise ValueError("qo_indptr must have batch_size + 1 >= 1 entries, got an empty tensor")
+        problem = _checked_problem(
+            num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, pos_encoding_mode, causal, window_left,
+            logits_soft_cap, sm_scale, (q_data_type, kv_data_type, o_data_type),
+        )  # fmt: skip
         has_mask = custom_mask is not None or packed_custom_mask is not None
-        kv_name = "kv_indptr" if self._ragged else "paged_kv_indptr"
-        if self._ragged:  # FlashInfer's ragged plan wants kv_indptr exactly as long as qo_indptr
-            kv_indptr = index_vector(kv_indptr, kv_name, batch + 1, "len(qo_indptr)").clone()
-            last_page_len = indices = kv_indptr  # unused by the ragged kernel; any valid address
-            num_indices = 0
-        else:
-            kv_indptr, last_page_len = _paged_table(kv_indptr, last_page_len, batch, buffers=not has_mask)
-            indices = index_vector(indices, "paged_kv_indices").clone()
-            num_indices = indices.numel()
-            check_positive("page_size", page_size)
-
-        params = prefill_variant_params(q_dtype, kv_dtype, out_dtype, head_dim_qk, head_dim_vo, group, tile)
-        kernel = module.variant(**params).kernel()  # module: PREFILL, or a test build of its template
-        rows_per_item = params["tile"][0]
-        queries_per_tile = max(1, rows_per_item // group)
-        total_q = int(qo_indptr[-1])
-        threads = num_threads()
-        tiles = (total_q // queries_per_tile + batch) * num_kv_heads  # at least the tiles the batch has
-        item_capacity = 2 * (tiles + threads)  # plan_prefill's bound on the pieces of split tiles
-        items = torch.empty(item_capacity * PLAN_INTS.kItemInts, dtype=torch.int32)
-        merges = torch.empty(max(tiles, 1) * PLAN_INTS.kMergeInts, dtype=torch.int32)
-        kv_lens = torch.empty(max(batch, 1), dtype=torch.int32)
-        counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
-        error = kernel.plan(
-            kernel.new(
-                "kf_prefill_plan_args",
-                {
-                    "qo_indptr": qo_indptr.data_ptr(),
-                    "kv_indptr": kv_indptr.data_ptr(),
-                    "last_page_len": last_page_len.data_ptr(),
-                    "indices": indices.data_ptr(),
-                    "batch": batch,
-                    "num_indices": num_indices,
-                    "page_size": page_size if not self._ragged else 1,
-                    "num_kv_heads": num_kv_heads,
-                    "queries_per_tile": queries_per_tile,
-                    "window_left": window_left,
-                    "ragged": int(self._ragged),
-                    "causal": int(bool(causal)),
-                    "custom_mask": int(has_mask),
-                    "num_threads": 1 if disable_split_kv else threads,
-                    "min_split_blocks": _MIN_SPLIT_BLOCKS,
-                    "kv_lens": kv_lens.data_ptr(),
-                    "items": items.data_ptr(),
-                    "item_capacity": item_capacity,
-                    "merges": merges.data_ptr(),
-                    "merge_capacity": max(tiles, 1),
-                    "counts": counts.data_ptr(),
-                },
-            )
-        )
-        if error:
-            raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES, {"kv_indptr": kv_name, **(renamed or {})})
-        num_items, num_merges, slots = counts.tolist()
-
-        mask = mask_offsets = None
+        table = _checked_table(qo_indptr, kv_indptr, last_page_len, indices, page_size, self._ragged, has_mask)
+        params = prefill_variant_params(
+            problem.q_dtype, problem.kv_dtype, problem.out_dtype, problem.head_dim_qk, problem.head_dim_vo,
+            problem.group, tile,
+        )  # fmt: skip
+        kernel = module.variant(**params).kernel()
+        work = _work_items(kernel, table, problem, params["tile"][0], has_mask, disable_split_kv, renamed)
+        mask = None
         if has_mask:
-            mask, mask_offsets = _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens[:batch])
-
-        rows = queries_per_tile * group
-        scratch = kernel.scratch_bytes(rows)
-        partial_bytes = slots * rows * (head_dim_vo + 1) * 4
-        workspace = self._workspace(threads * scratch + partial_bytes + 64)
-        stats = torch.zeros(1, dtype=torch.int64)
-        base = (workspace.data_ptr() + 63) // 64 * 64
-        plan_args = kernel.new(
-            "kf_prefill_planned",
-            {
-                "items": items.data_ptr(),
-                "num_items": num_items,
-                "merges": merges.data_ptr(),
-                "num_merges": num_merges,
-                "partials": base + threads * scratch,
-                "qo_indptr": qo_indptr.data_ptr(),
-                "kv_indptr": kv_indptr.data_ptr(),
-                "indices": indices.data_ptr(),
-                "kv_lens": kv_lens.data_ptr(),
-                "mask": 0 if mask is None else mask.data_ptr(),
-                "mask_offsets": 0 if mask_offsets is None else mask_offsets.data_ptr(),
-                "workspace": base,
-                "scratch_bytes": scratch,
-                "max_threads": threads,
-                "rows": rows,
-                "group": group,
-                "queries_per_tile": queries_per_tile,
-                "page_size": page_size if not self._ragged else 1,
-                "ragged": int(self._ragged),
-                "causal": int(bool(causal)),
-                "window_left": window_left,
-                "soft_cap": soft_cap,
-                "stats": stats.data_ptr(),
-            },
-        )
-        self._plan = AttentionPlan(
-            kernel=kernel,
-            args=plan_args,
-            io=kernel.new("kf_prefill_layer"),
-            keep=(items, merges, qo_indptr, kv_indptr, indices, last_page_len, kv_lens, mask, mask_offsets, workspace),
-            stats=stats,
-            batch=batch,
-            total_q=total_q,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo,
-            page_size=page_size,
-            q_dtype=q_dtype,
-            kv_dtype=kv_dtype,
-            out_dtype=out_dtype,
-            window_left=window_left,
-            soft_cap=soft_cap,
-            max_kv_index=int(kv_indptr[-1]) if self._ragged else None,
-            max_page=int(indices[: int(kv_indptr[-1])].max()) if not self._ragged and int(kv_indptr[-1]) > 0 else -1,
-            sm_scale=1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale),
-        )
+            mask = _packed_mask(custom_mask, packed_custom_mask, table.qo_indptr, work.kv_lens[: table.batch])
+        layout = _workspace_layout(kernel, work, problem.head_dim_vo)
+        workspace = self._workspace(layout.total_bytes)
+        self._plan = _attention_plan(kernel, problem, table, work, mask, layout, workspace)
 
     def _launch(self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale):
         plan = self._plan
@@ -459,6 +356,259 @@ class PrefillCore(WorkspaceWrapper):
         fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
         return (out, lse) if return_lse else out
+
+
+class _PrefillProblem(NamedTuple):
+    """plan()'s scalar arguments, checked: what the kernel variant, the work items and run() depend on."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim_qk: int
+    head_dim_vo: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    out_dtype: torch.dtype
+    causal: bool
+    window_left: int
+    soft_cap: float
+    sm_scale: float | None  # as given: None is 1 / sqrt(head_dim_qk)
+
+
+class _BatchTable(NamedTuple):
+    """The batch's index tensors as the int32 copies the plan keeps (run() must not see later edits
+    to the caller's). A ragged batch has no pages: its ``last_page_len`` and ``indices`` are
+    ``kv_indptr`` (any valid address; the kernel does not read them) and its page size 1."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    indices: torch.Tensor
+    num_indices: int
+    page_size: int
+    ragged: bool
+    total_q: int  # qo_indptr[-1]: the batch's query rows
+    kv_end: int  # kv_indptr[-1]: the batch's K/V rows (ragged) or pages (paged)
+
+    @property
+    def batch(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def kv_indptr_name(self) -> str:
+        return "kv_indptr" if self.ragged else "paged_kv_indptr"
+
+    def max_kv_index(self) -> int | None:
+        """A ragged batch's K/V rows (what run()'s ``k`` and ``v`` must hold); None for pages."""
+        return self.kv_end if self.ragged else None
+
+    def max_page(self) -> int:
+        """The largest page the batch reads (-1: none; run() checks the cache holds it)."""
+        return int(self.indices[: self.kv_end].max()) if not self.ragged and self.kv_end > 0 else -1
+
+
+class _WorkItems(NamedTuple):
+    """The plan: the planner's work items (request, KV head, query tile; tiles split along the KV
+    when threads would idle), the merges of split tiles, and each request's kv_len."""
+
+    items: torch.Tensor  # int32, PLAN_INTS.kItemInts per item
+    merges: torch.Tensor  # int32, PLAN_INTS.kMergeInts per merge
+    kv_lens: torch.Tensor  # int32 [max(batch, 1)]: the planner writes the first batch
+    num_items: int
+    num_merges: int
+    slots: int  # partial states of split tiles
+    queries_per_tile: int
+    rows: int  # query rows per item: queries_per_tile * group
+    threads: int
+
+
+class _WorkspaceLayout(NamedTuple):
+    """Where run()'s buffers lie in the workspace, in bytes from its first 64-byte boundary: each
+    thread's scratch, then the split tiles' partial states."""
+
+    scratch_bytes: int  # per thread
+    partials: int
+    total_bytes: int  # with the slack for the alignment
+
+
+def _checked_problem(
+    num_qo_heads,
+    num_kv_heads,
+    head_dim_qk,
+    head_dim_vo,
+    pos_encoding_mode,
+    causal,
+    window_left,
+    logits_soft_cap,
+    sm_scale,
+    data_types: tuple,
+) -> _PrefillProblem:
+    """plan()'s scalars checked, each error a ValueError or TypeError naming the argument (FlashInfer's
+    type where it has one); head_dim_vo defaults to head_dim_qk, the dtypes to q's."""
+    check_pos_encoding_mode(pos_encoding_mode)
+    group = check_heads(num_qo_heads, num_kv_heads)
+    head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+    _check_head_dims(head_dim_qk, head_dim_vo)
+    q_dtype, kv_dtype, out_dtype = plan_dtypes(*data_types)
+    return _PrefillProblem(
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        out_dtype=out_dtype,
+        causal=bool(causal),
+        soft_cap=checked_soft_cap(logits_soft_cap),
+        window_left=checked_window(window_left),
+        sm_scale=sm_scale,
+    )
+
+
+def _checked_table(
+    qo_indptr, kv_indptr, last_page_len, indices, page_size, ragged: bool, has_mask: bool
+) -> _BatchTable:
+    """The batch's index tensors checked (1-D CPU integers of the batch's lengths) and copied; the
+    batch is qo_indptr's. Their values are the planner's to check."""
+    qo_indptr = index_vector(qo_indptr, "qo_indptr").clone()
+    batch = qo_indptr.numel() - 1
+    if batch < 0:
+        raise ValueError("qo_indptr must have batch_size + 1 >= 1 entries, got an empty tensor")
+    total_q = int(qo_indptr[-1])
+    if ragged:  # FlashInfer's ragged plan wants kv_indptr exactly as long as qo_indptr
+        kv_indptr = index_vector(kv_indptr, "kv_indptr", batch + 1, "len(qo_indptr)").clone()
+        return _BatchTable(qo_indptr, kv_indptr, kv_indptr, kv_indptr, 0, 1, True, total_q, int(kv_indptr[-1]))
+    kv_indptr, last_page_len = _paged_table(kv_indptr, last_page_len, batch, buffers=not has_mask)
+    indices = index_vector(indices, "paged_kv_indices").clone()
+    check_positive("page_size", page_size)
+    pages = int(kv_indptr[-1])
+    return _BatchTable(qo_indptr, kv_indptr, last_page_len, indices, indices.numel(), page_size, False, total_q, pages)
+
+
+def _work_items(
+    kernel: Kernel,
+    table: _BatchTable,
+    problem: _PrefillProblem,
+    rows_per_tile: int,
+    has_mask: bool,
+    disable_split_kv: bool,
+    renamed: dict | None,
+) -> _WorkItems:
+    """The planner's work items for the batch, largest first; it checks the index tensors' values
+    (ValueError naming the argument, as ``renamed`` renames it)."""
+    queries_per_tile = max(1, rows_per_tile // problem.group)
+    threads = num_threads()
+    # At least the tiles the batch has; split tiles make at most twice as many pieces, plus threads.
+    tiles = (table.total_q // queries_per_tile + table.batch) * problem.num_kv_heads
+    item_capacity, merge_capacity = 2 * (tiles + threads), max(tiles, 1)
+    items = torch.empty(item_capacity * PLAN_INTS.kItemInts, dtype=torch.int32)
+    merges = torch.empty(merge_capacity * PLAN_INTS.kMergeInts, dtype=torch.int32)
+    kv_lens = torch.empty(max(table.batch, 1), dtype=torch.int32)
+    counts = torch.zeros(3, dtype=torch.int64)  # items, merges, slots
+    args = {
+        "qo_indptr": table.qo_indptr.data_ptr(),
+        "kv_indptr": table.kv_indptr.data_ptr(),
+        "last_page_len": table.last_page_len.data_ptr(),
+        "indices": table.indices.data_ptr(),
+        "batch": table.batch,
+        "num_indices": table.num_indices,
+        "page_size": table.page_size,
+        "num_kv_heads": problem.num_kv_heads,
+        "queries_per_tile": queries_per_tile,
+        "window_left": problem.window_left,
+        "ragged": int(table.ragged),
+        "causal": int(problem.causal),
+        "custom_mask": int(has_mask),
+        "num_threads": 1 if disable_split_kv else threads,
+        "min_split_blocks": _MIN_SPLIT_BLOCKS,
+        "kv_lens": kv_lens.data_ptr(),
+        "items": items.data_ptr(),
+        "item_capacity": item_capacity,
+        "merges": merges.data_ptr(),
+        "merge_capacity": merge_capacity,
+        "counts": counts.data_ptr(),
+    }
+    error = kernel.plan(kernel.new("kf_prefill_plan_args", args))
+    if error:
+        names = {"kv_indptr": table.kv_indptr_name, **(renamed or {})}
+        raise_plan_error(error, PLAN_ERROR, _PLAN_MESSAGES, names)
+    num_items, num_merges, slots = counts.tolist()
+    rows = queries_per_tile * problem.group
+    return _WorkItems(items, merges, kv_lens, num_items, num_merges, slots, queries_per_tile, rows, threads)
+
+
+def _workspace_layout(kernel: Kernel, work: _WorkItems, head_dim_vo: int) -> _WorkspaceLayout:
+    """The workspace run() needs: each thread's scratch for a tile of ``work.rows`` query rows, then a
+    partial state (head_dim_vo floats and an LSE per row) per split slot."""
+    scratch_bytes = kernel.scratch_bytes(work.rows)
+    partials = work.threads * scratch_bytes
+    partial_bytes = work.slots * work.rows * (head_dim_vo + 1) * 4
+    return _WorkspaceLayout(scratch_bytes, partials, partials + partial_bytes + _ALIGNMENT)
+
+
+def _attention_plan(
+    kernel: Kernel,
+    problem: _PrefillProblem,
+    table: _BatchTable,
+    work: _WorkItems,
+    mask: tuple[torch.Tensor, torch.Tensor] | None,
+    layout: _WorkspaceLayout,
+    workspace: torch.Tensor,
+) -> AttentionPlan:
+    """What run() reads: the kernel's plan struct (addresses into the kept tensors and the workspace)
+    and the planned values it checks its arguments against."""
+    base = -(-workspace.data_ptr() // _ALIGNMENT) * _ALIGNMENT
+    stats = torch.zeros(1, dtype=torch.int64)
+    mask_bits, mask_offsets = mask if mask is not None else (None, None)
+    plan_args = {
+        "items": work.items.data_ptr(),
+        "num_items": work.num_items,
+        "merges": work.merges.data_ptr(),
+        "num_merges": work.num_merges,
+        "partials": base + layout.partials,
+        "qo_indptr": table.qo_indptr.data_ptr(),
+        "kv_indptr": table.kv_indptr.data_ptr(),
+        "indices": table.indices.data_ptr(),
+        "kv_lens": work.kv_lens.data_ptr(),
+        "mask": 0 if mask_bits is None else mask_bits.data_ptr(),
+        "mask_offsets": 0 if mask_offsets is None else mask_offsets.data_ptr(),
+        "workspace": base,
+        "scratch_bytes": layout.scratch_bytes,
+        "max_threads": work.threads,
+        "rows": work.rows,
+        "group": problem.group,
+        "queries_per_tile": work.queries_per_tile,
+        "page_size": table.page_size,
+        "ragged": int(table.ragged),
+        "causal": int(problem.causal),
+        "window_left": problem.window_left,
+        "soft_cap": problem.soft_cap,
+        "stats": stats.data_ptr(),
+    }
+    keep = (work.items, work.merges, table, work.kv_lens, mask_bits, mask_offsets, workspace)
+    return AttentionPlan(
+        kernel=kernel,
+        args=kernel.new("kf_prefill_planned", plan_args),
+        io=kernel.new("kf_prefill_layer"),
+        keep=keep,
+        stats=stats,
+        batch=table.batch,
+        total_q=table.total_q,
+        num_qo_heads=problem.num_qo_heads,
+        num_kv_heads=problem.num_kv_heads,
+        head_dim_qk=problem.head_dim_qk,
+        head_dim_vo=problem.head_dim_vo,
+        page_size=table.page_size,
+        q_dtype=problem.q_dtype,
+        kv_dtype=problem.kv_dtype,
+        out_dtype=problem.out_dtype,
+        window_left=problem.window_left,
+        soft_cap=problem.soft_cap,
+        max_kv_index=table.max_kv_index(),
+        max_page=table.max_page(),
+        sm_scale=1.0 / math.sqrt(problem.head_dim_qk) if problem.sm_scale is None else float(problem.sm_scale),
+    )
 
 
 def _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens):
