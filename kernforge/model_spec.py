@@ -1,7 +1,9 @@
 """What kernforge knows about a model, read once from its Hugging Face config: the attention shape,
 the activation's gated op, and the linear layers as kernforge packs them. Pre-warm
 (``prewarm --model-config``) derives the kernels to build from it, and the transformers integration
-packs and runs the model by it, so the two cannot disagree. MoE models add their experts' fields,
+reads one per ``optimize()`` call and packs and runs every family's modules by it (heads, head_dim,
+windows, which layers have experts, the routing; by transformers' own rules where a module's
+attributes could say otherwise), so the two cannot disagree. MoE models add their experts' fields,
 DeepSeek-V2/V3 their multi-head latent attention's (``kv_lora_rank`` ...) and routing's."""
 
 from __future__ import annotations
@@ -61,11 +63,27 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # What the transformers integration runs by besides the shapes, read as transformers reads them:
+    # the decoder layers, each layer's sliding window (None: full attention), the RoPE type, OLMoE's
+    # q/k/v clamp, the decoder norms' epsilon, the router's renormalization of its top-k weights and
+    # DeepSeek's scaling of the routed experts.
+    num_hidden_layers: int = 0
+    sliding_windows: tuple[int | None, ...] = ()
+    rope_type: str = "default"
+    clip_qkv: float | None = None
+    rms_norm_eps: float = 1e-6
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = True  # DeepSeek-V3's RoPE on interleaved pairs (V2's always is)
+    # The Qwen MoEs' dense layers: those listed, and those off the every-``decoder_sparse_step``th.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     @classmethod
-    def from_config(cls, config: dict | str | Path) -> ModelSpec:
+    def from_config(cls, config: dict | str | Path, any_activation: bool = False) -> ModelSpec:
         """From a ``config.json`` (path or dict; a multimodal config's ``text_config`` is read too).
-        Raises ValueError naming the field that is missing or wrong."""
+        Raises ValueError naming the field that is missing or wrong (an activation without a gated
+        op too, unless ``any_activation``: the integration runs such an MLP on transformers' path)."""
         if not isinstance(config, dict):
             config = json.loads(Path(config).read_text())
         config = {**config.get("text_config", {}), **config}
@@ -80,11 +98,8 @@ class ModelSpec:
         if head_dim is None:  # absent: the split of hidden_size; a given one is checked as it is (0 too)
             head_dim = sizes["hidden_size"] // heads
         activation = config.get("hidden_act") or config.get("hidden_activation") or "silu"
-        if activation not in GATED_OP_BY_ACTIVATION:
-            raise ValueError(
-                f"config.json activation {activation!r} has no kernforge gated op; "
-                f"known: {', '.join(GATED_OP_BY_ACTIVATION)}"
-            )
+        if not any_activation:
+            _gated_op(activation)
         vocab = config.get("vocab_size")
         experts = _moe_fields(config, sizes["intermediate_size"])
         if mla:
@@ -101,6 +116,7 @@ class ModelSpec:
             vocab if isinstance(vocab, int) and vocab > 0 else None,
             **experts,
             **mla,
+            **_runtime_fields(config),
         )
 
     @property
@@ -122,12 +138,49 @@ class ModelSpec:
     @property
     def has_dense_mlp(self) -> bool:
         """Whether some layer runs a dense MLP (intermediate_size): every layer of a dense model,
-        DeepSeek's first_k_dense_replace layers."""
-        return not self.num_experts or self.first_k_dense_replace > 0
+        DeepSeek's first_k_dense_replace layers, the Qwen MoEs' mlp_only_layers and those off their
+        decoder_sparse_step (without num_hidden_layers: whether any of those is set)."""
+        if not self.num_experts:
+            return True
+        if not self.num_hidden_layers:
+            return self.first_k_dense_replace > 0 or bool(self.mlp_only_layers) or self.decoder_sparse_step > 1
+        return not all(self.is_sparse_layer(index) for index in range(self.num_hidden_layers))
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` runs the experts, by transformers' rule for the family."""
+        if not self.num_experts:
+            return False
+        if self.topk_method is not None:  # DeepSeek
+            return index >= self.first_k_dense_replace
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
 
     @property
     def gated_op(self) -> str:
-        return GATED_OP_BY_ACTIVATION[self.activation]
+        """The MLP's gated kernel (ValueError for an activation without one)."""
+        return _gated_op(self.activation)
+
+    @property
+    def runs_gated_mlp(self) -> bool:
+        """Whether some layer runs the gated kernel: a dense MLP, or Qwen2-MoE's shared expert (an
+        MoE's experts and DeepSeek's shared experts gate inside fused_experts / shared_expert)."""
+        return self.has_dense_mlp or self.shared_expert_intermediate_size > 0
+
+    @property
+    def renormalize(self) -> bool:
+        """Whether the router renormalizes its top-k weights: always for Mixtral, never for
+        DeepSeek-V2 (its router has no such step), else as ``norm_topk_prob`` says."""
+        return self.model_type == "mixtral" or (self.model_type != "deepseek_v2" and self.norm_topk_prob)
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention's softmax scale, as transformers' Llama-family attentions set it (an MLA
+        model's also has YaRN's mscale: the integration reads that one from the module)."""
+        return float(self.head_dim**-0.5)
+
+    def window_left(self, layer: int) -> int:
+        """FlashInfer's window_left (keys kept besides the query's own) of ``layer``; -1: none."""
+        window = self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+        return window - 1 if window else -1
 
     @property
     def gemma_norms(self) -> bool:
@@ -136,8 +189,8 @@ class ModelSpec:
 
     def linear_shapes(self) -> dict[str, list[int]]:
         """[N, K] (``nn.Linear.weight``'s shape) of a decoder layer's linears as kernforge packs them
-        (``PACKED_LINEARS``), and lm_head's when the vocabulary is known. The router runs in
-        :attr:`router_dtype`, the others in the model's dtype."""
+        (``PACKED_LINEARS``; the dense MLP's where some layer has one), and lm_head's when the
+        vocabulary is known. The router runs in :attr:`router_dtype`, the others in the model's dtype."""
         if self.is_mla:
             return self._mla_linear_shapes()
         q_width = self.num_attention_heads * self.head_dim
@@ -152,12 +205,11 @@ class ModelSpec:
         shapes = {
             packed: [sum(widths[part] for part in parts), self.hidden_size] for packed, parts in PACKED_LINEARS.items()
         }
-        shapes = {
-            "qkv_proj": shapes["qkv_proj"],
-            "o_proj": [self.hidden_size, q_width],
-            "gate_up_proj": shapes["gate_up_proj"],
-            "down_proj": [self.hidden_size, self.intermediate_size],
-        }
+        shapes = {"qkv_proj": shapes["qkv_proj"], "o_proj": [self.hidden_size, q_width]} | (
+            {"gate_up_proj": shapes["gate_up_proj"], "down_proj": [self.hidden_size, self.intermediate_size]}
+            if self.has_dense_mlp
+            else {}
+        )
         if self.num_experts:  # the router, and Qwen2-MoE's shared expert and its gate
             shapes["router"] = [self.num_experts, self.hidden_size]
             if self.shared_expert_intermediate_size:
@@ -194,6 +246,47 @@ class ModelSpec:
         if self.vocab_size is not None:
             shapes["lm_head"] = [self.vocab_size, hidden]
         return shapes
+
+
+def _gated_op(activation: str) -> str:
+    if activation not in GATED_OP_BY_ACTIVATION:
+        raise ValueError(
+            f"config.json activation {activation!r} has no kernforge gated op; "
+            f"known: {', '.join(GATED_OP_BY_ACTIVATION)}"
+        )
+    return GATED_OP_BY_ACTIVATION[activation]
+
+
+def _runtime_fields(config: dict) -> dict:
+    """The fields besides the shapes, each read by transformers' rule (the models' own ``__init__``)."""
+    layers = config.get("num_hidden_layers")
+    layers = layers if isinstance(layers, int) and layers > 0 else 0
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    clip_qkv = config.get("clip_qkv")
+    return {
+        "num_hidden_layers": layers,
+        "sliding_windows": _sliding_windows(config, layers),
+        "rope_type": str(rope.get("rope_type", rope.get("type", "default"))),
+        "clip_qkv": None if clip_qkv is None else float(clip_qkv),
+        "rms_norm_eps": float(config.get("rms_norm_eps") or 1e-6),
+        "norm_topk_prob": bool(config.get("norm_topk_prob")),
+        "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
+        "rope_interleave": bool(config.get("rope_interleave", True)),
+        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+    }
+
+
+def _sliding_windows(config: dict, layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window: a config with ``layer_types`` (Qwen2/3, Qwen2-MoE) slides on its
+    "sliding_attention" layers only, the others (Mistral, Mixtral, Qwen3-MoE) on every layer."""
+    window = config.get("sliding_window") or None
+    if config.get("use_sliding_window") is False:  # the Qwens' switch (transformers' configs apply it too)
+        window = None
+    types = config.get("layer_types")
+    if types:
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    return (window,) * layers
 
 
 # DeepSeek's routing rules, and the scores each chooses by.

@@ -69,7 +69,8 @@ def manifest_from_model_config(
 
 
 def manifest_from_spec(spec: ModelSpec, kv_cache_dtypes: tuple[str, ...] = (), quant: str | None = None) -> dict:
-    """:func:`manifest_from_model_config` of a :class:`~kernforge.model_spec.ModelSpec` already read."""
+    """:func:`manifest_from_model_config` of a :class:`~kernforge.model_spec.ModelSpec` already read
+    (an optimized transformers model's is ``model._kernforge.model_spec``, the one it runs by)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     model = {

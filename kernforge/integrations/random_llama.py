@@ -13,7 +13,12 @@ any text of such words round-trips, and every id the model can sample decodes.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = {
     # Llama-3.2-1B's shape (random weights): what the benchmarks run
@@ -292,42 +297,22 @@ W8A8_QUANTIZATION = {
     },
     "ignore": ["lm_head"],
 }
-_W8A8_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder layers' linear weights a quantized checkpoint rewrites (embeddings, norms, lm_head stay bf16).
+_QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_w8a8(source: str | Path, path: str | Path) -> Path:
     """Write a copy of the model directory ``source`` with its decoder layers' linear weights in
     compressed-tensors' int8 w8a8 format (:data:`W8A8_QUANTIZATION`): what vLLM loads as an int8
     checkpoint. Kept if ``path`` already holds it."""
-    import json
-    import shutil
-
     import torch
-    from safetensors.torch import load_file, save_file
 
-    source, path = Path(source), Path(path)
-    marker = path / "kernforge-random-model.txt"
-    recipe = f"w8a8 of {(source / 'kernforge-random-model.txt').read_text()}"
-    if marker.exists() and marker.read_text() == recipe:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in _W8A8_LAYERS):
-            tensors[name] = tensor
-            continue
-        scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
-        tensors[name] = (tensor.float() / scale).round().clamp(-128, 127).to(torch.int8)
-        tensors[name.removesuffix("weight") + "weight_scale"] = scale
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = W8A8_QUANTIZATION
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    for other in source.iterdir():
-        if other.name not in ("model.safetensors", "config.json", marker.name) and other.is_file():
-            shutil.copy(other, path / other.name)
-    marker.write_text(recipe)
-    return path
+    def int8_rows(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+        codes = (weight.float() / scale).round().clamp(-128, 127).to(torch.int8)
+        return {name: codes, name.removesuffix("weight") + "weight_scale": scale}
+
+    return _rewrite_checkpoint(source, path, "w8a8", W8A8_QUANTIZATION, int8_rows)
 
 
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j of an AWQ word sits in its nibble _AWQ_ORDER[j]
@@ -338,39 +323,26 @@ def quantize_awq(source: str | Path, path: str | Path, group_size: int = 128) ->
     writes, what vLLM loads as ``quant_method: awq``): its decoder layers' linear weights rounded by
     kernforge's ``quantize_int4`` (asymmetric, ``group_size`` K per group), so an int4 benchmark needs
     no calibration; lm_head and the embeddings stay bf16. Kept if ``path`` already holds it."""
-    import json
-    import shutil
-
     import torch
-    from safetensors.torch import load_file, save_file
 
     from kernforge.ops.gemm.int4 import quantize_int4, unpack_int4
 
-    source, path = Path(source), Path(path)
-    marker = path / "kernforge-random-model.txt"
-    recipe = f"awq g{group_size} of {(source / 'kernforge-random-model.txt').read_text()}"
-    if marker.exists() and marker.read_text() == recipe:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
     shifts = torch.tensor(_AWQ_ORDER, dtype=torch.int32) * 4
 
     def awq_words(values: torch.Tensor) -> torch.Tensor:  # [R, N] (0..15) -> int32 [R, N/8], AWQ's order
         words = values.to(torch.int32).view(values.shape[0], -1, 8) << shifts
         return words.sum(-1, dtype=torch.int32)  # the nibbles do not overlap: the sum is their OR
 
-    tensors = {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in _W8A8_LAYERS):
-            tensors[name] = tensor
-            continue
-        codes, zeros, scales = unpack_int4(quantize_int4(tensor, group_size, symmetric=False))
+    def awq_gemm(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, zeros, scales = unpack_int4(quantize_int4(weight, group_size, symmetric=False))
         prefix = name.removesuffix("weight")
-        tensors[prefix + "qweight"] = awq_words(codes.t().contiguous())  # [K, N/8]
-        tensors[prefix + "qzeros"] = awq_words(zeros)  # [G, N/8]
-        tensors[prefix + "scales"] = scales.to(torch.float16)  # [G, N]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {
+        return {
+            prefix + "qweight": awq_words(codes.t().contiguous()),  # [K, N/8]
+            prefix + "qzeros": awq_words(zeros),  # [G, N/8]
+            prefix + "scales": scales.to(torch.float16),  # [G, N]
+        }
+
+    quantization = {
         "quant_method": "awq",
         "bits": 4,
         "group_size": group_size,
@@ -378,11 +350,45 @@ def quantize_awq(source: str | Path, path: str | Path, group_size: int = 128) ->
         "version": "gemm",
         "modules_to_not_convert": None,
     }
+    return _rewrite_checkpoint(source, path, f"awq g{group_size}", quantization, awq_gemm)
+
+
+def _rewrite_checkpoint(
+    source: str | Path,
+    path: str | Path,
+    recipe_name: str,
+    quantization: dict[str, Any],
+    rewrite: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> Path:
+    """Copy the model directory ``source`` to ``path`` with each decoder-layer linear weight
+    replaced by ``rewrite(name, weight)``'s tensors and ``quantization`` as the config's
+    ``quantization_config``; everything else (embeddings, norms, lm_head, tokenizer files) as is.
+    Kept if ``path`` already holds the same recipe of the same source."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    marker = path / "kernforge-random-model.txt"
+    recipe = f"{recipe_name} of {(source / 'kernforge-random-model.txt').read_text()}"
+    if marker.exists() and marker.read_text() == recipe:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in _QUANTIZED_LINEARS:
+            tensors.update(rewrite(name, tensor))
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for other in source.iterdir():
         if other.name not in ("model.safetensors", "config.json", marker.name) and other.is_file():
             shutil.copy(other, path / other.name)
-    marker.write_text(recipe)
+    marker.write_text(recipe)  # last: a directory without it is rebuilt
     return path
 
 

@@ -74,4 +74,6 @@ def _gated(input, out, kernels):
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
+    if not spec.runs_gated_mlp:  # Mixtral, OLMoE: their experts gate inside fused_experts
+        return []
     return [{"op": spec.gated_op, "dtype": spec.dtype}]  # the MLP's act(gate) * up

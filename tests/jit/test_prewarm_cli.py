@@ -747,3 +747,45 @@ def test_manifest_from_a_deepseek_config_builds_mla_and_its_moe():
     assert v3.linear_shapes()["q_b_proj"] == [16 * 192, 1536]
     with pytest.raises(ValueError, match="needs n_group and topk_group"):
         ModelSpec.from_config({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": None})
+
+
+def test_model_spec_knows_which_layers_have_experts():
+    """transformers' rules: the Qwen MoEs' mlp_only_layers and decoder_sparse_step, DeepSeek's
+    first_k_dense_replace. The dense MLP's GEMMs are built only where some layer runs one."""
+    layers = {"num_hidden_layers": 4}
+    all_sparse = ModelSpec.from_config({**QWEN3_MOE, **layers})
+    assert not all_sparse.has_dense_mlp and not {"gate_up_proj", "down_proj"} & set(all_sparse.linear_shapes())
+    listed = ModelSpec.from_config({**QWEN3_MOE, **layers, "mlp_only_layers": [0]})
+    assert [listed.is_sparse_layer(i) for i in range(4)] == [False, True, True, True]
+    assert listed.linear_shapes()["gate_up_proj"] == [2 * 6144, 2048]
+    stepped = ModelSpec.from_config({**QWEN3_MOE, **layers, "decoder_sparse_step": 2})
+    assert [stepped.is_sparse_layer(i) for i in range(4)] == [False, True, False, True] and stepped.has_dense_mlp
+    deepseek = ModelSpec.from_config({**DEEPSEEK_V2_LITE, **layers})
+    assert [deepseek.is_sparse_layer(i) for i in range(4)] == [False, True, True, True]
+    assert not ModelSpec.from_config({**LLAMA, **layers}).is_sparse_layer(0)
+
+
+def test_model_spec_reads_the_attention_as_transformers_does():
+    """head_dim absent: the split of hidden_size; sliding windows per layer_types where a config has
+    them (the Qwens; none with use_sliding_window false), else on every layer (Mistral); the
+    router's renormalization (always for Mixtral, never for DeepSeek-V2)."""
+    spec = ModelSpec.from_config({**LLAMA, "num_hidden_layers": 2})
+    assert (spec.head_dim, spec.sm_scale, spec.sliding_windows) == (128, 128**-0.5, (None, None))
+    assert spec.window_left(0) == -1 and spec.rope_type == "default"
+    qwen2 = {**LLAMA, "model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 8}
+    types = {"layer_types": ["sliding_attention", "full_attention"]}
+    assert [ModelSpec.from_config({**qwen2, **types}).window_left(i) for i in range(2)] == [7, -1]
+    assert ModelSpec.from_config({**qwen2, **types, "use_sliding_window": False}).sliding_windows == (None, None)
+    mistral = ModelSpec.from_config({**qwen2, "model_type": "mistral"})
+    assert [mistral.window_left(i) for i in range(2)] == [7, 7]
+    assert ModelSpec.from_config({**LLAMA, "rope_parameters": {"rope_type": "llama3"}}).rope_type == "llama3"
+    experts = {"num_local_experts": 8, "num_experts_per_tok": 2}
+    mixtral = ModelSpec.from_config({**LLAMA, "model_type": "mixtral", **experts})
+    assert mixtral.renormalize and not ModelSpec.from_config({**QWEN3_MOE, "norm_topk_prob": False}).renormalize
+    assert ModelSpec.from_config({**QWEN3_MOE, "norm_topk_prob": True}).renormalize
+    assert not ModelSpec.from_config({**DEEPSEEK_V2_LITE, "norm_topk_prob": True}).renormalize
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        ModelSpec.from_config({**LLAMA, "hidden_act": "relu"})
+    relu = ModelSpec.from_config({**LLAMA, "hidden_act": "relu"}, any_activation=True)  # the integration's
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        prewarm.manifest_from_spec(relu)

@@ -128,8 +128,6 @@ SUPPORTED_MODELS = {
 # Multi-head latent attention models (MLAttention on a paged latent cache, DeepseekMoE blocks).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_MODELS)
-# Mixtral's router renormalizes its top-k weights unconditionally; the others follow norm_topk_prob.
-ALWAYS_RENORMALIZE = ("mixtral",)
 # RoPE types whose frequencies are fixed at init (inv_freq), so one cos/sin cache serves every length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,11 +138,14 @@ class UnsupportedModelError(NotImplementedError):
 
 
 class _Runtime:
-    """What an optimized model carries (as ``model._kernforge``): the attention spec, its page pool
-    and, with tensor parallelism, the communicator."""
+    """What an optimized model carries (as ``model._kernforge``): the model spec it was built by
+    (pre-warm's manifest is ``kernforge.prewarm.manifest_from_spec`` of it), the attention spec, its
+    page pool and, with tensor parallelism, the communicator."""
 
-    def __init__(self, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None, comm=None):
-        self.spec, self.pool, self.quant, self.comm = spec, pool, quant, comm
+    def __init__(
+        self, model_spec: ModelSpec, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None, comm=None
+    ):
+        self.model_spec, self.spec, self.pool, self.quant, self.comm = model_spec, spec, pool, quant, comm
 
 
 def optimize(
@@ -187,15 +188,16 @@ def optimize(
     dtype = model.dtype
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
+    # One spec, read from the config, for everything below: what pre-warm derives its kernels from
+    # (manifest_from_spec) is what the replaced modules run by, whatever their attributes say.
+    model_spec = _model_spec(config, dtype)
     mla = config.model_type in MLA_MODEL_TYPES
     comm = _tp_communicator(tp_group, config, decoder, mla)
-    if mla:  # what pre-warm reads of the config is what runs: the latent shapes come from it
-        model_spec = _model_spec(config, dtype)
+    if mla:
         spec = _mla_spec(model_spec, decoder, dtype)
     else:
-        spec = _attention_spec(config, decoder, dtype, comm.world_size if comm is not None else 1)
-        model_spec = None  # read only to check the cached kernels (a config it refuses may still run here)
-    _check_kernels(config, spec, quant, model_spec)
+        spec = _attention_spec(model_spec, decoder, dtype, comm.world_size if comm is not None else 1)
+    _check_kernels(model_spec, quant)
     pool = PagePool(spec, kv_cache_pages, page_size)  # checks kv_cache_pages and page_size before any change
     if comm is not None:
         _tensor_parallel.shard_stock_modules(model, comm)
@@ -208,13 +210,14 @@ def optimize(
         decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb, positions)
         for index, layer in enumerate(decoder.layers):
             _materialized(layer, index, materialize_layer)
+            _check_mlp_kind(layer, index, model_spec)
             if mla:
-                _replace_deepseek_layer(layer, config, model_spec, dtype, quant, stock)
+                _replace_deepseek_layer(layer, model_spec, spec, dtype, quant, stock)
             else:
-                _replace_layer(layer, config, spec, dtype, quant, stock)
+                _replace_layer(layer, model_spec, spec, dtype, quant, stock)
             if materialize_layer is not None:
                 trim_heap()  # this layer's freed temporaries, back to the OS before the next is drawn
-        decoder.norm = _modules.RMSNorm.from_module(decoder.norm, dtype)
+        decoder.norm = _norm(decoder.norm, model_spec, dtype)
         if _linear_like(model.lm_head):
             head_quant = quant_lm_head if isinstance(quant_lm_head, str) else quant if quant_lm_head else None
             if comm is None:
@@ -225,7 +228,7 @@ def optimize(
                 model.lm_head = _tensor_parallel.VocabParallel(head, comm, vocab)
         if comm is not None:
             _tensor_parallel.parallelize_outputs(model, comm)
-    runtime = model._kernforge = _Runtime(spec, pool, quant, comm)
+    runtime = model._kernforge = _Runtime(model_spec, spec, pool, quant, comm)
     _own_config(model)._attn_implementation = _modules.ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(
         _paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)), with_kwargs=True
@@ -269,12 +272,19 @@ def _materialized(layer: nn.Module, index: int, materialize_layer) -> None:
             raise ValueError(f"materialize_layer left decoder layer {index} with weights on the meta device")
 
 
-def _check_rope(rotary) -> None:
-    rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
+def _check_rope(model_spec: ModelSpec, rotary: nn.Module, rotary_dim: int) -> None:
+    """The config's RoPE type has fixed frequencies, and the rotary module (whose ``inv_freq`` the
+    cos/sin cache is made of) covers the ``rotary_dim`` the spec says."""
+    if model_spec.rope_type not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"RoPE type {rope_type!r} recomputes its frequencies with the sequence length; "
+            f"RoPE type {model_spec.rope_type!r} recomputes its frequencies with the sequence length; "
             f"kernforge's cos/sin cache supports {', '.join(STATIC_ROPE_TYPES)}"
+        )
+    covered = 2 * rotary.get_buffer("inv_freq").numel()
+    if covered != rotary_dim:
+        what = "qk_rope_head_dim" if model_spec.is_mla else "head_dim"
+        raise UnsupportedModelError(
+            f"partial rotary embedding (rotary dim {covered} of {what} {rotary_dim}) is not supported"
         )
 
 
@@ -294,32 +304,34 @@ def _tp_communicator(tp_group, config, decoder, mla: bool):
     return comm
 
 
-def _attention_spec(config, decoder, dtype, tp: int = 1) -> AttentionSpec:
-    """The attention's shape on this rank (``tp`` ranks share the heads)."""
-    rotary = decoder.rotary_emb
-    _check_rope(rotary)
-    heads = config.num_attention_heads // tp
-    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
-    first = decoder.layers[0].self_attn
-    head_dim = first.head_dim
+def _attention_spec(model_spec: ModelSpec, decoder, dtype, tp: int = 1) -> AttentionSpec:
+    """The attention's shape on this rank (``tp`` ranks share the heads), from the model spec."""
+    head_dim, layers = model_spec.head_dim, len(decoder.layers)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise UnsupportedModelError(
             f"head_dim {head_dim} has no kernforge attention kernel: decode and prefill take "
             f"head dims from 1 to {MAX_HEAD_DIM}"
         )
-    if 2 * rotary.inv_freq.numel() != head_dim:
+    _check_rope(model_spec, decoder.rotary_emb, head_dim)
+    _check_layer_count(model_spec, layers)
+    heads, kv_heads = model_spec.num_attention_heads // tp, model_spec.num_key_value_heads // tp
+    windows = tuple(model_spec.window_left(index) for index in range(layers))
+    return AttentionSpec(layers, heads, kv_heads, head_dim, dtype, model_spec.sm_scale, windows)
+
+
+def _check_layer_count(model_spec: ModelSpec, layers: int) -> None:
+    if model_spec.num_hidden_layers != layers:
         raise UnsupportedModelError(
-            f"partial rotary embedding (rotary dim {2 * rotary.inv_freq.numel()} of head_dim "
-            f"{head_dim}) is not supported"
+            f"the config says num_hidden_layers {model_spec.num_hidden_layers}, the model has {layers} decoder layers"
         )
-    windows = tuple(_window_left(layer.self_attn, config) for layer in decoder.layers)
-    return AttentionSpec(len(decoder.layers), heads, kv_heads, head_dim, dtype, float(first.scaling), windows)
 
 
-def _model_spec(config, dtype) -> ModelSpec:
-    """The model as pre-warm sees it, from its config (in the dtype it is loaded in)."""
+def _model_spec(config, dtype: torch.dtype) -> ModelSpec:
+    """The model as pre-warm sees it, from its config (in the dtype it is loaded in). An activation
+    without a gated kernel is taken (its MLP stays on transformers' path)."""
+    name = str(dtype).removeprefix("torch.")
     try:
-        return ModelSpec.from_config({**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")})
+        return ModelSpec.from_config({**config.to_dict(), "torch_dtype": name, "dtype": name}, any_activation=True)
     except ValueError as exc:
         raise UnsupportedModelError(str(exc)) from None
 
@@ -332,18 +344,14 @@ def _mla_spec(model_spec: ModelSpec, decoder, dtype) -> MLASpec:
             f"kernforge runs DeepSeek's latent attention in bf16 (its absorbed projections are bf16 GEMMs); "
             f"the model is {dtype}: load it with dtype=torch.bfloat16"
         )
-    rotary = decoder.rotary_emb
-    _check_rope(rotary)
     first = decoder.layers[0].self_attn
     if not model_spec.is_mla or getattr(first, "kv_a_proj_with_mqa", None) is None:
         raise UnsupportedModelError(
             f"{type(first).__name__} (config kv_lora_rank {model_spec.kv_lora_rank}): not DeepSeek's latent attention"
         )
     rope_dim = model_spec.qk_rope_head_dim
-    if 2 * rotary.inv_freq.numel() != rope_dim:
-        raise UnsupportedModelError(
-            f"the rotary embedding covers {2 * rotary.inv_freq.numel()} dims, not qk_rope_head_dim {rope_dim}"
-        )
+    _check_rope(model_spec, decoder.rotary_emb, rope_dim)
+    _check_layer_count(model_spec, len(decoder.layers))
     qk_dim, v_dim = model_spec.qk_nope_head_dim + rope_dim, model_spec.v_head_dim
     if max(qk_dim, v_dim) > MAX_HEAD_DIM:
         raise UnsupportedModelError(
@@ -362,31 +370,18 @@ def _mla_spec(model_spec: ModelSpec, decoder, dtype) -> MLASpec:
     )
 
 
-def _window_left(attn, config) -> int:
-    """FlashInfer's window_left (keys kept besides the query's own) of a layer; -1: none."""
-    if hasattr(attn, "sliding_window"):
-        window = attn.sliding_window
-    elif getattr(config, "layer_types", None):  # Qwen2-MoE sets sliding_window on its sliding layers only
-        window = config.sliding_window if config.layer_types[attn.layer_idx] == "sliding_attention" else None
-    else:
-        window = getattr(config, "sliding_window", None)
-    return window - 1 if window else -1
-
-
-def _check_kernels(config, spec: AttentionSpec | MLASpec, quant: str | None, model_spec: ModelSpec | None) -> None:
-    """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already. The
-    manifest is ``model_spec``'s (the config's as read; for a Llama-family model, with the attention's
-    own head_dim)."""
+def _check_kernels(model_spec: ModelSpec, quant: str | None) -> None:
+    """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already: the
+    manifest pre-warm derives from ``model_spec``, the spec the model runs by."""
     from kernforge.jit import core
     from kernforge.prewarm import manifest_from_spec, specs_from_manifest
 
     if core.jit_enabled():
         return
-    if model_spec is None:
-        model_spec = ModelSpec.from_config(
-            {**config.to_dict(), "dtype": str(spec.dtype).removeprefix("torch."), "head_dim": spec.head_dim}
-        )
-    manifest = manifest_from_spec(model_spec, quant=quant)
+    try:
+        manifest = manifest_from_spec(model_spec, quant=quant)
+    except ValueError as exc:  # what pre-warm refuses (an activation without a gated kernel)
+        raise UnsupportedModelError(f"KERNFORGE_JIT=0 and pre-warm cannot build this model's kernels: {exc}") from None
     missing = []
     for kernel in specs_from_manifest(manifest):
         try:
@@ -404,26 +399,63 @@ def _check_kernels(config, spec: AttentionSpec | MLASpec, quant: str | None, mod
 # --------------------------------------------------------------------------- replacement
 
 
-def _replace_layer(layer, config, spec: AttentionSpec, dtype, quant, stock: list) -> None:
+def _replace_layer(layer, model_spec: ModelSpec, spec: AttentionSpec, dtype, quant, stock: list) -> None:
+    """A Llama-family (or sparse MoE) decoder layer: Attention, the MLP or SparseMoE, the RMSNorms,
+    each shaped by the model spec (``spec``: its attention on this rank)."""
     attn = layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if not _linear_like(getattr(attn, name, None)):
             raise UnsupportedModelError(f"{type(attn).__name__} has no nn.Linear {name}: not a Llama-family attention")
+    _check_attention_widths(attn, spec)
     _check_qk_norms(attn, spec)
-    clip_qkv = getattr(config, "clip_qkv", None)
-    layer.self_attn = _modules.Attention(attn, dtype, quant, spec.num_qo_heads, spec.num_kv_heads, clip_qkv)
-    activation = getattr(config, "hidden_act", "silu")
+    layer.self_attn = _modules.Attention(attn, dtype, quant, spec, model_spec.clip_qkv)
     if _is_sparse_moe(layer.mlp):
-        layer.mlp = _replaced_moe(layer.mlp, config, activation, dtype, quant, stock)
+        layer.mlp = _replaced_moe(layer.mlp, model_spec, dtype, quant, stock)
     else:
-        layer.mlp = _replaced_mlp(layer.mlp, activation, dtype, quant, stock)
+        layer.mlp = _replaced_mlp(layer.mlp, model_spec.activation, dtype, quant, stock)
+    _replace_norms(layer, model_spec, dtype)
+
+
+def _check_mlp_kind(layer: nn.Module, index: int, model_spec: ModelSpec) -> None:
+    """Layer ``index`` has experts where the spec says (pre-warm builds the dense MLP's GEMMs by it)."""
+    sparse = _is_sparse_moe(layer.mlp)
+    if sparse != model_spec.is_sparse_layer(index):
+        raise UnsupportedModelError(
+            f"decoder layer {index} has {type(layer.mlp).__name__}; its config makes it "
+            + ("a sparse MoE layer" if model_spec.is_sparse_layer(index) else "a dense MLP layer")
+        )
+
+
+def _replace_norms(layer: nn.Module, model_spec: ModelSpec, dtype: torch.dtype) -> None:
     for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+        setattr(layer, name, _norm(getattr(layer, name), model_spec, dtype))
 
 
-def _replace_deepseek_layer(layer, config, model_spec: ModelSpec, dtype, quant, stock: list) -> None:
+def _norm(norm: nn.Module, model_spec: ModelSpec, dtype: torch.dtype) -> _modules.RMSNorm:
+    """A decoder norm (the layers' two, the final one): hidden_size wide, the config's epsilon."""
+    width = getattr(getattr(norm, "weight", None), "shape", None)
+    if width is not None and tuple(width) != (model_spec.hidden_size,):
+        raise UnsupportedModelError(
+            f"{type(norm).__name__} normalizes {tuple(width)}, not the config's hidden_size {model_spec.hidden_size}"
+        )
+    return _modules.RMSNorm.from_module(norm, dtype, eps=model_spec.rms_norm_eps)
+
+
+def _check_attention_widths(attn, spec: AttentionSpec) -> None:
+    """The q/k/v projections are as wide as the spec's heads (on this rank) times its head_dim."""
+    widths = {"q_proj": spec.num_qo_heads, "k_proj": spec.num_kv_heads, "v_proj": spec.num_kv_heads}
+    for name, heads in widths.items():
+        out = getattr(getattr(attn, name), "out_features", None)
+        if out is not None and out != heads * spec.head_dim:
+            raise UnsupportedModelError(
+                f"{type(attn).__name__}.{name} has {out} outputs; the config says {heads} heads of head_dim "
+                f"{spec.head_dim} ({heads * spec.head_dim})"
+            )
+
+
+def _replace_deepseek_layer(layer, model_spec: ModelSpec, spec: MLASpec, dtype, quant, stock: list) -> None:
     """A DeepSeek-V2/V3 decoder layer: MLAttention, DeepseekMoE (or the first_k_dense_replace
-    layers' dense MLP), the RMSNorms."""
+    layers' dense MLP), the RMSNorms, each shaped by the model spec (``spec``: its latent attention)."""
     attn = layer.self_attn
     names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     names += ["q_proj"] if model_spec.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
@@ -433,18 +465,16 @@ def _replace_deepseek_layer(layer, config, model_spec: ModelSpec, dtype, quant, 
                 f"{type(attn).__name__} has no nn.Linear {name}: not DeepSeek's latent attention"
             )
     # DeepSeek-V2 rotates interleaved pairs (complex products); V3 too unless rope_interleave is False
-    interleaved = config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
-    layer.self_attn = _modules.MLAttention(attn, dtype, quant, interleaved)
-    activation = model_spec.activation
+    interleaved = model_spec.model_type == "deepseek_v2" or model_spec.rope_interleave
+    layer.self_attn = _modules.MLAttention(attn, spec, model_spec.q_lora_rank, dtype, quant, interleaved)
     if _is_sparse_moe(layer.mlp):
-        layer.mlp = _replaced_deepseek_moe(layer.mlp, activation, dtype, quant, stock)
+        layer.mlp = _replaced_deepseek_moe(layer.mlp, model_spec, dtype, quant, stock)
     else:
-        layer.mlp = _replaced_mlp(layer.mlp, activation, dtype, quant, stock)
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, _modules.RMSNorm.from_module(getattr(layer, name), dtype))
+        layer.mlp = _replaced_mlp(layer.mlp, model_spec.activation, dtype, quant, stock)
+    _replace_norms(layer, model_spec, dtype)
 
 
-def _replaced_deepseek_moe(block, activation: str, dtype, quant, stock: list) -> nn.Module:
+def _replaced_deepseek_moe(block, model_spec: ModelSpec, dtype, quant, stock: list) -> nn.Module:
     """A DeepSeek MoE block on kernforge (DeepseekMoE), or left stock when its experts' activation is not SiLU."""
     router, experts, shared = block.gate, block.experts, getattr(block, "shared_experts", None)
     rule = "noaux_tc" if hasattr(router, "e_score_correction_bias") else getattr(router, "topk_method", None)
@@ -464,12 +494,13 @@ def _replaced_deepseek_moe(block, activation: str, dtype, quant, stock: list) ->
             f"DeepSeek routing topk_method {rule!r} has no kernforge kernel; kernforge runs "
             f"{', '.join(_modules.DeepseekMoE.RULES)}"
         )
-    if rule != "greedy" and not (router.num_group and router.topk_group):
-        raise UnsupportedModelError(f"DeepSeek routing {rule!r} needs n_group and topk_group in the config")
+    if rule != model_spec.topk_method:
+        raise UnsupportedModelError(f"the router runs {rule!r}, the config says topk_method {model_spec.topk_method!r}")
+    activation = model_spec.activation
     if activation not in _kernels.EXPERT_ACTIVATIONS:
         stock.append(f"mlp ({type(block).__name__}, hidden_act {activation!r}: fused_experts gates with SiLU only)")
         return block
-    return _modules.DeepseekMoE(block, rule, dtype, quant)
+    return _modules.DeepseekMoE(block, model_spec, dtype, quant)
 
 
 def _check_qk_norms(attn, spec: AttentionSpec) -> None:
@@ -510,14 +541,14 @@ def _is_sparse_moe(mlp) -> bool:
     return hasattr(mlp, "gate") and hasattr(mlp, "experts")
 
 
-def _replaced_moe(block, config, activation: str, dtype, quant, stock: list) -> nn.Module:
+def _replaced_moe(block, model_spec: ModelSpec, dtype, quant, stock: list) -> nn.Module:
     """A sparse MoE block on kernforge (SparseMoE), or left stock when its experts' activation is not SiLU."""
     _check_moe_block(block)
+    activation = model_spec.activation
     if activation not in _kernels.EXPERT_ACTIVATIONS:
         stock.append(f"mlp ({type(block).__name__}, hidden_act {activation!r}: fused_experts gates with SiLU only)")
         return block
-    renormalize = config.model_type in ALWAYS_RENORMALIZE or bool(block.gate.norm_topk_prob)
-    return _modules.SparseMoE(block, renormalize, activation, dtype, quant)
+    return _modules.SparseMoE(block, model_spec, dtype, quant)
 
 
 def _check_moe_block(block) -> None:

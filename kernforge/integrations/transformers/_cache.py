@@ -31,7 +31,7 @@ _WORKSPACE_BYTES = 16 << 20  # the wrappers grow it when a plan needs more
 # head_dim 128 in bf16), which decode reads head by head; in NHD a head's row is 256 bytes of every
 # 2 KiB. On a Zen 4, decode read the KV 1.06-1.20x faster from HND pages of 16 than from NHD pages
 # of 16 (head dim 64 and 128, batches 1-64, 1K-32K tokens; 1.02x for one request of 1K), and HND
-# pages of 64-256 within 4 % of HND 16 (benchmarks/RESULTS.md, issue 22), so the page size stays
+# pages of 64-256 within 4 % of HND 16 (docs/notes/2026-11-26-issue-22-pass-2-hnd-layout.md), so the page size stays
 # optimize()'s page_size.
 KV_LAYOUT = "HND"
 

@@ -19,8 +19,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernforge.integrations.transformers import _kernels as kf
-from kernforge.integrations.transformers._cache import MLAPagedCache, PagedCache
-from kernforge.model_spec import PACKED_LINEARS
+from kernforge.integrations.transformers._cache import AttentionSpec, MLAPagedCache, MLASpec, PagedCache
+from kernforge.model_spec import PACKED_LINEARS, ModelSpec
 from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
 from kernforge.nn.linear import FP8_BLOCK, Int4LinearWeights
 from kernforge.ops.moe.experts import (
@@ -43,8 +43,10 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
 
     @classmethod
-    def from_module(cls, norm: nn.Module, dtype: torch.dtype) -> RMSNorm:
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    def from_module(cls, norm: nn.Module, dtype: torch.dtype, eps: float | None = None) -> RMSNorm:
+        """``norm``'s weight, and ``eps`` (None: the module's own epsilon)."""
+        if eps is None:
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None or getattr(norm, "weight", None) is None:
             raise TypeError(f"{type(norm).__name__} is not an RMSNorm with a weight and an epsilon")
         return cls(norm.weight.to(dtype), eps)
@@ -83,10 +85,10 @@ class SparseMoE(nn.Module):
     shared expert, a :class:`GatedMLP` scaled per token by the sigmoid of its own one-output gate,
     is added to the result."""
 
-    def __init__(self, block: nn.Module, renormalize: bool, activation: str, dtype: torch.dtype, quant: str | None):
+    def __init__(self, block: nn.Module, spec: ModelSpec, dtype: torch.dtype, quant: str | None):
         super().__init__()
-        router, experts = block.gate, block.experts
-        self.top_k, self.renormalize, self.quant = int(router.top_k), bool(renormalize), quant
+        router, experts, activation = block.gate, block.experts, spec.activation
+        self.top_k, self.renormalize, self.quant = spec.num_experts_per_tok, spec.renormalize, quant
         # The router and the shared expert's gate stay unquantized (quantized MoE checkpoints keep
         # them so too): their outputs choose and weigh the experts, for a sliver of the weights.
         self.gate = Linear.from_linear(_linear(router.weight), dtype=dtype)
@@ -125,22 +127,23 @@ class DeepseekMoE(SparseMoE):
     on the weight rounded to the model's dtype), the model's routing rule (``rule``): V2's softmax
     top-k (``"greedy"``, ``topk_softmax``) or its group-limited top-k (``"group_limited_greedy"``,
     ``grouped_topk``), V3's sigmoid scores chosen with ``e_score_correction_bias`` in groups
-    (``"noaux_tc"``, ``biased_grouped_topk``), renormalized where the router's ``norm_topk_prob``
-    says (V2's stock router never renormalizes); the routed experts in one ``fused_experts`` call, and
-    the always-on shared experts (``n_shared_experts`` of them, one MLP) in one ``shared_expert`` call
-    that adds ``routed_scaling_factor`` times the routed output, rounded once."""
+    (``"noaux_tc"``, ``biased_grouped_topk``), renormalized where the config's ``norm_topk_prob``
+    says (V2's stock router never renormalizes: :attr:`ModelSpec.renormalize`); the routed experts in
+    one ``fused_experts`` call, and the always-on shared experts (``n_shared_experts`` of them, one
+    MLP) in one ``shared_expert`` call that adds ``routed_scaling_factor`` times the routed output,
+    rounded once."""
 
     RULES = ("greedy", "group_limited_greedy", "noaux_tc")
 
-    def __init__(self, block: nn.Module, rule: str, dtype: torch.dtype, quant: str | None):
+    def __init__(self, block: nn.Module, spec: ModelSpec, dtype: torch.dtype, quant: str | None):
         nn.Module.__init__(self)
         router, experts, shared = block.gate, block.experts, block.shared_experts
-        self.top_k, self.quant, self.rule = int(router.top_k), quant, rule
-        self.renormalize = bool(getattr(router, "norm_topk_prob", False))
-        self.num_groups, self.topk_group = router.num_group, router.topk_group
-        self.routed_scaling_factor = float(router.routed_scaling_factor)
+        self.top_k, self.quant, self.rule = spec.num_experts_per_tok, quant, str(spec.topk_method)
+        self.renormalize = spec.renormalize
+        self.num_groups, self.topk_group = spec.n_group, spec.topk_group
+        self.routed_scaling_factor = spec.routed_scaling_factor
         self.gate = Linear.from_linear(_linear(router.weight.to(dtype)), dtype=torch.float32)
-        bias = getattr(router, "e_score_correction_bias", None) if rule == "noaux_tc" else None
+        bias = getattr(router, "e_score_correction_bias", None) if self.rule == "noaux_tc" else None
         self.register_buffer("correction_bias", None if bias is None else bias.detach().float().clone())
         self.w1 = _packed_experts(experts.gate_up_proj, quant, gated=True)
         self.w2 = _packed_experts(experts.down_proj, quant)
@@ -250,17 +253,11 @@ class Attention(nn.Module):
     ``"kernforge"`` attention function, and the output linear."""
 
     def __init__(
-        self,
-        attn: nn.Module,
-        dtype: torch.dtype,
-        quant: str | None,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        clip_qkv: float | None = None,
+        self, attn: nn.Module, dtype: torch.dtype, quant: str | None, spec: AttentionSpec, clip_qkv: float | None = None
     ):
         super().__init__()
-        self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
-        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, spec.head_dim, spec.sm_scale
+        self.num_qo_heads, self.num_kv_heads = spec.num_qo_heads, spec.num_kv_heads
         self.qkv_proj = Linear.from_linear(_packed(attn, "qkv_proj"), dtype=dtype, quant=quant)
         self.o_proj = Linear.from_linear(attn.o_proj, dtype=dtype, quant=quant)
         has_qk_norm = getattr(attn, "q_norm", None) is not None
@@ -315,15 +312,24 @@ class MLAttention(nn.Module):
     ``W_UV`` per head; or, for a fresh prompt, unabsorbed: ``k_nope``/``v`` from ``kv_b_proj(c)``,
     ``k = [k_nope | k_pe]`` and the ragged prefill kernel (head dims 192 / 128 for the real models).
     ``W_UK``/``W_UV`` are ``kv_b_proj.weight`` ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``
-    split per head. Then ``o_proj``. ``sm_scale`` is the model's (YaRN's mscale included)."""
+    split per head. Then ``o_proj``. The shapes are ``spec``'s (the model spec's, and its
+    ``q_lora_rank``); ``sm_scale`` the model's (YaRN's mscale included)."""
 
-    def __init__(self, attn: nn.Module, dtype: torch.dtype, quant: str | None, interleaved: bool):
+    def __init__(
+        self,
+        attn: nn.Module,
+        spec: MLASpec,
+        q_lora_rank: int | None,
+        dtype: torch.dtype,
+        quant: str | None,
+        interleaved: bool,
+    ):
         super().__init__()
         self.layer_idx = attn.layer_idx
-        self.num_heads = attn.num_heads
-        self.q_lora_rank, self.kv_lora_rank = attn.q_lora_rank, attn.kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim
-        self.v_head_dim, self.scaling, self.is_neox = attn.v_head_dim, float(attn.scaling), not interleaved
+        self.num_heads = spec.num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, spec.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        self.v_head_dim, self.scaling, self.is_neox = spec.v_head_dim, spec.sm_scale, not interleaved
         first = attn.q_proj if self.q_lora_rank is None else attn.q_a_proj
         self.qkv_a_proj = Linear.from_linear(_concatenated(first, attn.kv_a_proj_with_mqa), dtype=dtype, quant=quant)
         if self.q_lora_rank is not None:
