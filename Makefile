@@ -20,13 +20,13 @@ VLLM_CONSTRAINTS := constraints-vllm.txt
 # transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast bench lint format test-latest pins test-transformers vllm test-vllm pins-vllm
+.PHONY: demo test test-fast bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers,lint]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers,lint,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -53,16 +53,25 @@ format: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/vllm -m "not slow" --reuse-cache
 
+# Every benchmark routine through the driver (benchmarks/README.md, `benchmarks/run.py list`), the
+# figures appended as JSON lines to BENCH_JSONL: by default benchmarks/results/<machine kind>-<date>.jsonl,
+# where benchmarks/report.py finds them for docs/performance.md. `make bench BENCH="gemm decode"` for
+# some routines. bench-quick: each routine's smoke run (tests/benchmarks runs them too), into build/.
+BENCH ?= all
+BENCH_KIND = $(shell $(PY) -c "from kernforge.bench.machine import machine_kind; print(machine_kind())")
+BENCH_JSONL ?= benchmarks/results/$(BENCH_KIND)-$(shell date -u +%Y-%m-%d).jsonl
 bench: $(STAMP)
-	$(PY) benchmarks/bench_ops.py
-	$(PY) benchmarks/bench_sampling.py
+	$(PY) benchmarks/run.py $(BENCH) --jsonl $(BENCH_JSONL)
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/run.py all --quick --jsonl build/bench-quick.jsonl
 
 # The newest release of every dependency (transformers past pyproject's tested bound too), in
 # .venv-latest, then the suite (LATEST_TESTS=tests/integrations/test_transformers_integration.py for a quick
 # look). It writes what it installed to .venv-latest/constraints.txt.
 test-latest:
 	test -x $(LATEST)/bin/python || python3 -m venv $(LATEST)
-	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers,lint]'
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers,lint,bench]'
 	$(LATEST)/bin/python -m pip install --quiet --upgrade transformers
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^kernforge' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > $(LATEST)/pins.txt
 	$(LATEST)/bin/python -m pytest -q $(LATEST_TESTS)

@@ -21,14 +21,20 @@ noise on this shared VM hits both alike:
 
 Times are per call of runs of back-to-back calls; allocating calls are not measured (every figure
 here writes into a preallocated tensor: all_reduce in place, all_gather with ``out=``).
+
+``--quick`` (a smoke): 1000 latency calls, the smallest all_reduce size, the first all_gather shape
+and reduce_scatter size, 2 samples a round. Rank 0 hands its records (``_harness.emit``) to
+the parent process, which writes them (``--jsonl``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,7 +138,7 @@ def reduce_scatter(comm, rows: int, reps: int) -> dict:
     return interleaved(calls, reps, x.numel() * 2)
 
 
-def rank_main(rank: int, world: int, port: int, args) -> None:
+def rank_main(rank: int, world: int, port: int, args, records_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -141,17 +147,19 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
     binding = kd.bind_threads()
     comm = kd.Communicator()
     quick = args.quick
+    reps = 2 if quick else 10
     results = {
         "binding": binding,
         "latency": latency(comm, 1000 if quick else args.calls),
-        "bandwidth": {mib: bandwidth(comm, mib, 3 if quick else 10) for mib in BANDWIDTH_MIB[: 3 if quick else None]},
-        "gather": {shape: gather(comm, shape, 3 if quick else 10) for shape in GATHER_SHAPES},
-        "scatter": {rows: reduce_scatter(comm, rows, 3 if quick else 10) for rows in SCATTER_ROWS},
+        "bandwidth": {mib: bandwidth(comm, mib, reps) for mib in BANDWIDTH_MIB[: 1 if quick else None]},
+        "gather": {shape: gather(comm, shape, reps) for shape in GATHER_SHAPES[: 1 if quick else None]},
+        "scatter": {rows: reduce_scatter(comm, rows, reps) for rows in SCATTER_ROWS[: 1 if quick else None]},
     }
     everyone = [None] * world
     dist.all_gather_object(everyone, results)
     if rank == 0:
         report(everyone, args)
+        Path(records_path).write_text(json.dumps(H.RECORDS))  # to the parent, which writes them out
     dist.destroy_process_group()
 
 
@@ -165,6 +173,23 @@ def worst(everyone: list[dict], *path) -> float:
     return max(values)
 
 
+IMPLS = {"kf": "kernforge", "gloo": "gloo", "copy": "torch copy_"}
+
+
+def emit_collective(case: str, collective: str, world: int, t: dict, nbytes: int | None = None) -> None:
+    """Records of one row: µs per call of each implementation; with ``nbytes``, GB/s of kernforge
+    (bound: a one-thread copy of the same bytes, timed in the same rounds) and of the copy."""
+    params = {"collective": collective, "world": world, **({"bytes": nbytes} if nbytes else {})}
+    for name in ("kf", "gloo"):
+        H.emit(case, IMPLS[name], "us", t[name] * 1e6, "us", params=params)
+    if nbytes:
+        copy_gbs = nbytes / t["copy"] / 1e9
+        H.emit(
+            case, "kernforge", "gbs", nbytes / t["kf"] / 1e9, "GB/s", params=params, bound=("copy bandwidth", copy_gbs)
+        )
+        H.emit(case, IMPLS["copy"], "gbs", copy_gbs, "GB/s", params=params)
+
+
 def report(everyone: list[dict], args) -> None:
     world = len(everyone)
     H.print_header(f"bench_comm: kernforge.distributed vs gloo, {world} ranks", args)
@@ -175,12 +200,17 @@ def report(everyone: list[dict], args) -> None:
     print(f"## all_reduce {list(LATENCY_SHAPE)} bf16, each call timed alone (worst rank)\n")
     rows = [[name, H.fmt(v["p50"], 2), H.fmt(v["p99"], 2), H.fmt(v["p99"] / v["p50"], 2)] for name, v in lat.items()]
     print(H.table(["", "p50 µs", "p99 µs", "p99 / p50"], rows))
+    case = f"all_reduce {list(LATENCY_SHAPE)} bf16 latency"
+    for name, v in lat.items():
+        for q in ("p50", "p99"):
+            H.emit(case, IMPLS[name], f"{q}_us", v[q], "us", params={"collective": "all_reduce", "world": world})
     print(f"\ngloo p50 / kernforge p50: **{lat['gloo']['p50'] / lat['kf']['p50']:.1f}x**\n")
     print("## all_reduce bandwidth, bf16 (median of rounds; worst rank)\n")
     rows = []
     for mib in everyone[0]["bandwidth"]:
         t = {name: worst(everyone, "bandwidth", mib, name) for name in ("kf", "gloo", "copy")}
         nbytes = everyone[0]["bandwidth"][mib]["bytes"]
+        emit_collective(f"all_reduce {mib:g} MiB bf16", "all_reduce", world, t, nbytes)
         rows.append(
             [
                 f"{mib:g} MiB",
@@ -195,16 +225,18 @@ def report(everyone: list[dict], args) -> None:
     print(H.table(["size", "kf µs", "gloo µs", "gloo / kf", "kf GB/s", "copy GB/s", "kf % of copy"], rows))
     print("\n## all_gather bf16 along the last dim (median of rounds; worst rank)\n")
     rows = []
-    for shape in GATHER_SHAPES:
+    for shape in everyone[0]["gather"]:
         t = {name: worst(everyone, "gather", shape, name) for name in ("kf", "gloo")}
+        emit_collective(f"all_gather {list(shape)} bf16", "all_gather", world, t)
         rows.append(
             [str(list(shape)), H.fmt(t["kf"] * 1e6, 1), H.fmt(t["gloo"] * 1e6, 1), H.fmt(t["gloo"] / t["kf"], 1)]
         )
     print(H.table(["per rank", "kf µs", "gloo µs", "gloo / kf"], rows))
     print(f"\n## reduce_scatter_tensor bf16, [{world} * rows, 4096] -> [rows, 4096] (median of rounds; worst rank)\n")
     rows = []
-    for n in SCATTER_ROWS:
+    for n in everyone[0]["scatter"]:
         t = {name: worst(everyone, "scatter", n, name) for name in ("kf", "gloo")}
+        emit_collective(f"reduce_scatter_tensor [{world} * {n}, 4096] bf16", "reduce_scatter_tensor", world, t)
         rows.append([str(n), H.fmt(t["kf"] * 1e6, 1), H.fmt(t["gloo"] * 1e6, 1), H.fmt(t["gloo"] / t["kf"], 1)])
     print(H.table(["rows", "kf µs", "gloo µs", "gloo / kf"], rows))
     H.write_json(args.json, {"world": world, "ranks": everyone})
@@ -217,7 +249,10 @@ def main() -> int:
     args = p.parse_args()
     if args.wait_quiet:
         H.wait_for_quiet(args.wait_quiet)
-    mp.spawn(rank_main, args=(args.world, free_port(), args), nprocs=args.world)
+    with tempfile.TemporaryDirectory() as tmp:
+        records = Path(tmp) / "records.json"
+        mp.spawn(rank_main, args=(args.world, free_port(), args, str(records)), nprocs=args.world)
+        H.RECORDS.extend(json.loads(records.read_text()))
     return 0
 
 

@@ -104,10 +104,27 @@ FP8_MAX = torch.finfo(FP8).max
 BATCHES = (1, 16, 64)
 KV_LENS = (1024, 4096, 16384)
 FP8_LEN = 16384
-UNEVEN_SHORT, UNEVEN_LONG = 128, 16384
 WORKSPACE_BYTES = 128 * H.MiB  # FlashInfer's recommended float workspace
 COSINE_MIN = 0.999
 VLLM_BLOCK = 128  # vLLM's default block size on CPU
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes --quick shrinks: the KV length of the fp8 cases, the uneven batch's short and long
+    requests, the bytes a case's KV copies span (cold cache) and what that span means."""
+
+    fp8_len: int = FP8_LEN
+    uneven_short: int = 128
+    uneven_long: int = 16384
+    cold_bytes: int = H.COLD_SPAN
+    cold_note: str = "3x the L3: every call reads from DRAM"
+
+
+SIZES = Sizes()
+# A smoke run (--quick): every path and table on a few MiB of KV, rotated over a few layers; the
+# KV stays in the cache, so its figures say that each path runs, not how fast it reads DRAM.
+QUICK_SIZES = Sizes(1024, 64, 1024, 8 * H.MiB, "--quick: cached, the figures only show that every path runs")
 
 KF_DECODE = getattr(kernforge, "BatchDecodeWithPagedKVCacheWrapper", None)
 KF_APPEND = getattr(kernforge, "append_paged_kv_cache", None)
@@ -354,11 +371,13 @@ def read_bandwidth(args) -> dict[str, float]:
     rounds): kernforge's M=1 GEMM over the weight the cases time, kernforge's stream probe (read-only
     sum over as many bytes) and torch x.sum() over 1 GiB fp32, at the current thread count."""
     found = {STREAM_KEY: H.streaming_rate(budget_s=0.3 if args.quick else 1.0, call=streaming_call())}
-    probe = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+    if args.quick:  # a smoke run: the other two (seconds over 256 MiB and 1 GiB) are context only
+        return found
+    probe = H.stream_bandwidth(args.threads, budget_s=0.3)
     if probe:
         found["stream probe r"] = probe["DRAM"]["r"]
     x = torch.ones(H.MiB * 256, dtype=torch.float32)  # 1 GiB
-    t = H.measure(x.sum, budget_s=0.3 if args.quick else 1.0, min_samples=5, warmup=1, sample_ns=0)
+    t = H.measure(x.sum, budget_s=1.0, min_samples=5, warmup=1, sample_ns=0)
     found["torch sum 1 GiB"] = x.numel() * 4 / t.median_ns
     del x
     return found
@@ -375,13 +394,13 @@ def case_memory(B: int, L: int, layers: int, with_vllm: bool) -> int:
     """Bytes a grid case holds: per layer the paged cache, its HND copy, the dense copy, vLLM's cache;
     fp8 at 16K."""
     per = kv_bytes(B * L) * (2 + bool(KF_DECODE) + with_vllm) + (
-        kv_bytes(B * L, 1) if L == FP8_LEN and KF_DECODE else 0
+        kv_bytes(B * L, 1) if L == SIZES.fp8_len and KF_DECODE else 0
     )
     return per * layers
 
 
 def layers_for(nbytes: int) -> int:
-    return max(1, -(-H.COLD_SPAN // nbytes))
+    return max(1, -(-SIZES.cold_bytes // nbytes))
 
 
 @functools.cache
@@ -400,7 +419,7 @@ def share_of_stream(rec: dict, impl: str) -> float:
     return 100 * rec["bytes"] / (rec["us"][impl] * 1e3) / stream_rate(rec)
 
 
-def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
+def bench_decode_case(B: int, L: int, args, vllm: Vllm | None, with_compile: bool = True) -> dict:
     g = torch.Generator().manual_seed(B * 100_003 + L)
     batch = PagedBatch.make([L] * B, g)
     nbytes = kv_bytes(B * L)
@@ -416,7 +435,7 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
         "gmm": lambda i: grouped_matmul(q, *dense[i]),
     }
     plans: dict[str, Callable[[], object]] = {}
-    if not args.no_compile:
+    if with_compile:
         gmm_c = compiled_grouped_matmul()
         t0 = time.perf_counter()
         gmm_c(q, *dense[0])
@@ -434,7 +453,7 @@ def bench_decode_case(B: int, L: int, args, vllm: Vllm | None) -> dict:
             calls["kf HND"] = lambda i: w_hnd.run(q, hnd[i], out=out_hnd)
         except Exception as exc:  # the wrapper is being written: report, time the rest
             rec["notes"].append(f"kernforge decode (bf16 KV) failed: {type(exc).__name__}: {exc}")
-    if KF_DECODE is not None and L == FP8_LEN:
+    if KF_DECODE is not None and L == SIZES.fp8_len:
         fp8 = [quantize_fp8(c) for c in caches]
         try:
             out8 = torch.empty(B, HQ, D, dtype=BF16)
@@ -493,8 +512,8 @@ def bench_uneven(B: int, args, vllm: Vllm | None) -> dict | None:
     """Half 128-token, half 16K-token requests (short first) vs B requests of the mean length."""
     half = B // 2
     lens = {
-        "uneven": [UNEVEN_SHORT] * half + [UNEVEN_LONG] * (B - half),
-        "even": [(UNEVEN_SHORT + UNEVEN_LONG) // 2] * B,
+        "uneven": [SIZES.uneven_short] * half + [SIZES.uneven_long] * (B - half),
+        "even": [(SIZES.uneven_short + SIZES.uneven_long) // 2] * B,
     }
     g = torch.Generator().manual_seed(4242 + B)
     q = torch.randn(B, HQ, D, generator=g, dtype=BF16)
@@ -705,10 +724,10 @@ def parse_case(text: str) -> list[tuple[int, int]]:
     return [(B, L)]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = H.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--batch", nargs="*", type=int, help="batch sizes (default 1 16 64; quick 1 4)")
-    p.add_argument("--kv-len", nargs="*", type=int, help="KV lengths (default 1024 4096 16384; quick 1024 16384)")
+    p.add_argument("--batch", nargs="*", type=int, help="batch sizes (default 1 16 64; quick: 1:256 4:1024)")
+    p.add_argument("--kv-len", nargs="*", type=int, help="KV lengths (default 1024 4096 16384; quick 256 1024)")
     p.add_argument(
         "--cases",
         nargs="*",
@@ -734,7 +753,7 @@ def main() -> int:
     )
     p.add_argument("--max-gib", type=float, default=6.0, help="skip grid cases needing more memory (6 GiB)")
     p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.5, quick 0.05)")
-    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
+    p.add_argument("--rounds", type=int, help="round-robin rounds per case (default 3, quick 1)")
     p.add_argument("--min-samples", type=int, default=3, help="samples per implementation at least (3)")
     p.add_argument(
         "--max-bg",
@@ -746,22 +765,53 @@ def main() -> int:
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry (60)")
     args = p.parse_args()
     args.budget = args.budget or (0.05 if args.quick else 0.5)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
-    batches = args.batch or ((1, 4) if args.quick else BATCHES)
-    kv_lens = args.kv_len or ((1024, FP8_LEN) if args.quick else KV_LENS)
-    cases = list(itertools.chain(*args.cases)) if args.cases else list(itertools.product(batches, kv_lens))
-    uneven_b = args.uneven_batch or (4 if args.quick else 16)
-    if uneven_b < 2 or uneven_b % 2:
+    sizes = QUICK_SIZES if args.quick else SIZES
+    if args.cases:
+        args.grid = list(itertools.chain(*args.cases))
+    elif args.quick and not (args.batch or args.kv_len):  # batch 1 and a batch, the second an fp8 case too
+        args.grid = [(1, 256), (4, sizes.fp8_len)]
+    else:
+        batches = args.batch or ((1, 4) if args.quick else BATCHES)
+        kv_lens = args.kv_len or ((256, sizes.fp8_len) if args.quick else KV_LENS)
+        args.grid = list(itertools.product(batches, kv_lens))
+    args.uneven_b = args.uneven_batch or (4 if args.quick else 16)
+    if args.uneven_b < 2 or args.uneven_b % 2:
         p.error("--uneven-batch must be even: half short, half long requests, the same total as the even batch")
+    return args
 
-    global HUGE_PAGES
+
+def configure(args) -> None:
+    """The run's module-wide settings: page size of the caches, --quick's sizes, threads, torch.compile."""
+    global HUGE_PAGES, SIZES
     HUGE_PAGES = args.huge_pages
+    SIZES = QUICK_SIZES if args.quick else SIZES
     H.setup_threads(args.threads)
     warnings.filterwarnings("ignore")
     torch._dynamo.config.cache_size_limit = 64  # one graph per shape (dynamic=False)
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64
 
+
+@dataclass
+class Context:
+    """What the run measured before the cases (and at the end): limits, load, which paths exist."""
+
+    roof: dict
+    roof_path: Path
+    roof_dram: float
+    bg0: float
+    bw_start: dict
+    vllm: Vllm | None
+    vllm_why: str
+    missing: list
+    bw_end: dict | None = None
+    bg_end: float = 0.0
+    elapsed: float = 0.0
+
+
+def measure_context(args) -> Context:
     roof, roof_path = H.load_roof()
     roof_dram = H.roof_gbs(roof, "DRAM", "r", args.threads)
     bg0 = H.wait_for_quiet(args.wait_quiet)
@@ -772,38 +822,48 @@ def main() -> int:
         for name, obj in (("BatchDecodeWithPagedKVCacheWrapper", KF_DECODE), ("append_paged_kv_cache", KF_APPEND))
         if obj is None
     ]
-    info = H.print_header(
+    return Context(roof, roof_path, roof_dram, bg0, bw_start, vllm, vllm_why, missing)
+
+
+def print_run_header(args, ctx: Context) -> dict:
+    vllm = ctx.vllm
+    return H.print_header(
         "bench_decode: paged-KV batch decode, kernforge vs torch vs vLLM",
         args,
         {
             "shape": f"{HQ} query heads, {HKV} KV heads, head dim {D}, page {PAGE}, bf16, NHD; (B, L) "
-            f"{' '.join(f'{B}:{L}' for B, L in cases)}; pages shuffled",
+            f"{' '.join(f'{B}:{L}' for B, L in args.grid)}; pages shuffled",
             "KV memory": "2 MiB huge pages (--huge-pages: kernforge.empty_kv_cache, kernforge's and vLLM's caches)"
             if HUGE_PAGES
             else "4 KiB pages (torch.empty; --huge-pages: 2 MiB, as kernforge's integrations allocate)",
-            "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in bw_start.items()),
-            "roof": f"{roof_path}: DRAM_r {roof_dram:.1f} GB/s ({args.threads} threads)",
-            "background CPU load before start (other processes)": f"{100 * bg0:.0f}% of all cores",
+            "DRAM read bandwidth now (GB/s, start)": ", ".join(f"{k} {v:.1f}" for k, v in ctx.bw_start.items()),
+            "roof": f"{ctx.roof_path}: DRAM_r {ctx.roof_dram:.1f} GB/s ({args.threads} threads)",
+            "background CPU load before start (other processes)": f"{100 * ctx.bg0:.0f}% of all cores",
             "timing": f"median of samples, round-robin over implementations, {args.rounds} rounds, "
             f"{args.budget:.2f} s per implementation and case, at least {args.min_samples} samples each; "
-            f"KV rotated over layers spanning >= {H.COLD_SPAN // H.MiB} MiB (cold)",
-            "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else vllm_why,
+            f"KV rotated over layers spanning >= {SIZES.cold_bytes // H.MiB} MiB (cold)",
+            "vllm": f"{vllm.version} ({vllm.where}), block {VLLM_BLOCK}, isa {vllm.isa}" if vllm else ctx.vllm_why,
             "kernforge": "decode and append present"
-            if not missing
-            else f"missing kernforge.{', kernforge.'.join(missing)}: those columns are skipped (n/a)",
+            if not ctx.missing
+            else f"missing kernforge.{', kernforge.'.join(ctx.missing)}: those columns are skipped (n/a)",
         },
     )
 
-    t_start = time.perf_counter()
+
+def run_grid(args, vllm: Vllm | None) -> tuple[list[dict], list[str]]:
+    """The decode grid: one record per (B, L) case that fits --max-gib, and the skipped ones."""
     grid, skipped = [], []
-    for B, L in cases:
+    for B, L in args.grid:
         nbytes = kv_bytes(B * L)
         need = case_memory(B, L, layers_for(nbytes), vllm is not None)
         if need > args.max_gib * (1 << 30):
             skipped.append(f"B={B} L={L}: needs ~{need / (1 << 30):.1f} GiB (> --max-gib {args.max_gib:g})")
             print(f"  B={B} L={L}: skipped ({skipped[-1].split(': ', 1)[1]})", file=sys.stderr, flush=True)
             continue
-        r = bench_decode_case(B, L, args, vllm)
+        # --quick compiles the torch.compile path in its first case only: a graph per shape takes
+        # seconds, more than the rest of a case
+        with_compile = not args.no_compile and not (args.quick and grid)
+        r = bench_decode_case(B, L, args, vllm, with_compile)
         gc.collect()
         grid.append(r)
         print(
@@ -813,30 +873,29 @@ def main() -> int:
             file=sys.stderr,
             flush=True,
         )
-    uneven = bench_uneven(uneven_b, args, vllm)
-    gc.collect()
-    dispatch = bench_dispatch(args, vllm)
-    append = bench_append(args)
-    elapsed = time.perf_counter() - t_start
-    bw_end = read_bandwidth(args)
-    bg_end = H.background_load(1.0)
+    return grid, skipped
 
+
+# --------------------------------------------------------------------------- report sections
+
+
+def print_decode(grid: list[dict], skipped: list[str], ctx: Context, args) -> None:
     print("## Decode")
     print()
-    print_grid(grid, roof_dram, args)
+    print_grid(grid, ctx.roof_dram, args)
     print()
     print("µs: median per call (one layer). x/kf: path x's time / kernforge's (> 1: kernforge faster).")
     print(
         "kf GB/s: K and V bytes read once / kf time; stream GB/s: the rate weight_packed_linear M=1 "
         f"streamed a {H.DRAM_SPAN // H.MiB} MiB weight in the same rounds as the case's other calls; % now: "
         "kf GB/s (or kf HND's) against it (the machine's read rate drifts between minutes: at the run's "
-        f"start: {', '.join(f'{k} {v:.1f}' for k, v in bw_start.items())}; end: "
-        f"{', '.join(f'{k} {v:.1f}' for k, v in bw_end.items())}); % roof: against roof.json's DRAM_r "
-        f"{roof_dram:.1f} GB/s."
+        f"start: {', '.join(f'{k} {v:.1f}' for k, v in ctx.bw_start.items())}; end: "
+        f"{', '.join(f'{k} {v:.1f}' for k, v in ctx.bw_end.items())}); % roof: against roof.json's DRAM_r "
+        f"{ctx.roof_dram:.1f} GB/s."
     )
     print(
-        f"layers: copies of the KV the calls rotate over (>= {H.COLD_SPAN // H.MiB} MiB in all, 3x the L3: "
-        "every call reads from DRAM)."
+        f"layers: copies of the KV the calls rotate over (>= {SIZES.cold_bytes // H.MiB} MiB in all, "
+        f"{SIZES.cold_note})."
     )
     print(
         "sdpa: F.scaled_dot_product_attention(enable_gqa=True) on a dense copy; gmm: grouped matmul (4 query "
@@ -857,37 +916,37 @@ def main() -> int:
     for r in grid:
         for note in r["notes"]:
             print(f"Note B={r['B']} L={r['L']}: {note}")
-    print(f"vLLM: {vllm.version}, loaded from {vllm.where}" if vllm else f"vLLM: not timed: {vllm_why}.")
+    vllm = ctx.vllm
+    print(f"vLLM: {vllm.version}, loaded from {vllm.where}" if vllm else f"vLLM: not timed: {ctx.vllm_why}.")
 
+
+def print_fp8(fp8_rows: list[dict]) -> None:
     print()
-    print(f"## fp8 KV (e4m3, per-tensor scales) vs bf16 KV at L={FP8_LEN}")
+    print(f"## fp8 KV (e4m3, per-tensor scales) vs bf16 KV at L={SIZES.fp8_len}")
     print()
-    fp8_rows = [r for r in grid if "kf fp8" in r["us"]]
-    if fp8_rows:
-        print(
-            H.table(
-                ["B", "kf bf16 µs", "kf fp8 µs", "bf16/fp8", "fp8 GB/s (1-byte KV)", "check"],
-                [
-                    [
-                        r["B"],
-                        cell(r["us"]["kf"]),
-                        cell(r["us"]["kf fp8"]),
-                        ratio(r["us"]["kf"], r["us"]["kf fp8"]),
-                        H.fmt(r["bytes"] / 2 / (r["us"]["kf fp8"] * 1e3), 1),
-                        r["checks"].get("kf fp8", "n/a"),
-                    ]
-                    for r in fp8_rows
-                ],
-            )
-        )
-        print()
-        print(
-            "check: kernforge fp8 output of the first and last request against fp32 attention on the "
-            f"dequantized pages, cosine > {COSINE_MIN}."
-        )
-    else:
+    if not fp8_rows:
         print(f"not measured ({'no 16K case ran' if KF_DECODE else 'kernforge decode missing'}).")
+        return
+    rows = [
+        [
+            r["B"],
+            cell(r["us"]["kf"]),
+            cell(r["us"]["kf fp8"]),
+            ratio(r["us"]["kf"], r["us"]["kf fp8"]),
+            H.fmt(r["bytes"] / 2 / (r["us"]["kf fp8"] * 1e3), 1),
+            r["checks"].get("kf fp8", "n/a"),
+        ]
+        for r in fp8_rows
+    ]
+    print(H.table(["B", "kf bf16 µs", "kf fp8 µs", "bf16/fp8", "fp8 GB/s (1-byte KV)", "check"], rows))
+    print()
+    print(
+        "check: kernforge fp8 output of the first and last request against fp32 attention on the "
+        f"dequantized pages, cosine > {COSINE_MIN}."
+    )
 
+
+def print_plans(grid: list[dict], dispatch: dict) -> None:
     print()
     print("## Plan cost per batch (µs per call)")
     print()
@@ -898,20 +957,31 @@ def main() -> int:
     plan_rows.append([1, 128, cell(dispatch["plan_us"].get("kf")), "", cell(dispatch["plan_us"].get("vllm"))])
     print(H.table(["B", "L", "kf plan()", "kf plan() fp8", "vllm get_scheduler_metadata"], plan_rows))
 
+
+def uneven_per_token(uneven: dict, impl: str) -> dict[str, float] | None:
+    """ns per KV token of ``impl``'s uneven and even batches, None where one was not timed."""
+    ue, ev = uneven.get("us", {}).get(f"{impl} uneven"), uneven.get("us", {}).get(f"{impl} even")
+    if ue is None or ev is None:
+        return None
+    return {k: 1e3 * v / uneven[f"{k}_tokens"] for k, v in (("uneven", ue), ("even", ev))}
+
+
+def print_uneven(uneven: dict, uneven_b: int) -> dict[str, float]:
+    """The uneven-batch table; returns uneven/even per KV token per path."""
     print()
     print(
-        f"## Uneven batch: {uneven_b // 2} x {UNEVEN_SHORT} + {uneven_b - uneven_b // 2} x {UNEVEN_LONG} tokens "
-        f"vs {uneven_b} x {(UNEVEN_SHORT + UNEVEN_LONG) // 2}"
+        f"## Uneven batch: {uneven_b // 2} x {SIZES.uneven_short} + {uneven_b - uneven_b // 2} x "
+        f"{SIZES.uneven_long} tokens vs {uneven_b} x {(SIZES.uneven_short + SIZES.uneven_long) // 2}"
     )
     print()
     uneven_ratio = {}
     if uneven.get("us"):
         rows = []
         for impl in ("kf", "vllm"):
-            ue, ev = uneven["us"].get(f"{impl} uneven"), uneven["us"].get(f"{impl} even")
-            if ue is None or ev is None:
+            per = uneven_per_token(uneven, impl)
+            if per is None:
                 continue
-            per = {k: 1e3 * v / uneven[f"{k}_tokens"] for k, v in (("uneven", ue), ("even", ev))}
+            ue, ev = uneven["us"][f"{impl} uneven"], uneven["us"][f"{impl} even"]
             uneven_ratio[impl] = per["uneven"] / per["even"]
             rows.append(
                 [
@@ -925,22 +995,8 @@ def main() -> int:
                     ", ".join(f"{n.split()[1]} {c}" for n, c in uneven["checks"].items() if n.startswith(impl)),
                 ]
             )
-        print(
-            H.table(
-                [
-                    "path",
-                    "uneven µs",
-                    "even µs",
-                    "uneven ns/token",
-                    "even ns/token",
-                    "uneven/even",
-                    "uneven GB/s",
-                    "checks",
-                ],
-                rows,
-                "l" + "r" * 6 + "l",
-            )
-        )
+        headers = ["path", "uneven µs", "even µs", "uneven ns/token", "even ns/token", "uneven/even"]
+        print(H.table([*headers, "uneven GB/s", "checks"], rows, "l" + "r" * 6 + "l"))
         print()
         print(
             f"ns/token: time / KV tokens of the batch ({uneven['uneven_tokens']} both). checks: every request "
@@ -950,103 +1006,104 @@ def main() -> int:
         print("not measured (kernforge decode missing and no vllm).")
     for note in uneven["notes"]:
         print(f"Note: {note}")
+    return uneven_ratio
 
+
+def print_dispatch(dispatch: dict) -> None:
     print()
     print("## Dispatch: batch 1, KV length 128 (hot), µs per call")
     print()
     du = dispatch["us"]
-    print(
-        H.table(
-            ["kf run()", "kf plan()", "sdpa", "gmm", "vllm", "checks"],
-            [
-                [
-                    cell(du.get("kf")),
-                    cell(dispatch["plan_us"].get("kf")),
-                    cell(du.get("sdpa")),
-                    cell(du.get("gmm")),
-                    cell(du.get("vllm")),
-                    ", ".join(f"{n} {c}" for n, c in dispatch["checks"].items()),
-                ]
-            ],
-            "r" * 5 + "l",
-        )
-    )
+    row = [
+        cell(du.get("kf")),
+        cell(dispatch["plan_us"].get("kf")),
+        cell(du.get("sdpa")),
+        cell(du.get("gmm")),
+        cell(du.get("vllm")),
+        ", ".join(f"{n} {c}" for n, c in dispatch["checks"].items()),
+    ]
+    print(H.table(["kf run()", "kf plan()", "sdpa", "gmm", "vllm", "checks"], [row], "r" * 5 + "l"))
     for note in dispatch["notes"]:
         print(f"Note: {note}")
 
+
+def print_append(append: list[dict]) -> None:
     print()
     print("## append_paged_kv_cache: 64 tokens, µs per call")
     print()
-    print(
-        H.table(
-            ["case", "kf", "torch index_put_", "index_put_/kf", "check"],
-            [
-                [
-                    a["case"],
-                    cell(a["us"].get("kf")),
-                    cell(a["us"].get("torch index_put_")),
-                    ratio(a["us"].get("torch index_put_"), a["us"].get("kf")),
-                    a.get("check", "n/a"),
-                ]
-                for a in append
-            ],
-            "l" + "r" * 3 + "l",
-        )
-    )
+    rows = [
+        [
+            a["case"],
+            cell(a["us"].get("kf")),
+            cell(a["us"].get("torch index_put_")),
+            ratio(a["us"].get("torch index_put_"), a["us"].get("kf")),
+            a.get("check", "n/a"),
+        ]
+        for a in append
+    ]
+    print(H.table(["case", "kf", "torch index_put_", "index_put_/kf", "check"], rows, "l" + "r" * 3 + "l"))
     print()
     print("check: the whole cache after kernforge's append equals torch's scatter (untouched slots included).")
     if KF_APPEND is None:
         print("kernforge.append_paged_kv_cache missing: kf column not measured.")
-    print()
-    print(
-        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
-        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
-    )
 
-    # ------------------------------------------------------------------ targets
-    print()
-    print("## Targets")
-    print()
-    verdicts = []
 
-    def verdict(name: str, ok: bool | None, detail: str) -> None:
+# --------------------------------------------------------------------------- targets
+
+
+class Verdicts(list):
+    """(name, PASS / MISS / n/a, detail) of each target, printed as they are judged."""
+
+    def __call__(self, name: str, ok: bool | None, detail: str) -> None:
         v = "n/a " if ok is None else "PASS" if ok else "MISS"
-        verdicts.append((name, v, detail))
+        self.append((name, v, detail))
         print(f"{v}  {name}: {detail}")
 
-    long_rows = [r for r in grid if r["L"] >= 4096 and "kf" in r["us"]]
+
+def stream_targets(verdict: Verdicts, grid: list[dict]) -> None:
+    """Issue 22: decode at >= 85% of the M=1 GEMM's streaming rate in its target cases."""
     target_rows = [r for r in grid if (r["B"], r["L"]) in STREAM_TARGET_CASES and "kf" in r["us"]]
-    if target_rows:
-        pct = {(r["B"], r["L"]): share_of_stream(r, "kf") for r in target_rows}
+    if not target_rows:
+        return
+    pct = {(r["B"], r["L"]): share_of_stream(r, "kf") for r in target_rows}
+    verdict(
+        "decode >= 85% of the M=1 GEMM's streaming rate in the same rounds at B, L in "
+        + ", ".join(f"{b}x{length}" for b, length in STREAM_TARGET_CASES),
+        min(pct.values()) >= 85,
+        ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in pct.items()),
+    )
+    hnd = {(r["B"], r["L"]): share_of_stream(r, "kf HND") for r in target_rows if "kf HND" in r["us"]}
+    if hnd:
         verdict(
-            "decode >= 85% of the M=1 GEMM's streaming rate in the same rounds at B, L in "
-            + ", ".join(f"{b}x{length}" for b, length in STREAM_TARGET_CASES),
-            min(pct.values()) >= 85,
-            ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in pct.items()),
+            "(same on the HND layout)",
+            min(hnd.values()) >= 85,
+            ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in hnd.items()),
         )
-        hnd = {(r["B"], r["L"]): share_of_stream(r, "kf HND") for r in target_rows if "kf HND" in r["us"]}
-        if hnd:
-            verdict(
-                "(same on the HND layout)",
-                min(hnd.values()) >= 85,
-                ", ".join(f"B={b} L={length} {v:.0f}%" for (b, length), v in hnd.items()),
-            )
-    if long_rows:
-        sp = {(r["B"], r["L"]): r["us"]["gmm"] / r["us"]["kf"] for r in long_rows if "gmm" in r["us"]}
-        verdict(
-            "decode at L >= 4096 >= 1.5x the grouped-matmul path (eager, every case)",
-            min(sp.values()) >= 1.5 if sp else None,
-            ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in sp.items()),
-        )
-        spc = {(r["B"], r["L"]): r["us"]["compile"] / r["us"]["kf"] for r in long_rows if "compile" in r["us"]}
-        if spc:
-            verdict(
-                "(same against torch.compile of the grouped-matmul path)",
-                min(spc.values()) >= 1.5,
-                ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in spc.items()),
-            )
-    else:
+
+
+def speedup_targets(verdict: Verdicts, grid: list[dict]) -> None:
+    """Decode at L >= 4096 at least 1.5x the grouped-matmul path, eager and compiled."""
+    long_rows = [r for r in grid if r["L"] >= 4096 and "kf" in r["us"]]
+    if not long_rows:
         verdict("decode at L >= 4096: 85% of DRAM read, 1.5x grouped matmul", None, "not measured")
+        return
+    sp = {(r["B"], r["L"]): r["us"]["gmm"] / r["us"]["kf"] for r in long_rows if "gmm" in r["us"]}
+    verdict(
+        "decode at L >= 4096 >= 1.5x the grouped-matmul path (eager, every case)",
+        min(sp.values()) >= 1.5 if sp else None,
+        ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in sp.items()),
+    )
+    spc = {(r["B"], r["L"]): r["us"]["compile"] / r["us"]["kf"] for r in long_rows if "compile" in r["us"]}
+    if spc:
+        verdict(
+            "(same against torch.compile of the grouped-matmul path)",
+            min(spc.values()) >= 1.5,
+            ", ".join(f"B={b} L={length} {v:.2f}x" for (b, length), v in spc.items()),
+        )
+
+
+def other_targets(verdict: Verdicts, uneven_ratio: dict, fp8_rows: list[dict], dispatch: dict, append: list) -> None:
+    """The uneven batch, fp8 KV, dispatch and append targets."""
     if "kf" in uneven_ratio:
         verdict(
             "uneven batch within 15% of the even one per KV token",
@@ -1058,12 +1115,13 @@ def main() -> int:
     if fp8_rows:
         f8 = {r["B"]: r["us"]["kf"] / r["us"]["kf fp8"] for r in fp8_rows}
         verdict(
-            f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV (every batch)",
+            f"fp8 KV at {SIZES.fp8_len} >= 1.7x bf16 KV (every batch)",
             min(f8.values()) >= 1.7,
             ", ".join(f"B={b} {v:.2f}x" for b, v in f8.items()),
         )
     else:
-        verdict(f"fp8 KV at {FP8_LEN} >= 1.7x bf16 KV", None, "not measured")
+        verdict(f"fp8 KV at {SIZES.fp8_len} >= 1.7x bf16 KV", None, "not measured")
+    du = dispatch["us"]
     if "kf" in du:
         verdict("batch 1, L 128: <= 15 µs per call (one layer)", du["kf"] <= 15, f"{du['kf']:.2f} µs")
     else:
@@ -1074,32 +1132,165 @@ def main() -> int:
         else:
             verdict(f"append of 64 tokens ({a['case']}) <= 5 µs", None, "not measured")
 
+
+def failed_checks(grid: list[dict], uneven: dict, dispatch: dict, append: list[dict]) -> list[str]:
     fails = [f"B={r['B']} L={r['L']} {n}: {c}" for r in grid for n, c in r["checks"].items() if c != "ok"]
     fails += [f"uneven {n}: {c}" for n, c in uneven["checks"].items() if c != "ok"]
     fails += [f"dispatch {n}: {c}" for n, c in dispatch["checks"].items() if c != "ok"]
     fails += [f"append {a['case']}: {a['check']}" for a in append if a.get("check", "ok") != "ok"]
+    return fails
+
+
+# --------------------------------------------------------------------------- records
+
+# Record impl names of the timed paths (the performance page keys on them); "stream" is the bound.
+IMPLS = {
+    "kf": "kernforge",
+    "kf HND": "kernforge HND",
+    "sdpa": "torch",
+    "gmm": "torch gmm",
+    "compile": "torch.compile",
+    "vllm": "vllm",
+}
+LAYOUTS = {"kf": "NHD", "kf HND": "HND", "kf fp8": "NHD", "sdpa": "dense", "gmm": "dense", "compile": "dense"}
+
+
+def decode_params(B: int, L: int, path: str, kv_dtype: str = "bf16") -> dict:
+    """The record params of one decode path (vLLM's own cache: its block size and layout)."""
+    return {
+        "context": L,
+        "batch": B,
+        "num_qo_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim": D,
+        "kv_dtype": kv_dtype,
+        "page_size": VLLM_BLOCK if path.startswith("vllm") else PAGE,
+        "layout": LAYOUTS.get(path, "vllm"),
+    }
+
+
+def emit_grid(grid: list[dict]) -> None:
+    """Per grid case and path: us and GB/s of KV read (against the streaming rate of the case's
+    rounds); kernforge's fp8 KV a case of its own (1-byte KV); plan() per call as metric plan_us."""
+    for r in grid:
+        B, L, bound = r["B"], r["L"], ("streaming rate", stream_rate(r))
+        for path, us in r["us"].items():
+            if path == "stream":
+                continue
+            fp8 = path == "kf fp8"
+            case, impl = f"{'fp8' if fp8 else 'bf16'} ctx={L} batch={B}", "kernforge" if fp8 else IMPLS[path]
+            params = decode_params(B, L, path, "fp8_e4m3" if fp8 else "bf16")
+            H.emit(case, impl, "us", us, "us", params=params)
+            gbs = r["bytes"] / (2 if fp8 else 1) / (us * 1e3)
+            H.emit(case, impl, "gbs", gbs, "GB/s", params=params, bound=bound)
+        for path, us in r["plan_us"].items():
+            fp8 = path == "kf fp8"
+            case, impl = f"{'fp8' if fp8 else 'bf16'} ctx={L} batch={B}", "kernforge" if fp8 else IMPLS[path]
+            params = decode_params(B, L, path, "fp8_e4m3" if fp8 else "bf16")
+            H.emit(case, impl, "plan_us", us, "us", params=params)
+
+
+def emit_uneven(uneven: dict) -> None:
+    """The uneven and even batches as two cases: us, ns per KV token, GB/s of KV read."""
+    B, short, long = uneven["B"], SIZES.uneven_short, SIZES.uneven_long
+    shapes = {
+        "uneven": (f"bf16 uneven {B // 2}x{short}+{B - B // 2}x{long}", f"{B // 2}x{short}+{B - B // 2}x{long}"),
+        "even": (f"bf16 even {B}x{(short + long) // 2}", f"{B}x{(short + long) // 2}"),
+    }
+    for name, us in uneven.get("us", {}).items():
+        impl, kind = name.split()
+        case, lengths = shapes[kind]
+        params = {**decode_params(B, None, impl), "context": lengths, "tokens": uneven[f"{kind}_tokens"]}
+        H.emit(case, IMPLS[impl], "us", us, "us", params=params)
+        H.emit(case, IMPLS[impl], "ns_per_token", 1e3 * us / uneven[f"{kind}_tokens"], "ns/token", params=params)
+        H.emit(case, IMPLS[impl], "gbs", kv_bytes(uneven[f"{kind}_tokens"]) / (us * 1e3), "GB/s", params=params)
+
+
+def emit_dispatch(dispatch: dict) -> None:
+    """Batch 1 at 128 tokens, hot: run() and plan() per call."""
+    case = f"bf16 ctx={dispatch['L']} batch={dispatch['B']} hot"
+    for path, us in dispatch["us"].items():
+        H.emit(case, IMPLS[path], "us", us, "us", params=decode_params(dispatch["B"], dispatch["L"], path))
+    for path, us in dispatch["plan_us"].items():
+        H.emit(case, IMPLS[path], "plan_us", us, "us", params=decode_params(dispatch["B"], dispatch["L"], path))
+
+
+def emit_append(append: list[dict]) -> None:
+    for a in append:
+        params = {"tokens": a["tokens"], "num_kv_heads": HKV, "head_dim": D, "kv_dtype": "bf16", "page_size": PAGE}
+        for path, us in a["us"].items():
+            impl = "kernforge" if path == "kf" else "torch"
+            H.emit(f"append {a['case']}", impl, "us", us, "us", params={**params, "layout": "NHD"})
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    args = parse_args()
+    configure(args)
+    ctx = measure_context(args)
+    info = print_run_header(args, ctx)
+
+    t_start = time.perf_counter()
+    grid, skipped = run_grid(args, ctx.vllm)
+    uneven = bench_uneven(args.uneven_b, args, ctx.vllm)
+    gc.collect()
+    dispatch = bench_dispatch(args, ctx.vllm)
+    append = bench_append(args)
+    ctx.elapsed = time.perf_counter() - t_start
+    ctx.bw_end = read_bandwidth(args)
+    ctx.bg_end = H.background_load(1.0)
+
+    print_decode(grid, skipped, ctx, args)
+    fp8_rows = [r for r in grid if "kf fp8" in r["us"]]
+    print_fp8(fp8_rows)
+    print_plans(grid, dispatch)
+    uneven_ratio = print_uneven(uneven, args.uneven_b)
+    print_dispatch(dispatch)
+    print_append(append)
+    print()
+    print(
+        f"benchmark time {ctx.elapsed:.0f} s; background CPU load at end {100 * ctx.bg_end:.0f}% of all cores; "
+        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
+    print()
+    print("## Targets")
+    print()
+    verdicts = Verdicts()
+    stream_targets(verdicts, grid)
+    speedup_targets(verdicts, grid)
+    other_targets(verdicts, uneven_ratio, fp8_rows, dispatch, append)
+
+    fails = failed_checks(grid, uneven, dispatch, append)
     if fails:
         print()
         print(f"WARNING: {len(fails)} failed checks (those timings mean nothing): " + "; ".join(fails))
+    emit_grid(grid)
+    emit_uneven(uneven)
+    emit_dispatch(dispatch)
+    emit_append(append)
     H.write_json(
         args.json,
         {
             "info": info,
             "args": vars(args),
-            "roof": roof,
-            "roof_path": str(roof_path),
-            "read_bandwidth": {"start": bw_start, "end": bw_end},
-            "background_load": [bg0, bg_end],
-            "vllm": {"version": vllm.version, "library": vllm.where} if vllm else {"not_timed": vllm_why},
-            "missing": missing,
+            "roof": ctx.roof,
+            "roof_path": str(ctx.roof_path),
+            "read_bandwidth": {"start": ctx.bw_start, "end": ctx.bw_end},
+            "background_load": [ctx.bg0, ctx.bg_end],
+            "vllm": {"version": ctx.vllm.version, "library": ctx.vllm.where}
+            if ctx.vllm
+            else {"not_timed": ctx.vllm_why},
+            "missing": ctx.missing,
             "grid": grid,
             "skipped": skipped,
             "uneven": uneven,
             "dispatch": dispatch,
             "append": append,
             "compile_seconds": _compile_seconds,
-            "targets": verdicts,
-            "elapsed_s": elapsed,
+            "targets": list(verdicts),
+            "elapsed_s": ctx.elapsed,
         },
     )
     return 1 if fails else 0

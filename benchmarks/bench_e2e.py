@@ -33,7 +33,7 @@ Rows
     tok/s      decode tokens per second (batch / TPOT).
 
 Physical bounds, measured at the start of the run at --threads
-    TTFT bound   prefill FLOPs at the CPU's bf16 peak (_harness.bf16_peak; roof.json's where no probe
+    TTFT bound   prefill FLOPs at the CPU's bf16 peak (_harness.bf16_peak; the roof's where no probe
                  runs): 2 x (decoder linear weights) x tokens,
                  plus causal attention 2 x layers x query heads x head dim x tokens^2 (QK^T and PV,
                  half the square each), plus lm_head for the one position kept.
@@ -63,7 +63,7 @@ deepseek-v2-lite has no targets of its own yet: the MoE ones are checked (provis
 parallelism cannot win on 2 cores: this bounds its overhead).
 
     .venv/bin/python benchmarks/bench_e2e.py                     # the full run (minutes; needs a quiet machine)
-    .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: 2 layers, short prompts
+    .venv/bin/python benchmarks/bench_e2e.py --quick             # a smoke: the tiny random model, short prompts
     .venv/bin/python benchmarks/bench_e2e.py --layers 4 --new 32 --impls stock kf
     .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe  # 4 layers of Qwen3-30B-A3B
     .venv/bin/python benchmarks/bench_e2e.py --model qwen3-moe --layers 48 --impls int4  # all 48, built lazily
@@ -81,6 +81,7 @@ import os
 import socket
 import statistics
 import sys
+from pathlib import Path
 
 import _harness as H
 
@@ -132,6 +133,7 @@ class TensorParallelColumn:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         options = {"checkpoint": args.checkpoint, "layers": args.layers, "pages": pages, "threads": args.threads}
+        options["model_name"] = args.model_name
         self.pipes, self.ranks = [], []
         for rank in range(world):
             mine, theirs = context.Pipe()
@@ -169,7 +171,10 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, options: dict, pipe)
     comm = kd.Communicator()
     for turn in range(world):  # one rank at a time holds a whole model while it builds and shards it
         if turn == rank:
-            stock = build_model(options["checkpoint"], options["layers"])
+            if options["model_name"] in QUICK_SHAPES.values():  # --quick: the tiny random Llama
+                stock = random_llama(options["model_name"], 0, options["layers"], attn_implementation="sdpa")
+            else:
+                stock = build_model(options["checkpoint"], options["layers"])
             stock.generation_config.eos_token_id = None
             generate = kernforge_generate(kft.optimize(stock, kv_cache_pages=options["pages"], tp_group=comm))
             del stock
@@ -379,13 +384,56 @@ def targets(results: dict, limit: dict) -> list[str]:
     return lines
 
 
-def main() -> int:
+# --quick's model per --model: the tiny random shapes of kernforge.integrations.random_llama
+QUICK_SHAPES = {"llama": "tiny", "qwen3-moe": "tiny-moe", "deepseek-v2-lite": "tiny-deepseek"}
+# record impl names of the columns
+IMPL_NAMES = {
+    "stock": "transformers",
+    "kf": "kernforge bf16",
+    "int8": "kernforge int8",
+    "int4": "kernforge int4",
+    "int4_w4a16": "kernforge int4 w4a16",
+}
+# the weight bytes each column's TPOT bound counts
+BOUND_KIND = {"stock": "bf16", "kf": "bf16", "int8": "int8", "int4": "int4", "int4_w4a16": "int4"}
+
+
+def emit_records(results: dict, limit: dict, args, config) -> None:
+    """The records of the table: TTFT and TPOT (ms) and tok/s per column and case, TTFT against the
+    FLOP bound and TPOT against the bytes bound of the column's weights."""
+    model = Path(args.checkpoint).name if args.checkpoint else args.model_name
+    layers = config.num_hidden_layers
+    cases = {"tpot_b1": (1, args.prompt), "tpot_b8": (BATCH, args.batch_prompt)}
+    for name, result in results.items():
+        base = name.split(" tp")[0]  # "kf tp2": kf's weights
+        impl = IMPL_NAMES.get(base, "kernforge") + (f" tp{args.tp}" if " tp" in name else "")
+        quant = "none" if base in ("stock", "kf") else base
+        for key, (batch, prompt) in cases.items():
+            case = f"{model} b{batch} p{prompt}"
+            params = {"model": model, "layers": layers, "batch": batch, "prompt": prompt, "new_tokens": args.new}
+            params.update(dtype="bf16", quant=quant)
+            if key == "tpot_b1":
+                H.emit(
+                    case,
+                    impl,
+                    "ttft_ms",
+                    1e3 * result["ttft"],
+                    "ms",
+                    params=params,
+                    bound=("flop bound", 1e3 * limit["ttft"]),
+                )
+            bound = ("bytes bound", 1e3 * limit[key][BOUND_KIND[base]])
+            H.emit(case, impl, "tpot_ms", 1e3 * result[key], "ms", params=params, bound=bound)
+            H.emit(case, impl, "tok_s", batch / result[key], "tok/s", params=params)
+
+
+def parse_args():
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="?", help="a local checkpoint directory (default: random weights)")
     p.add_argument(
         "--model", choices=("llama", "qwen3-moe", "deepseek-v2-lite"), default="llama", help="the random model's shape"
     )
-    p.add_argument("--layers", type=int, help="decoder layers (default: the model's; --quick: 2)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's; --quick: the tiny shape's 2)")
     p.add_argument("--prompt", type=int, help="prompt tokens for TTFT and TPOT b1 (default 1024; --quick 128)")
     p.add_argument("--batch-prompt", type=int, help=f"tokens of each of the {BATCH} prompts (default 128; --quick 32)")
     p.add_argument("--new", type=int, help="new tokens for TPOT (default 128; --quick 16)")
@@ -405,22 +453,28 @@ def main() -> int:
     )
     args = p.parse_args()
     quick = args.quick
-    args.layers = args.layers or (2 if quick else 4 if args.model != "llama" else None)
+    # --quick without a checkpoint: the model's tiny random shape (seconds to build and run)
+    args.model_name = QUICK_SHAPES[args.model] if quick and not args.checkpoint else args.model
+    args.layers = args.layers or (4 if args.model != "llama" and not quick else None)
     args.prompt = args.prompt or (128 if quick else 1024)
     args.batch_prompt = args.batch_prompt or (32 if quick else 128)
     args.new = args.new or (16 if quick else 128)
     args.reps = args.reps or (1 if quick else 3)
     args.rounds = args.rounds or (1 if quick else 2)
-
-    H.setup_threads(args.threads)
-    roof, roof_path = H.load_roof()
-    H.wait_for_quiet(args.wait_quiet)
-    # a random Qwen3-MoE without the stock column is built a layer at a time as optimize packs it, so
-    # that one column of all 48 layers fits at four bits (the bf16 model is 61 GB)
     lazy = args.model == "qwen3-moe" and not args.checkpoint and "stock" not in args.impls and args.tp == 1
     if lazy and len(args.impls) != 1:
         p.error("without the stock column, qwen3-moe runs one column (--impls int4): each is built at its packed size")
-    if lazy:
+    return args
+
+
+def build_stock(args):
+    """The stock model of the run, and whether it waits on the meta device (a random Qwen3-MoE
+    without the stock column is built a layer at a time as optimize packs it, so that one column of
+    all 48 layers fits at four bits: the bf16 model is 61 GB)."""
+    lazy = args.model == "qwen3-moe" and not args.checkpoint and "stock" not in args.impls and args.tp == 1
+    if args.model_name != args.model:  # --quick: a tiny random shape
+        stock = random_llama(args.model_name, 0, args.layers, lazy_layers=lazy, attn_implementation="sdpa")
+    elif lazy:
         stock = moe_generate.random_qwen3_moe(args.layers, lazy=True)
     elif args.model == "qwen3-moe" or (args.model == "deepseek-v2-lite" and args.checkpoint):
         stock = moe_generate.build_model(args.checkpoint, args.layers, None)  # a checkpoint: any causal LM
@@ -429,11 +483,12 @@ def main() -> int:
     else:
         stock = build_model(args.checkpoint, args.layers)
     stock.generation_config.eos_token_id = None  # random weights: every requested token is generated
-    config = stock.config
-    peak_gflops, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
-    limit = {**bounds(config, args, peak_gflops, H.streaming_rate()), "model": args.model}
-    info = H.print_header(
-        f"bench_e2e: transformers {args.model}, stock vs kernforge (bf16, int8, int4)",
+    return stock, lazy
+
+
+def header(args, config, limit: dict, peak_source: str) -> dict:
+    return H.print_header(
+        f"bench_e2e: transformers {args.model_name}, stock vs kernforge (bf16, int8, int4)",
         args,
         {
             "model": f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
@@ -446,6 +501,19 @@ def main() -> int:
             f"({args.prompt}-token prompt) and batch {BATCH} ({args.batch_prompt}-token prompts)",
         },
     )
+
+
+def main() -> int:
+    args = parse_args()
+    H.setup_threads(args.threads)
+    roof, roof_path = H.load_roof()
+    H.wait_for_quiet(args.wait_quiet)
+    stock, lazy = build_stock(args)
+    config = stock.config
+    peak_gflops, peak_source = H.bf16_peak_or_roof(args.threads, roof, roof_path)
+    stream_gbs = H.streaming_rate(budget_s=0.3 if args.quick else 1.0)
+    limit = {**bounds(config, args, peak_gflops, stream_gbs), "model": args.model}
+    info = header(args, config, limit, peak_source)
     pages = 2 * (max(args.prompt, BATCH * args.batch_prompt) + BATCH * args.new) // 16 + 64
     materialize = random_layer_weights(stock) if lazy else None
     generates = {name: make(name, stock, pages, args.int8_lm_head, materialize)[0] for name in args.impls}
@@ -463,6 +531,7 @@ def main() -> int:
     for name, result in results.items():
         print(f"{name}: {result} (background load {100 * meter.other:.0f}%)", file=sys.stderr, flush=True)
     lines = report(results, limit)
+    emit_records(results, limit, args, config)
     if max(load.values(), default=0) > 0.10:
         print(
             f"\nnote: other processes used {100 * max(load.values()):.0f}% of the CPUs during a column: "

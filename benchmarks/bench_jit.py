@@ -163,7 +163,7 @@ def dispatch(quick):
         "empty Python lambda (timer floor)": lambda: None,
         "torch F.rms_norm eager (reference)": lambda: F.rms_norm(x, (4096,), w, 1e-6),
     }
-    t = H.compare(fns, budget_s=0.3 if quick else 1.0, rounds=3 if quick else 5, min_samples=15)
+    t = H.compare(fns, budget_s=0.1 if quick else 1.0, rounds=3 if quick else 5, min_samples=15)
     return nt, t
 
 
@@ -181,68 +181,46 @@ def dispatch_in_processes(procs, quick):
     return runs
 
 
-def main() -> int:
-    p = H.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--procs", type=int, help="cold processes per variant pair (default 7, quick 3)")
-    p.add_argument("--dispatch-child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.dispatch_child:
-        nt, t = dispatch(args.quick)
-        print(
-            json.dumps(
-                {"threads": nt, "us": {k: v.us for k, v in t.items()}, "iqr": {k: v.spread() for k, v in t.items()}}
-            )
-        )
-        return 0
-    variants = QUICK_COMPILE_SET if args.quick else COMPILE_SET
-    procs = args.procs or (3 if args.quick else 7)
-    results = {}
+def dispatch_impl(name: str) -> str:
+    """The implementation a row of (c) times."""
+    if name.startswith(("torch.empty(", "torch F.")):
+        return "torch"
+    return "python" if "lambda" in name else "kernforge"
 
-    cache = fresh_cache_dir("kf-bench-jit-")
-    os.environ["KERNFORGE_CACHE_DIR"] = cache
-    import torch
 
-    torch.set_num_threads(args.threads)
-    import kernforge
-
-    # The CPU probe is itself a JIT kernel, compiled (into the fresh cache) on the first feature query.
-    t0 = time.perf_counter()
-    tier = kernforge.jit.isa.selected_tier()
-    probe_s = time.perf_counter() - t0
-    bg = H.wait_for_quiet(args.wait_quiet)
-    info = H.print_header(
-        "bench_jit: compile, cold cache hit, warm dispatch",
-        args,
-        {
-            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
-            "compiler": " ".join(kernforge.jit.compiler.compiler_argv()),
-            "cffi mode": kernforge.jit.loader.cffi_mode(),
-        },
-    )
-
-    # (a) compile time per variant
+def section_compile(args, variants, cache: str, probe_s: float, tier: str) -> dict:
+    """(a) compile time per variant, then (not --quick) prewarm of everything into a fresh cache."""
     rows, secs = compile_times(variants, cache)
     print("## (a) compile time per variant (fresh cache, one build at a time)\n")
     print(
         f"CPU probe (first feature query: renders, compiles and loads the probe kernel): {probe_s:.2f} s; tier {tier}\n"
     )
     print(H.table(["op", "dtype", "tier", "compiler s", "build() wall s"], rows, "lllrr"))
+    H.emit("cpu probe, first feature query", "kernforge", "s", probe_s, "s", params={"tier": tier})
+    for op, dt, spec_tier, seconds, wall in rows:
+        params = {"op": op, "dtype": dt, "tier": spec_tier, "build_wall_s": float(wall)}
+        H.emit(f"compile {op} {dt}", "kernforge", "s", float(seconds), "s", params=params)
     med, mx = statistics.median(secs), max(secs)
     print(
         f"\ncompile time per variant: median {med:.2f} s, max {mx:.2f} s over {len(secs)} variants "
         f"(target <= 3 s: {'PASS' if mx <= 3 else 'FAIL'} on max)"
     )
-    results["compile"] = {"probe_s": probe_s, "rows": rows, "median_s": med, "max_s": mx}
+    results = {"compile": {"probe_s": probe_s, "rows": rows, "median_s": med, "max_s": mx}}
     if not args.quick:
         n, compiled, wall, cpu = prewarm_all(fresh_cache_dir("kf-bench-prewarm-"))
         print(
             f"\nkernforge.prewarm() of every variant into a fresh cache: {compiled}/{n} compiled in "
             f"{wall:.1f} s wall ({cpu:.1f} s of compiler runs summed, {os.cpu_count()} parallel jobs)"
         )
+        params = {"variants": n, "compiled": compiled, "compile_s_sum": cpu, "jobs": os.cpu_count()}
+        H.emit("prewarm every variant, fresh cache", "kernforge", "s", wall, "s", params=params)
         results["prewarm"] = {"variants": n, "compiled": compiled, "wall_s": wall, "compile_s_sum": cpu}
     sys.stdout.flush()
+    return results
 
-    # (b) cold-process cache hit; pairs (A, B) so B shows the per-variant part alone
+
+def section_cold_hits(variants, cache: str, procs: int) -> dict:
+    """(b) cold-process cache hit; pairs (A, B) so B shows the per-variant part alone."""
     pairs = [(variants[i], variants[(i + 1) % len(variants)]) for i in range(len(variants))]
     bg_b = H.background_load(0.5)
     found = cold_hits(pairs, cache, procs)
@@ -256,6 +234,11 @@ def main() -> int:
         imp_k += [1e3 * r["import_kernforge"] for r in runs]
         firsts.append(statistics.median(fa))
         seconds_b.append(statistics.median(fb))
+        for (op, dt), when, ms in ((a, "first", fa), (b, "later", fb)):
+            params = {"op": op, "dtype": dt, "processes": len(runs), "max_ms": max(ms)}
+            H.emit(
+                f"cache hit {op} {dt}, {when} in process", "kernforge", "ms", statistics.median(ms), "ms", params=params
+            )
         rows.append(
             [
                 f"{a[0]} {a[1]}",
@@ -283,17 +266,21 @@ def main() -> int:
         f"later variants median {statistics.median(seconds_b):.1f} ms; worst row median {worst:.1f} ms "
         f"(target <= 20 ms: {'PASS' if worst <= 20 else 'FAIL'}); background load just before: {100 * bg_b:.0f}%"
     )
-    results["cold_hit"] = {
+    H.emit("import torch, cold process", "torch", "ms", statistics.median(imp_t), "ms")
+    H.emit("import kernforge after torch, cold process", "kernforge", "ms", statistics.median(imp_k), "ms")
+    sys.stdout.flush()
+    return {
         "rows": rows,
         "first_ms": firsts,
         "later_ms": seconds_b,
         "import_torch_ms": statistics.median(imp_t),
         "import_kernforge_ms": statistics.median(imp_k),
     }
-    sys.stdout.flush()
 
-    # (c) warm dispatch, in several fresh processes
-    dprocs = 2 if args.quick else 5
+
+def section_dispatch(args) -> dict:
+    """(c) warm dispatch, in several fresh processes."""
+    dprocs = 1 if args.quick else 5
     bg_c = H.background_load(0.5)
     runs = dispatch_in_processes(dprocs, args.quick)
     names = list(runs[0]["us"])
@@ -302,9 +289,11 @@ def main() -> int:
         f"each the median of many samples; background load just before: {100 * bg_c:.0f}%)\n"
     )
     rows = []
+    params = {"op": "rmsnorm", "dtype": "bf16", "tokens": 1, "hidden": 4096, "processes": dprocs}
     for name in names:
         vals = [r["us"][name] for r in runs]
         rows.append([name, f"{statistics.median(vals):.2f}", f"{min(vals):.2f}", f"{max(vals):.2f}"])
+        H.emit(f"warm call: {name}", dispatch_impl(name), "us", statistics.median(vals), "us", params=params)
     overheads = [r["us"][names[0]] - r["us"][names[2]] for r in runs]
     rows.append(
         [
@@ -318,6 +307,7 @@ def main() -> int:
     full = statistics.median(r["us"][names[0]] for r in runs)
     alloc = statistics.median(r["us"][names[1]] for r in runs)
     overhead = statistics.median(overheads)
+    H.emit("dispatch + validation, rmsnorm(out=) - raw kernel", "kernforge", "us", overhead, "us", params=params)
     print(
         f"\ndispatch + validation (rmsnorm(out=) - raw kernel): {overhead:.2f} µs (target <= 2 µs: "
         f"{'PASS' if overhead <= 2 else 'FAIL'})"
@@ -326,8 +316,49 @@ def main() -> int:
         f"rmsnorm [1, 4096] call: {full:.2f} µs with out=, {alloc:.2f} µs allocating (target <= 3 µs: "
         f"{'PASS' if full <= 3 else 'FAIL'} with out=, {'PASS' if alloc <= 3 else 'FAIL'} allocating)"
     )
-    results["dispatch"] = runs
-    results["dispatch_overhead_us"] = overhead
+    return {"dispatch": runs, "dispatch_overhead_us": overhead}
+
+
+def main() -> int:
+    p = H.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--procs", type=int, help="cold processes per variant pair (default 7, quick 1)")
+    p.add_argument("--dispatch-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.dispatch_child:
+        nt, t = dispatch(args.quick)
+        print(
+            json.dumps(
+                {"threads": nt, "us": {k: v.us for k, v in t.items()}, "iqr": {k: v.spread() for k, v in t.items()}}
+            )
+        )
+        return 0
+    variants = QUICK_COMPILE_SET if args.quick else COMPILE_SET
+    procs = args.procs or (1 if args.quick else 7)
+
+    cache = fresh_cache_dir("kf-bench-jit-")
+    os.environ["KERNFORGE_CACHE_DIR"] = cache
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import kernforge
+
+    # The CPU probe is itself a JIT kernel, compiled (into the fresh cache) on the first feature query.
+    t0 = time.perf_counter()
+    tier = kernforge.jit.isa.selected_tier()
+    probe_s = time.perf_counter() - t0
+    bg = H.wait_for_quiet(args.wait_quiet)
+    info = H.print_header(
+        "bench_jit: compile, cold cache hit, warm dispatch",
+        args,
+        {
+            "background CPU load before start (other processes)": f"{100 * bg:.0f}% of all cores",
+            "compiler": " ".join(kernforge.jit.compiler.compiler_argv()),
+            "cffi mode": kernforge.jit.loader.cffi_mode(),
+        },
+    )
+    results = section_compile(args, variants, cache, probe_s, tier)
+    results["cold_hit"] = section_cold_hits(variants, cache, procs)
+    results.update(section_dispatch(args))
     H.write_json(args.json, {"info": info, **results})
     return 0
 

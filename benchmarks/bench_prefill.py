@@ -38,8 +38,9 @@ from kernforge.ops.attention import prefill  # noqa: E402
 import _harness as H  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-LENGTHS, QUICK_LENGTHS = [1024, 4096, 8192], [1024, 4096]
-PREFIX_BATCH, NEW_TOKENS, PREFIX = 8, 512, 3584
+LENGTHS, QUICK_LENGTHS = [1024, 4096, 8192], [256]
+PREFIX_CASE = (8, 512, 3584)  # requests, new tokens each, prefix tokens each
+QUICK_PREFIX_CASE = (2, 64, 192)  # --quick: the same paths on a few pages
 PAGE_SIZE = 16
 HEADERS = [
     "case",
@@ -106,6 +107,27 @@ def _row(case, t, flops, peak, tuned, bg):
     ]
 
 
+# Record impl names of the timed columns (the performance page keys on them).
+IMPLS = {"kf": "kernforge", "SDPA": "torch", "blockwise": "torch blockwise", "kf default": "kernforge default tile"}
+
+
+def emit_case(case: str, t: dict, flops: float, peak: float, params: dict) -> None:
+    """One record per timed path: us and GFLOP/s (against the bf16 peak the table uses)."""
+    params = {
+        "num_qo_heads": HEADS,
+        "num_kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "causal": True,
+        "dtype": "bf16",
+        **params,
+    }
+    for name, timing in t.items():
+        H.emit(case, IMPLS[name], "us", timing.us, "us", params=params)
+        H.emit(
+            case, IMPLS[name], "gflops", flops / timing.median_ns, "GFLOP/s", params=params, bound=("bf16 peak", peak)
+        )
+
+
 def single_case(length, args, workspace, peak):
     g = torch.Generator().manual_seed(length)
     q = torch.randn(length, HEADS, HEAD_DIM, generator=g).bfloat16()
@@ -123,6 +145,7 @@ def single_case(length, args, workspace, peak):
     fns["blockwise"] = lambda: blockwise(q, k, v, 0)
     t, bg = H.timed(fns, args)
     flops = 4 * HEAD_DIM * HEADS * length * (length + 1) / 2
+    emit_case(f"single {length}", t, flops, peak, {"requests": 1, "qo_len": length, "prefix": 0, "layout": "ragged"})
     return _row(f"single {length}", t, flops, peak, tuned, bg), {
         "case": f"single {length}",
         "bg": bg,
@@ -130,17 +153,18 @@ def single_case(length, args, workspace, peak):
     }
 
 
-def prefix_case(args, workspace, peak):
+def prefix_case(args, workspace, peak, sizes=PREFIX_CASE):
+    requests, new_tokens, prefix = sizes
     g = torch.Generator().manual_seed(1)
-    kv_len = PREFIX + NEW_TOKENS
+    kv_len = prefix + new_tokens
     pages_per = kv_len // PAGE_SIZE
-    cache = torch.randn(PREFIX_BATCH * pages_per, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
-    q = torch.randn(PREFIX_BATCH * NEW_TOKENS, HEADS, HEAD_DIM, generator=g).bfloat16()
+    cache = torch.randn(requests * pages_per, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    q = torch.randn(requests * new_tokens, HEADS, HEAD_DIM, generator=g).bfloat16()
     out = torch.empty_like(q)
-    qo_indptr = torch.arange(PREFIX_BATCH + 1, dtype=torch.int32) * NEW_TOKENS
-    kv_indptr = torch.arange(PREFIX_BATCH + 1, dtype=torch.int32) * pages_per
-    indices = torch.randperm(PREFIX_BATCH * pages_per, generator=g).to(torch.int32)
-    last = torch.full((PREFIX_BATCH,), PAGE_SIZE, dtype=torch.int32)
+    qo_indptr = torch.arange(requests + 1, dtype=torch.int32) * new_tokens
+    kv_indptr = torch.arange(requests + 1, dtype=torch.int32) * pages_per
+    indices = torch.randperm(requests * pages_per, generator=g).to(torch.int32)
+    last = torch.full((requests,), PAGE_SIZE, dtype=torch.int32)
     wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
     wrapper.plan(
         qo_indptr,
@@ -155,14 +179,14 @@ def prefix_case(args, workspace, peak):
         q_data_type=torch.bfloat16,
     )
     # torch sees each request's K/V gathered once (outside the timing), as a contiguous tensor.
-    pages = indices.view(PREFIX_BATCH, pages_per).long()
-    ks = [cache[pages[b], 0].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(PREFIX_BATCH)]
-    vs = [cache[pages[b], 1].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(PREFIX_BATCH)]
-    qs = [q[b * NEW_TOKENS : (b + 1) * NEW_TOKENS] for b in range(PREFIX_BATCH)]
-    mask = torch.arange(kv_len)[None, :] <= torch.arange(NEW_TOKENS)[:, None] + PREFIX
+    pages = indices.view(requests, pages_per).long()
+    ks = [cache[pages[b], 0].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(requests)]
+    vs = [cache[pages[b], 1].reshape(kv_len, KV_HEADS, HEAD_DIM) for b in range(requests)]
+    qs = [q[b * new_tokens : (b + 1) * new_tokens] for b in range(requests)]
+    mask = torch.arange(kv_len)[None, :] <= torch.arange(new_tokens)[:, None] + prefix
 
     def sdpa():
-        for b in range(PREFIX_BATCH):
+        for b in range(requests):
             F.scaled_dot_product_attention(
                 qs[b].transpose(0, 1)[None],
                 ks[b].transpose(0, 1)[None],
@@ -173,14 +197,22 @@ def prefix_case(args, workspace, peak):
 
     fns = {
         "kf": lambda: wrapper.run(q, cache, out=out),
-        "blockwise": lambda: [blockwise(qs[b], ks[b], vs[b], PREFIX) for b in range(PREFIX_BATCH)],
+        "blockwise": lambda: [blockwise(qs[b], ks[b], vs[b], prefix) for b in range(requests)],
     }
     if not args.no_sdpa:
         fns["SDPA"] = sdpa
     t, bg = H.timed(fns, args)
-    pairs = PREFIX_BATCH * (NEW_TOKENS * PREFIX + NEW_TOKENS * (NEW_TOKENS + 1) / 2)
-    case = f"prefix {PREFIX_BATCH}x{NEW_TOKENS}+{PREFIX}"
+    pairs = requests * (new_tokens * prefix + new_tokens * (new_tokens + 1) / 2)
+    case = f"prefix {requests}x{new_tokens}+{prefix}"
     tuned = _tuned_and_default(HEADS // KV_HEADS)
+    case_params = {
+        "requests": requests,
+        "qo_len": new_tokens,
+        "prefix": prefix,
+        "layout": "paged",
+        "page_size": PAGE_SIZE,
+    }
+    emit_case(case, t, 4 * HEAD_DIM * HEADS * pairs, peak, case_params)
     return _row(case, t, 4 * HEAD_DIM * HEADS * pairs, peak, tuned, bg), {
         "case": case,
         "bg": bg,
@@ -188,7 +220,7 @@ def prefix_case(args, workspace, peak):
     }
 
 
-def main() -> int:
+def parse_args():
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--lengths", nargs="*", type=int, help="single-request lengths")
     p.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (slow at 8192)")
@@ -201,7 +233,14 @@ def main() -> int:
     p.add_argument("--retries", type=int, default=1, help="re-measurements per noisy case (1)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry")
     args = p.parse_args()
-    args.budget, args.rounds, args.min_samples = (0.5, 1, 3) if args.quick else (2.0, 2, 3)
+    args.budget, args.rounds, args.min_samples = (0.1, 1, 3) if args.quick else (2.0, 2, 3)
+    if args.quick:
+        args.retries = 0  # a smoke run: no waiting for a quiet machine
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
     H.setup_threads(args.threads)
     roof, roof_path = H.load_roof()
@@ -216,8 +255,12 @@ def main() -> int:
         },
     )
     workspace = torch.empty(64 << 20, dtype=torch.uint8)
+    prefix_sizes = QUICK_PREFIX_CASE if args.quick else PREFIX_CASE
+    cases = [single_case(n, args, workspace, peak) for n in lengths] + [
+        prefix_case(args, workspace, peak, prefix_sizes)
+    ]
     rows, records = [], []
-    for row, record in [single_case(n, args, workspace, peak) for n in lengths] + [prefix_case(args, workspace, peak)]:
+    for row, record in cases:
         print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
         rows.append(row)
         records.append(record)

@@ -34,7 +34,7 @@ of the row mass at the top-p cut), renorm outputs have that support and the reno
 values, top_k_mask_logits matches exactly, softmax within 1e-4 relative.
 
 GB/s counts the bytes of probs (or logits) read once, B * V * 4 (the renorm/mask/softmax ops
-also write as much again), against the read-only bandwidth roof.json gives for the level the
+also write as much again), against the read-only bandwidth _harness.load_roof gives for the level the
 working set falls in (_harness.roof_level: L2 <= 1 MiB per core, L3 < 32 MiB, else DRAM).
 Outputs above 32 MiB (renorm/mask/softmax at B=256) are fresh mmap'd pages every call under glibc's
 defaults, for kernforge and torch alike: those cells are marked (f); run with
@@ -494,11 +494,11 @@ HEADERS = [
 ]
 
 
-def main() -> int:
+def parse_args():
     p = H.base_parser(__doc__.split("\n")[0])
     p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
     p.add_argument(
-        "--batch", nargs="*", type=int, help=f"batch sizes (default {' '.join(map(str, BATCHES))}; quick: 1 64)"
+        "--batch", nargs="*", type=int, help=f"batch sizes (default {' '.join(map(str, BATCHES))}; quick: 1)"
     )
     p.add_argument("--ops", nargs="*", choices=[c.name for c in CASES], help="only these ops")
     p.add_argument(
@@ -509,8 +509,8 @@ def main() -> int:
         action="store_true",
         help="also time torch.compile(dynamic=False) of the sort path (one graph per op and batch)",
     )
-    p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.4, quick 0.08)")
-    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case (3)")
+    p.add_argument("--budget", type=float, help="seconds per implementation and case (default 0.4, quick 0.05)")
+    p.add_argument("--rounds", type=int, help="round-robin rounds per case (3; quick 2)")
     p.add_argument(
         "--min-samples",
         type=int,
@@ -523,39 +523,36 @@ def main() -> int:
         default=0.10,
         help="re-measure a case if other processes used more than this share of the CPUs (0.10)",
     )
-    p.add_argument("--retries", type=int, default=2, help="re-measurements per noisy case (2)")
+    p.add_argument("--retries", type=int, help="re-measurements per noisy case (2; quick 0)")
     p.add_argument("--retry-wait", type=float, default=60, help="seconds to wait for quiet before a retry (60)")
     args = p.parse_args()
-    args.budget = args.budget or (0.08 if args.quick else 0.4)
-    batches = args.batch or ((1, 64) if args.quick else BATCHES)
-    cases = [c for c in CASES if not args.ops or c.name in args.ops]
-    V = args.vocab
+    args.budget = args.budget or (0.05 if args.quick else 0.4)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
+    args.batches = args.batch or ((1,) if args.quick else BATCHES)
+    return args
 
-    H.setup_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    if args.compile:
-        torch._dynamo.config.cache_size_limit = 64
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = 64
 
-    roof, roof_path = H.load_roof()
-    bg0 = H.wait_for_quiet(args.wait_quiet)
-
-    # inputs: one logits tensor per batch, probs = softmax(logits); every case of a batch uses these
+def make_inputs(batches, V: int, scale: float) -> tuple[dict, dict]:
+    """One logits tensor per batch, probs = softmax(logits) (every case of a batch uses these),
+    and the statistics of each batch's probs."""
     inputs, stats = {}, {}
     for B in batches:
         g = torch.Generator().manual_seed(1000 + B)
-        logits = torch.randn(B, V, generator=g) * args.logit_scale
+        logits = torch.randn(B, V, generator=g) * scale
         probs = torch.softmax(logits, -1)
         inputs[B] = {"logits": logits, "probs": probs}
         stats[B] = input_stats(probs)
+    return inputs, stats
 
+
+def header(args, roof, roof_path, bg0: float, stats: dict) -> dict:
     info = H.print_header(
         "bench_sampling: kernforge sampling ops vs torch sort / topk paths",
         args,
         {
-            "inputs": f"fp32 [B, {V}], logits = randn * {args.logit_scale:g}, probs = softmax(logits); "
-            f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; batches {' '.join(map(str, batches))}",
+            "inputs": f"fp32 [B, {args.vocab}], logits = randn * {args.logit_scale:g}, probs = softmax(logits); "
+            f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; batches {' '.join(map(str, args.batches))}",
             "roof": f"{roof_path} ({args.threads} threads, read-only: "
             + ", ".join(f"{lv} {H.roof_gbs(roof, lv, 'r', args.threads):.0f}" for lv in ("L2", "L3", "DRAM"))
             + " GB/s)",
@@ -591,88 +588,110 @@ def main() -> int:
     )
     print()
     sys.stdout.flush()
+    return info
 
-    results, compile_stats = [], []
-    t_start = time.perf_counter()
-    for case in cases:
-        for B in batches:
-            x = inputs[B][case.src]
-            check = check_case(case, x)  # also the first call: builds / loads the kernel
-            if check.startswith("FAIL"):
-                print(f"  CHECK {case.name} B={B}: {check}", file=sys.stderr, flush=True)
-            try:
-                fns = make_fns(case, x, args, compile_stats)
-                t, bg = H.timed(fns, args)
-            except Exception as exc:
-                print(f"  {case.name} B={B}: not timed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                results.append({"op": case.name, "label": case.label, "B": B, "check": check, "error": str(exc)})
-                continue
-            nbytes = B * V * 4
-            level = H.roof_level(nbytes, args.threads)
-            kf = t["kf"]
-            r = {
-                "op": case.name,
-                "label": case.label,
-                "B": B,
-                "bytes": nbytes,
-                "level": level,
-                "fresh_output": not case.sampling and nbytes > FRESH_OUTPUT_BYTES and not MALLOC_KEEPS,
-                "roof_gbs": H.roof_gbs(roof, level, "r", args.threads),
-                "sort_plain": case.sort_plain,
-                "kf": kf.to_json(),
-                **{k: t[k].to_json() for k in t if k != "kf"},
-                "kf_gbs": nbytes / kf.median_ns,
-                "check": check,
-                "background_load": bg,
-            }
-            for k in ("sort", "topk", "compile"):
-                if k in t:
-                    r[f"{k}_over_kf"] = t[k].median_ns / kf.median_ns
-            results.append(r)
-            print(
-                f"  {case.name} B={B}: kf {kf.us:.1f} µs"
-                + "".join(f", {k} {t[k].us:.1f} µs" for k in t if k != "kf")
-                + f" [{check}]",
-                file=sys.stderr,
-                flush=True,
-            )
-    elapsed = time.perf_counter() - t_start
-    bg_end = H.background_load(1.0)
 
-    headers = (
-        HEADERS if not args.compile else HEADERS[:6] + ["compile µs"] + HEADERS[6:8] + ["compile/kf"] + HEADERS[8:]
+def bench_case(case: Case, B: int, x: torch.Tensor, args, roof: dict, compile_stats: list) -> dict:
+    """One case at one batch: checked, then timed; its result (with "error" where it was not timed)."""
+    check = check_case(case, x)  # also the first call: builds / loads the kernel
+    if check.startswith("FAIL"):
+        print(f"  CHECK {case.name} B={B}: {check}", file=sys.stderr, flush=True)
+    try:
+        fns = make_fns(case, x, args, compile_stats)
+        t, bg = H.timed(fns, args)
+    except Exception as exc:
+        print(f"  {case.name} B={B}: not timed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return {"op": case.name, "label": case.label, "B": B, "check": check, "error": str(exc)}
+    nbytes = B * args.vocab * 4
+    level = H.roof_level(nbytes, args.threads)
+    kf = t["kf"]
+    r = {
+        "op": case.name,
+        "label": case.label,
+        "B": B,
+        "bytes": nbytes,
+        "level": level,
+        "fresh_output": not case.sampling and nbytes > FRESH_OUTPUT_BYTES and not MALLOC_KEEPS,
+        "roof_gbs": H.roof_gbs(roof, level, "r", args.threads),
+        "sort_plain": case.sort_plain,
+        "kf": kf.to_json(),
+        **{k: t[k].to_json() for k in t if k != "kf"},
+        "kf_gbs": nbytes / kf.median_ns,
+        "check": check,
+        "background_load": bg,
+    }
+    for k in ("sort", "topk", "compile"):
+        if k in t:
+            r[f"{k}_over_kf"] = t[k].median_ns / kf.median_ns
+    print(
+        f"  {case.name} B={B}: kf {kf.us:.1f} µs"
+        + "".join(f", {k} {t[k].us:.1f} µs" for k in t if k != "kf")
+        + f" [{check}]",
+        file=sys.stderr,
+        flush=True,
     )
-    rows = []
-    for r in results:
-        if "error" in r:
-            rows.append([r["label"], r["B"], "error", *([""] * (len(headers) - 4)), r["check"]])
-            continue
-        ts = {k: H.Timing(**r[k]) for k in ("kf", "kf_out", "sort", "topk", "compile") if k in r}
-        row = [
-            r["label"],
-            r["B"],
-            H.us(ts["kf"]) + (" (f)" if r["fresh_output"] else ""),
-            H.us(ts["kf_out"]) if "kf_out" in ts else "",
-            H.us(ts["sort"]) + ("*" if r["sort_plain"] else ""),
-            H.us(ts["topk"]) if "topk" in ts else "",
-        ]
-        if args.compile:
-            row.append(H.us(ts["compile"]) if "compile" in ts else "")
-        row += [
-            H.fmt(r["sort_over_kf"], 2) + ("*" if r["sort_plain"] else ""),
-            H.fmt(r["topk_over_kf"], 2) if "topk_over_kf" in r else "",
-        ]
-        if args.compile:
-            row.append(H.fmt(r["compile_over_kf"], 2) if "compile_over_kf" in r else "")
-        row += [
-            H.fmt(r["kf_gbs"], 1),
-            f"{100 * r['kf_gbs'] / r['roof_gbs']:.0f}% {r['level']}",
-            f"{100 * ts['kf'].spread():.0f}%",
-            f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
-            r["check"],
-        ]
-        rows.append(row)
-    print(H.table(headers, rows, "l" + "r" * (len(headers) - 2) + "l"))
+    return r
+
+
+def emit_records(r: dict, case: Case, V: int) -> None:
+    """The records of one table row: µs per path, kernforge's GB/s against the read-only roof."""
+    if "error" in r:
+        return
+    name = f"{r['op']} fp32 [{r['B']}, {V}]"
+    params = {"op": r["op"], "dtype": "fp32", "tokens": r["B"], "hidden": V, "label": r["label"]}
+    params.update(level=r["level"], fresh_output=r["fresh_output"], check=r["check"])
+    impls = {
+        "kf": "kernforge",
+        "kf_out": "kernforge out=",
+        "sort": "torch" if r["sort_plain"] else "torch sort",
+        "topk": "torch topk",
+        "compile": "torch.compile",
+    }
+    for key, impl in impls.items():
+        if key in r:
+            H.emit(name, impl, "us", r[key]["median_ns"] / 1e3, "us", params=params)
+    roof = r["roof_gbs"]
+    bound = ("read bandwidth", roof) if roof == roof else None  # nan where the roof has no figure
+    H.emit(name, "kernforge", "gbs", r["kf_gbs"], "GB/s", params=params, bound=bound)
+
+
+def table_headers(args) -> list[str]:
+    if not args.compile:
+        return HEADERS
+    return HEADERS[:6] + ["compile µs"] + HEADERS[6:8] + ["compile/kf"] + HEADERS[8:]
+
+
+def table_row(r: dict, args, n_columns: int) -> list:
+    if "error" in r:
+        return [r["label"], r["B"], "error", *([""] * (n_columns - 4)), r["check"]]
+    ts = {k: H.Timing(**r[k]) for k in ("kf", "kf_out", "sort", "topk", "compile") if k in r}
+    row = [
+        r["label"],
+        r["B"],
+        H.us(ts["kf"]) + (" (f)" if r["fresh_output"] else ""),
+        H.us(ts["kf_out"]) if "kf_out" in ts else "",
+        H.us(ts["sort"]) + ("*" if r["sort_plain"] else ""),
+        H.us(ts["topk"]) if "topk" in ts else "",
+    ]
+    if args.compile:
+        row.append(H.us(ts["compile"]) if "compile" in ts else "")
+    row += [
+        H.fmt(r["sort_over_kf"], 2) + ("*" if r["sort_plain"] else ""),
+        H.fmt(r["topk_over_kf"], 2) if "topk_over_kf" in r else "",
+    ]
+    if args.compile:
+        row.append(H.fmt(r["compile_over_kf"], 2) if "compile_over_kf" in r else "")
+    return row + [
+        H.fmt(r["kf_gbs"], 1),
+        f"{100 * r['kf_gbs'] / r['roof_gbs']:.0f}% {r['level']}",
+        f"{100 * ts['kf'].spread():.0f}%",
+        f"{100 * r['background_load']:.0f}%" + (" !" if r["background_load"] > args.max_bg else ""),
+        r["check"],
+    ]
+
+
+def print_notes(args, results: list, cases: list, compile_stats: list, elapsed: float, bg_end: float) -> None:
+    V = args.vocab
     print()
     print(
         "µs: median per call. kf out=: the renorm/mask/softmax ops into a preallocated out= (kf: allocating, as "
@@ -688,7 +707,7 @@ def main() -> int:
         "it is part of every sampling sort path."
     )
     print(
-        f"GB/s: B x {V} x 4 bytes (input read once) / kf time; % roof: against roof.json's read-only bandwidth "
+        f"GB/s: B x {V} x 4 bytes (input read once) / kf time; % roof: against the roof's read-only bandwidth "
         f"of the level the input falls in ({args.threads} threads; L2 <= {args.threads} MiB, L3 < 32 MiB, "
         "else DRAM). Inputs are hot (the same tensor every call)."
     )
@@ -708,6 +727,14 @@ def main() -> int:
         f"check: kernforge's output against the contract in float64 ({CHECK_DRAWS} calls' samples in the kept "
         "set; renorm support and values; mask exact; softmax 1e-4 relative), once per case, untimed."
     )
+    print_compile_note(args, cases, compile_stats)
+    print(
+        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
+        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
+
+
+def print_compile_note(args, cases: list, compile_stats: list) -> None:
     if args.compile:
         cs = [s for _, _, s in compile_stats]
         if cs:
@@ -718,15 +745,13 @@ def main() -> int:
     else:
         print(
             f"torch.compile of the sort path: not run (skipped by default: one graph per op and batch, "
-            f"{sum(not c.sort_plain for c in cases) * len(batches)} here, several seconds of compile each on "
+            f"{sum(not c.sort_plain for c in cases) * len(args.batches)} here, several seconds of compile each on "
             "this 2-core VM, which would about double the run; pass --compile to add the column)."
         )
-    print(
-        f"benchmark time {elapsed:.0f} s; background CPU load at end {100 * bg_end:.0f}% of all cores; "
-        f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}"
-    )
 
-    # ------------------------------------------------------------------ targets
+
+def targets(results: list, cases: list, batches) -> list:
+    """The issue's targets against this run's figures, printed; returns (name, verdict) pairs."""
     print()
     print("## Targets")
     print()
@@ -780,6 +805,38 @@ def main() -> int:
             verdict(f"{op} B=1 <= 150 µs", v <= 150, f"{v:.2f} µs")
         else:
             verdict(f"{op} B=1 <= 150 µs", None, "not measured")
+    return verdicts
+
+
+def main() -> int:
+    args = parse_args()
+    cases = [c for c in CASES if not args.ops or c.name in args.ops]
+    H.setup_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    if args.compile:
+        torch._dynamo.config.cache_size_limit = 64
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 64
+
+    roof, roof_path = H.load_roof()
+    bg0 = H.wait_for_quiet(args.wait_quiet)
+    inputs, stats = make_inputs(args.batches, args.vocab, args.logit_scale)
+    info = header(args, roof, roof_path, bg0, stats)
+
+    results, compile_stats = [], []
+    t_start = time.perf_counter()
+    for case in cases:
+        for B in args.batches:
+            results.append(bench_case(case, B, inputs[B][case.src], args, roof, compile_stats))
+            emit_records(results[-1], case, args.vocab)
+    elapsed = time.perf_counter() - t_start
+    bg_end = H.background_load(0.3 if args.quick else 1.0)
+
+    headers = table_headers(args)
+    rows = [table_row(r, args, len(headers)) for r in results]
+    print(H.table(headers, rows, "l" + "r" * (len(headers) - 2) + "l"))
+    print_notes(args, results, cases, compile_stats, elapsed, bg_end)
+    verdicts = targets(results, cases, args.batches)
 
     fails = [r for r in results if r["check"] != "ok"]
     if fails:

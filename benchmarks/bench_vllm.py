@@ -43,9 +43,9 @@ uniform routing. For the AWQ model a decoder weight streams as 0.5 B plus its gr
 scale and a 4-bit zero point (lm_head stays 2 B); its prefill FLOPs count at the bf16 GEMM rate.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # 2 rounds (about 15 minutes)
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # 4 layers, 4 short requests
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --quick         # a smoke: the tiny Llama, eager, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --moe           # Qwen3-30B-A3B's shape, 4 layers
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the same model, 4 short requests
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --moe --quick   # the tiny Qwen3-MoE, 4 short requests
     .venv-vllm/bin/python benchmarks/bench_vllm.py --mla --quick --columns stock=0 kf-mla=mla
     .venv-vllm/bin/python benchmarks/bench_vllm.py --awq           # AWQ int4: stock, kf (W4A8), kf-w4a16
     .venv-vllm/bin/python benchmarks/bench_vllm.py --awq --quick
@@ -59,6 +59,7 @@ self-check measured it faster on this CPU; the verdicts each engine logged are p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -73,7 +74,6 @@ import torch
 
 import kernforge
 from kernforge.integrations.random_llama import SHAPES, is_moe, make_model_dir, quantize_awq
-from kernforge.integrations.vllm.server import openai_server
 
 import _harness as H
 
@@ -90,6 +90,14 @@ BENCH = (
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 # model shape -> its max_position_embeddings (vLLM serves --max-model-len of it)
 MAX_POSITION = {"llama-3.2-1b": 131072, "qwen3-30b-a3b": 40960, "deepseek-v2-lite": 163840}
+# --quick: the tiny random shape of the same kind (tests/vllm's models), 2048 positions
+QUICK_SHAPES = {"llama-3.2-1b": "tiny", "qwen3-30b-a3b": "tiny-moe", "deepseek-v2-lite": "tiny-deepseek"}
+MAX_POSITION.update(dict.fromkeys(QUICK_SHAPES.values(), 2048))
+NOT_INSTALLED = (
+    "bench_vllm: vLLM is not installed in this environment ({python}): the benchmark runs vLLM's engine, so run it "
+    "under vLLM's environment, e.g. `.venv-vllm/bin/python benchmarks/bench_vllm.py --quick` (`make vllm` builds "
+    ".venv-vllm; tests/vllm/test_bench_quick.py runs the --quick smoke there)"
+)
 MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48: its 4-layer experts are 4.8 GB of bf16, the whole model 6 GB
 MLA_LAYERS = 4  # of DeepSeek-V2-Lite's 27, the first dense: 3 layers of experts are 1.7 GB of bf16
 AWQ_GROUP = 128
@@ -146,7 +154,8 @@ def check_engine(column: str, spec: str, result: dict) -> None:
 
 def model_parts(shape_name: str, awq: bool = False) -> tuple[str, ...]:
     """The plugin's parts that a model of this shape (its AWQ copy with ``awq``) runs."""
-    extra = {"deepseek-v2-lite": ("moe", "mla"), "qwen3-30b-a3b": ("moe",)}.get(shape_name, ())
+    mla, moe = ("moe", "mla"), ("moe",)
+    extra = {"deepseek-v2-lite": mla, "tiny-deepseek": mla, "qwen3-30b-a3b": moe, "tiny-moe": moe}.get(shape_name, ())
     return ("attention", "layers", "linear", *extra, *(("int4",) if awq else ()))
 
 
@@ -187,6 +196,7 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
         command += ["--random-output-len", str(output_len), "--random-range-ratio", "0"]
         command += ["--num-prompts", str(prompts), "--max-model-len", str(args.max_model_len)]
         command += ["--no-enable-prefix-caching", "--seed", "0", "--output-json", str(out)]
+        command += ["--enforce-eager"] if args.quick else []  # a smoke: no Inductor compile at each engine start
         started = time.monotonic()
         run = subprocess.run(command, env=engine_environment(parts, args.threads), capture_output=True, text=True)
         if run.returncode != 0:
@@ -202,6 +212,8 @@ def vllm_throughput(model: Path, parts: str, prompts: int, input_len: int, outpu
 
 def vllm_serve(model: Path, parts: str, args) -> dict:
     """One server per call (its kernels pre-warmed), loaded by vLLM's serving benchmark: its JSON."""
+    from kernforge.integrations.vllm.server import openai_server
+
     server = ["--dtype", "bfloat16", "--max-model-len", "2600", "--no-enable-prefix-caching"]
     env = engine_environment(parts, args.threads)
     with tempfile.TemporaryDirectory() as tmp, openai_server(model, server, env, Path(tmp) / "server.log") as url:
@@ -222,7 +234,30 @@ def vllm_serve(model: Path, parts: str, args) -> dict:
         return result
 
 
-def serve_main(model: Path, columns: dict, args) -> None:
+def record_impl(spec: str) -> str:
+    """A column's record impl name: "vllm" (the plugin off), "vllm+kernforge" (the plugin's default),
+    else "vllm+kernforge <its KERNFORGE_VLLM parts[:int4 mode]>"."""
+    if spec == "0":
+        return "vllm"
+    return "vllm+kernforge" if spec in ("", "1") else f"vllm+kernforge {spec.strip(':')}"
+
+
+def record_model(args) -> str:
+    """The model in record case names: the shape, "awq" after it for the AWQ copy."""
+    return args.shape_name + (" awq" if args.awq else "")
+
+
+def record_params(args, shape: dict, spec: str) -> dict:
+    return {
+        "model": args.shape_name,
+        "layers": shape["num_hidden_layers"],
+        "dtype": "bf16",
+        "quant": f"awq int4 g{AWQ_GROUP}" if args.awq else "none",
+        "kernforge_vllm": column_text(spec),
+    }
+
+
+def serve_main(model: Path, columns: dict, args, shape: dict) -> None:
     results: dict[str, list[dict]] = {}
     for round_ in range(args.rounds):
         for column, parts in columns.items():
@@ -235,9 +270,14 @@ def serve_main(model: Path, columns: dict, args) -> None:
             )
     baseline = next(iter(columns))
     rows = []
+    case = f"{record_model(args)} serve {args.serve_prompts} requests, Poisson {args.rate:g} req/s"
     for column, runs in results.items():
         medians = {m: statistics.median(r[m] for r in runs) for m in SERVE_METRICS}
         base = {m: statistics.median(r[m] for r in results[baseline]) for m in SERVE_METRICS}
+        params = {**record_params(args, shape, columns[column]), "requests": args.serve_prompts, "rate": args.rate}
+        H.emit(case, record_impl(columns[column]), "output_tok_s", medians["output_throughput"], "tok/s", params=params)
+        for m in SERVE_METRICS[1:]:
+            H.emit(case, record_impl(columns[column]), m, medians[m], "ms", params=params)
         rows.append(
             [
                 column,
@@ -255,24 +295,25 @@ def serve_main(model: Path, columns: dict, args) -> None:
     H.write_json(args.json, {"serve": results})
 
 
-def measured_rates(threads: int) -> dict:
-    """The bf16 GEMM rate (GFLOP/s) and the weight-streaming rate (GB/s), measured now."""
+def measured_rates(threads: int, quick: bool = False) -> dict:
+    """The bf16 GEMM rate (GFLOP/s) and the weight-streaming rate (GB/s), measured now (--quick: a
+    GEMM of 1024 and short budgets)."""
     torch.set_num_threads(threads)
-    n = 4096
+    n = 1024 if quick else 4096
     a, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
     packed = kernforge.convert_weight_packed(w)
     gemm = {
         "kernforge": lambda: kernforge.weight_packed_linear(a, packed),
         "torch": lambda: torch.nn.functional.linear(a, w),
     }
-    gemm_times = H.compare(gemm, budget_s=1.0, min_samples=3)
+    gemm_times = H.compare(gemm, budget_s=0.2 if quick else 1.0, min_samples=3)
     best_gemm_s = min(t.median_ns for t in gemm_times.values()) / 1e9
     peak = H.bf16_peak(threads)
     return {
         "bf16_peak_gflops": peak[0] if peak else None,
         "gemm_gflops": 2 * n**3 / best_gemm_s / 1e9,
         "gemm_by": {name: 2 * n**3 / t.median_ns for name, t in gemm_times.items()},
-        "stream_gbs": H.streaming_rate(),
+        "stream_gbs": H.streaming_rate(budget_s=0.3 if quick else 1.0),
     }
 
 
@@ -332,7 +373,7 @@ def bound_seconds(
     return prefill / (rates["gemm_gflops"] * 1e9) + decode_bytes / (rates["stream_gbs"] * 1e9)
 
 
-def main() -> None:
+def parse_args():
     parser = H.base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
@@ -343,7 +384,8 @@ def main() -> None:
         "--layers",
         type=int,
         default=None,
-        help=f"decoder layers (default: the model's; --quick 4; --moe {MOE_LAYERS}; --mla {MLA_LAYERS})",
+        help=f"decoder layers (default: the model's; --moe {MOE_LAYERS}; --mla {MLA_LAYERS}; --quick: the tiny "
+        "model's 2)",
     )
     parser.add_argument(
         "--moe", action="store_true", help="Qwen3-30B-A3B's shape (a mixture of experts) instead of Llama-3.2-1B's"
@@ -374,35 +416,36 @@ def main() -> None:
         parser.error("--awq is Llama-3.2-1B's shape: not with --moe or --mla")
     args.columns = args.columns or (AWQ_COLUMNS if args.awq else ["stock=0", "kf="])
     if args.quick:
-        args.rounds, args.prompts, args.input, args.output, args.layers = 1, 4, 256, 32, args.layers or 4
-    shape_name = "deepseek-v2-lite" if args.mla else "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
-    if args.moe and not args.layers:
+        args.rounds, args.prompts, args.input, args.output = 1, 4, 256, 32
+    args.shape_name = "deepseek-v2-lite" if args.mla else "qwen3-30b-a3b" if args.moe else "llama-3.2-1b"
+    if args.quick:
+        args.shape_name = QUICK_SHAPES[args.shape_name]
+    elif args.moe and not args.layers:
         args.layers = MOE_LAYERS
-    if args.mla and not args.layers:
+    elif args.mla and not args.layers:
         args.layers = MLA_LAYERS
-    shape = dict(SHAPES[shape_name], **({"num_hidden_layers": args.layers} if args.layers else {}))
-    if args.wait_quiet:
-        H.wait_for_quiet(args.wait_quiet)
-    H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
-    model = bench_model(shape_name, shape["num_hidden_layers"], args)
+    return args
+
+
+def prepare_model(args, shape: dict) -> Path:
+    """The model directory (made once), its kernels pre-warmed."""
+    model = bench_model(args.shape_name, shape["num_hidden_layers"], args)
     awq = f", AWQ int4 decoder linears (group {AWQ_GROUP})" if args.awq else ""
-    print(f"model: {shape_name} shape, {shape['num_hidden_layers']} layers, random weights{awq} ({model})", flush=True)
+    print(
+        f"model: {args.shape_name} shape, {shape['num_hidden_layers']} layers, random weights{awq} ({model})",
+        flush=True,
+    )
     subprocess.run(
         [sys.executable, "-m", "kernforge", "prewarm", "--model-config", str(model / "config.json")]
         + (["--quant", "int4"] if args.awq else []),
         check=True,
         capture_output=True,
     )
-    columns = dict(column.split("=", 1) for column in args.columns)
-    if args.each_part:
-        columns.update((part, part) for part in model_parts(shape_name, args.awq))
-    if args.serve:
-        return serve_main(model, columns, args)
-    rates = measured_rates(args.threads)
-    cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
-    if args.mla:
-        cases["prefill 1"] = (1, args.input, 1)  # TPOT at batch 1 = (batch 1 - prefill 1) / (output - 1)
-    baseline = next(iter(columns))
+    return model
+
+
+def run_rounds(model: Path, columns: dict, cases: dict, args) -> dict:
+    """Every case and column, --rounds times, the columns alternating: {(case, column): [results]}."""
     runs: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
         for case, (prompts, input_len, output_len) in cases.items():
@@ -411,7 +454,7 @@ def main() -> None:
                 check_engine(column, parts, result)
                 assert result["int4_kernel"] or not args.awq, f"{column}: no 4-bit linear kernel in the engine's log"
                 runs.setdefault((case, column), []).append(result)
-                experts = f" (MoE: {result['moe_experts']})" if is_moe(shape_name) else ""
+                experts = f" (MoE: {result['moe_experts']})" if is_moe(args.shape_name) else ""
                 experts += f" (int4: {result['int4_kernel']})" if args.awq else ""
                 print(
                     f"round {round_ + 1} {case:8s} {column:12s} {result['elapsed_time']:7.2f} s "
@@ -420,41 +463,67 @@ def main() -> None:
                 )
                 for verdict in result["verdicts"] if round_ == 0 else ():
                     print(f"    {verdict}", flush=True)
+    return runs
+
+
+def summarize(runs: dict, columns: dict, cases: dict, shape: dict, rates: dict, args) -> tuple[list, dict]:
+    """The table's rows and the JSON summary; emits a record per case and column (seconds and tok/s,
+    against the time bound; with --mla, TPOT at batch 1)."""
     rows, summary = [], {}
+    baseline = next(iter(columns))
     for case, (prompts, input_len, output_len) in cases.items():
         tokens = prompts * (input_len + output_len)
         bound = bound_seconds(shape, prompts, input_len, output_len, rates, AWQ_WEIGHT_BYTES if args.awq else 2.0)
         base = statistics.median(r["elapsed_time"] for r in runs[case, baseline])
-        for column in columns:
+        label = f"{case}: {prompts} x ({input_len} in, {output_len} out)"
+        for column, spec in columns.items():
             seconds = statistics.median(r["elapsed_time"] for r in runs[case, column])
             summary[f"{case}/{column}"] = {"s": seconds, "vs_baseline": base / seconds, "bound_s": bound}
             rows.append(
-                [
-                    f"{case}: {prompts} x ({input_len} in, {output_len} out)",
-                    column,
-                    f"{seconds:.2f}",
-                    f"{tokens / seconds:.0f}",
-                    f"{base / seconds:.2f}x",
-                    f"{bound:.2f}",
-                    f"{seconds / bound:.2f}",
-                ]
+                [label, column, f"{seconds:.2f}", f"{tokens / seconds:.0f}", f"{base / seconds:.2f}x"]
+                + [f"{bound:.2f}", f"{seconds / bound:.2f}"]
             )
+            params = {**record_params(args, shape, spec), "prompts": prompts, "input": input_len, "output": output_len}
+            name, impl = f"{record_model(args)} {label}", record_impl(spec)
+            H.emit(name, impl, "seconds", seconds, "s", params=params, bound=("time bound", bound))
+            H.emit(name, impl, "tok_s", tokens / seconds, "tok/s", params=params, bound=("time bound", tokens / bound))
     if "prefill 1" in cases:
         base_decode = summary[f"batch 1/{baseline}"]["s"] - summary[f"prefill 1/{baseline}"]["s"]
-        for column in columns:
+        for column, spec in columns.items():
             decode_s = summary[f"batch 1/{column}"]["s"] - summary[f"prefill 1/{column}"]["s"]
-            summary[f"tpot batch 1/{column}"] = {"ms": 1e3 * decode_s / (args.output - 1)}
-            rows.append(
-                [
-                    "TPOT batch 1 (ms)",
-                    column,
-                    f"{1e3 * decode_s / (args.output - 1):.1f}",
-                    "",
-                    f"{base_decode / decode_s:.2f}x",
-                    "",
-                    "",
-                ]
-            )
+            tpot_ms = 1e3 * decode_s / (args.output - 1)
+            summary[f"tpot batch 1/{column}"] = {"ms": tpot_ms}
+            rows.append(["TPOT batch 1 (ms)", column, f"{tpot_ms:.1f}", "", f"{base_decode / decode_s:.2f}x", "", ""])
+            params = {**record_params(args, shape, spec), "prompts": 1, "input": args.input, "output": args.output}
+            H.emit(f"{record_model(args)} TPOT batch 1", record_impl(spec), "tpot_ms", tpot_ms, "ms", params=params)
+    return rows, summary
+
+
+def main() -> int:
+    args = parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        print(NOT_INSTALLED.format(python=sys.executable), file=sys.stderr)
+        return 2
+    shape = dict(SHAPES[args.shape_name], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    if args.wait_quiet:
+        H.wait_for_quiet(args.wait_quiet)
+    H.print_header("vLLM CPU engine: stock vs kernforge's plugin (vllm.benchmarks.throughput)", args)
+    model = prepare_model(args, shape)
+    columns = dict(column.split("=", 1) for column in args.columns)
+    if args.each_part:
+        columns.update((part, part) for part in model_parts(args.shape_name, args.awq))
+    if args.serve:
+        serve_main(model, columns, args, shape)
+        return 0
+    rates = measured_rates(args.threads, args.quick)
+    cases = {"fixed": (args.prompts, args.input, args.output), "batch 1": (1, args.input, args.output)}
+    if args.quick and not args.mla:  # a smoke: batch 1 is the same path, an engine start per column more
+        del cases["batch 1"]
+    if args.mla:
+        cases["prefill 1"] = (1, args.input, 1)  # TPOT at batch 1 = (batch 1 - prefill 1) / (output - 1)
+    runs = run_rounds(model, columns, cases, args)
+    rows, summary = summarize(runs, columns, cases, shape, rates, args)
+    baseline = next(iter(columns))
     print()
     print(H.table(["case", "column", "s", "tok/s", f"vs {baseline}", "bound s", "/ bound"], rows))
     print(
@@ -468,7 +537,8 @@ def main() -> None:
         kernels = ", ".join(f"{c} {runs['fixed', c][0]['int4_kernel']}" for c in columns)
         print(f"4-bit linear layers (AutoAWQMarlinLinearMethod): {kernels}; vLLM's CPUWNA16 runs {vllm_int4_mode()}")
     H.write_json(args.json, {"summary": summary, "rates": rates, "runs": {f"{c}/{k}": v for (c, k), v in runs.items()}})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

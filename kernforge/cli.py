@@ -1,4 +1,4 @@
-"""``python -m kernforge {info,list,clear,modules,prewarm,tune}``."""
+"""``python -m kernforge {info,list,clear,modules,prewarm,tune,bench}``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import contextlib
 import importlib
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 from kernforge import tune
 from kernforge.cache import disk
@@ -104,7 +106,28 @@ def _prewarm(args) -> int:
     return 0
 
 
+# The benchmark driver of a source checkout (the routines are scripts there, not in the package).
+BENCH_DRIVER = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+def _bench(argv: list[str]) -> int:
+    """``bench ...``: benchmarks/run.py with the same arguments, in this interpreter."""
+    if not BENCH_DRIVER.is_file():
+        print(
+            "kernforge: error: the benchmark routines live in the source checkout's benchmarks/ "
+            f"(run.py), not in the installed package; no {BENCH_DRIVER} here. Run `python -m kernforge "
+            "bench` from an editable install of a checkout (pip install -e .), or "
+            "`python benchmarks/run.py` in the checkout.",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.run([sys.executable, str(BENCH_DRIVER), *argv]).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the driver parses the rest (its routines, --quick, --jsonl, -- ...)
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m kernforge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="CPU features, tier, compiler and cache").set_defaults(run=_info)
@@ -149,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="with --tune: threads to tune with (default: kernforge's setting)")
     p.set_defaults(run=_prewarm)
     tune.add_parser(sub)
+    sub.add_parser(
+        "bench",
+        add_help=False,  # `bench --help` is the driver's
+        help="run benchmark routines (source checkout): bench list | "
+        "bench ROUTINE... [--quick] [--jsonl PATH] [-- ARGS]",
+    )
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -5,8 +5,8 @@ Decode reads a paged KV cache in pages of a few KiB scattered over gigabytes, so
 at the prefetches that first touch it; where the arithmetic is the bound (fp8 KV) they do not hide
 behind the reads. On a Zen 4 VM, decode over a cache in 2 MiB transparent huge pages took
 0.83-1.00x the time of the same cache in 4 KiB pages written in decode order
-(benchmarks/bench_kv_pages.py), fp8 KV 0.72x on a cache written in slices (bench_decode.py;
-RESULTS.md, issue 22).
+(benchmarks/investigations/bench_kv_pages.py), fp8 KV 0.72x on a cache written in slices (bench_decode.py;
+docs/notes/2026-11-27-issue-22-pass-6-huge-pages.md).
 
 Linux backs memory with transparent huge pages where the process asks (``madvise``) or always,
 as ``/sys/kernel/mm/transparent_hugepage/enabled`` says; elsewhere these functions change nothing.

@@ -4,7 +4,7 @@ Two modes, both fed by the module declaration's ``cdef``:
 
 * ``api`` (default): cffi generates a CPython extension around the kernel,
   compiled together with it. Calls convert arguments in C: the lowest
-  per-call overhead (see benchmarks/RESULTS.md, "cffi mode").
+  per-call overhead (see docs/notes/2026-11-21-zen5-ops-sampling-jit.md#cffi-mode).
 * ``abi``: the kernel is a plain shared library opened with ``ffi.dlopen``;
   no Python headers needed, but each call goes through libffi.
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,10 @@ from typing import Any
 import filelock
 
 from kernforge._version import __version__
+
+# The tuners time candidates with this (the benchmarks' timer); re-exported: tune.py calls
+# tuning.time_call at call time, so a test can substitute it here.
+from kernforge.bench.timing import time_call as time_call
 from kernforge.cache import disk
 from kernforge.jit import isa
 from kernforge.jit.module import Module
@@ -187,16 +189,3 @@ class TuningStore:
             log.warning("ignoring the corrupt tuning file %s (not a JSON object)", path)
             return {}
         return records
-
-
-def time_call(run: Callable[[], object], min_seconds: float = 0.2, max_calls: int = 50) -> float:
-    """Median seconds of one ``run()`` after a warm-up call (which also compiles): at least 3 calls,
-    more until ``min_seconds`` have passed. What the tuners time candidates with by default."""
-    run()
-    samples: list[float] = []
-    started = time.perf_counter()
-    while len(samples) < 3 or (len(samples) < max_calls and time.perf_counter() - started < min_seconds):
-        t0 = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)

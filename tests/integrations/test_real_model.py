@@ -2,7 +2,7 @@
 prose installed on the machine: kernforge's perplexity against stock transformers', bf16 and quantized.
 
 Bounds, with the figures this test's 4 windows of 256 tokens gave on the Zen 4 VM when it was written
-(benchmarks/eval_quality.py has the 16 x 1024 figures, benchmarks/RESULTS.md the table):
+(benchmarks/eval_quality.py has the 16 x 1024 figures, docs/notes/2026-11-28-issue-38-four-bit-weights.md the table):
 * kernforge bf16 within 0.5 % of stock bf16 (the issue's bound; measured +0.1 %);
 * W4A16 within 1 % of stock run on the same four-bit weights dequantized to bf16 (measured -0.2 %): the
   kernels compute exactly that model; W4A8 within 8 % of it (its int8 activations: measured +3.5 %);

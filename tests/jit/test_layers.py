@@ -2,7 +2,8 @@
 below, lazily imported names included, so the folders show the structure the code has. Within
 ``ops/``, an op family (a package or module under ``kernforge.ops`` but the shared ``_common`` and
 ``_registry``) reaches another family through its public names only: no name or module of
-another family whose name starts with ``_``, imported or read off an imported module."""
+another family whose name starts with ``_``, imported or read off an imported module; a module
+outside the families (``kernforge.torch_library``, ``nn``, ...) reaches none of theirs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from conftest import REPO_ROOT
 
 # Lowest first; a module belongs to the first layer whose prefix it has.
 LAYERS = (
-    ("kernforge._version", "kernforge.cache", "kernforge.jit"),
+    ("kernforge._version", "kernforge.cache", "kernforge.jit", "kernforge.bench.timing"),
     ("kernforge.ops", "kernforge.distributed", "kernforge.memory"),
-    ("kernforge.model_spec", "kernforge.prewarm", "kernforge.tune", "kernforge.torch_library"),
+    ("kernforge.model_spec", "kernforge.prewarm", "kernforge.tune", "kernforge.torch_library", "kernforge.bench"),
     ("kernforge.nn", "kernforge.cli", "kernforge.__main__", "kernforge.integrations", "kernforge._docs"),
 )
 
@@ -111,13 +112,12 @@ def _others_private(names, own: str) -> set[str]:
 
 
 def _private_reaches() -> set[tuple[str, str]]:
-    """(module, name) for each private name of another op family a family's module reaches."""
+    """(module, name) for each private name of an op family that a module outside the family reaches:
+    another family's module, or one outside the families (``kernforge.torch_library``, ``nn``, ...)."""
     reaches = set()
-    for path in sorted((REPO_ROOT / "kernforge" / "ops").rglob("*.py")):
+    for path in sorted((REPO_ROOT / "kernforge").rglob("*.py")):
         module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
-        own = _family(module)
-        if own is not None:
-            reaches |= {(module, name) for name in _others_private(_reached_names(path), own)}
+        reaches |= {(module, name) for name in _others_private(_reached_names(path), _family(module))}
     return reaches
 
 
@@ -149,4 +149,11 @@ def test_the_private_name_check_sees_imports_and_module_attributes(tmp_path):
         "kernforge.ops.rope._index_tensor",
         "kernforge.ops.attention._wrapper.fill_layer",
         "kernforge.ops.gemm.fp8._checked_block_size",
+    }
+    # A module outside the families (family None, as kernforge.torch_library) may reach none of them.
+    assert _others_private(_reached_names(source), None) == {
+        "kernforge.ops.rope._index_tensor",
+        "kernforge.ops.attention._wrapper.fill_layer",
+        "kernforge.ops.gemm.fp8._checked_block_size",
+        "kernforge.ops.mla.projections._rotate",
     }

@@ -140,7 +140,7 @@ TILE_CANDIDATES = Candidates(
         _tile(6, 32, _WIDE, 2),
         _tile(16, 16, _WIDE, 3, dtypes=("bf16",)),
         # bf16's untuned default where K spans blocks: 1.20-1.23x the 256-deep block at M = 16 and
-        # 0.98-1.10x elsewhere on Zen 5 (benchmarks/RESULTS.md, bench_gemm, tuned column)
+        # 0.98-1.10x elsewhere on Zen 5 (docs/notes/2026-11-23-issue-9-gemm.md, tuned column)
         _blocking((8, 32), ("avx512",), -1, _depth_spans_blocks, depth_block=512),
         _blocking((8, 32), ("amx",), 4, _depth_spans_blocks, depth_block=512),
         _blocking((8, 32), _WIDE, 5, _rows_span_blocks, row_block=128),

@@ -96,7 +96,7 @@ class DecodeKernel {
   // the bf16 paths, a token otherwise): the prefetcher's pace, so that its fetches follow the
   // block's time. With every step fetching alike, a score tile (about 5x a p.V step's instructions)
   // fetched no more than one; weighted, bf16 decode from DRAM took 0.88-0.89x the time and fp8
-  // 0.94-0.98x (RESULTS.md, issue 22, fifth pass).
+  // 0.94-0.98x (docs/notes/2026-11-27-issue-22-pass-5-paced-prefetch.md, "The change").
   static constexpr int64_t kScoreStepWork = kW * (kBf16Operands ? kHeadDim / 32 : (kHeadDim + kW - 1) / kW);
   static constexpr int64_t kValueStepWork = kValueHeads * kValueChunks * (kBf16Dot ? 2 : kFp8Dot ? 4 : 1);
 
@@ -240,11 +240,11 @@ class DecodeKernel {
   // head, each head's tokens in order, K and V of a row together. The page table hides the next
   // rows from the hardware prefetcher; without these fetches the kernel reads its KV at half the
   // rate. Spread out, they overlap the arithmetic: issued as one burst per block, or fetching every
-  // other line and leaving the rest to the hardware, measured 20-25 % slower (benchmarks/RESULTS.md).
+  // other line and leaving the rest to the hardware, measured 20-25 % slower (docs/notes/2026-11-23-issue-8-decode.md).
   // They go to L2 only (prefetcht1): into L1, a load-only walk of NHD pages head by head read
-  // 1.5-1.7x slower on Zen 4 and this kernel 1.4x slower (benchmarks/bench_paged_read.py,
-  // RESULTS.md issue 22); presumably each L1 prefetch holds one of the core's few L1 miss buffers
-  // (not counted: no PMU in that guest). Whole rows a step, their lines unrolled: the walk line by
+  // 1.5-1.7x slower on Zen 4 and this kernel 1.4x slower (benchmarks/investigations/bench_paged_read.py,
+  // docs/notes/2026-11-26-issue-22-pass-1-paged-read.md); presumably each L1 prefetch holds one of the core's
+  // few L1 miss buffers (not counted: no PMU in that guest). Whole rows a step, their lines unrolled: the walk line by
   // line it replaces cost 4-16 % of the kernel's time with the KV in the caches.
   class BlockPrefetcher {
    public:

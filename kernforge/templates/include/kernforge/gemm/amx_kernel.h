@@ -248,7 +248,7 @@ struct Blocking {
   static constexpr int kDepthSteps = DepthSteps;
   static constexpr int64_t kGroupRows = GroupRows, kChunkColumns = ChunkColumns;
 };
-// Measured on a 2-core Xeon (benchmarks/RESULTS.md, "AMX GEMM blocked for the caches"): 8 steps
+// Measured on a 2-core Xeon (docs/notes/2026-11-25-issue-18-amx-gemm-blocking.md): 8 steps
 // keep A and the B tiles passing through within L1 (16 steps: 10-20 % slower); deep K favours
 // taller row groups (B read from L3 fewer times), short K shorter ones. A product of one row block
 // (a decode batch) reads each weight once: 32 steps per C reload stream it 7-22 % faster than 8.

@@ -6,7 +6,7 @@ layers: ``kernel.run(...)`` with every argument (the floor), ``kernel.bind("run"
 generated function with the plan's arguments fixed, and ``wrapper.run(x, out=out)`` (shape
 and dtype checks, pointer extraction, the bound call).
 
-    python benchmarks/bench_plan_run.py [--quick] [--json PATH]
+    python benchmarks/investigations/bench_plan_run.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-import _harness as H
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _harness and the routines
+import _harness as H  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(H.REPO_ROOT / "examples"))
 import planned_op  # noqa: E402
 
 
@@ -31,27 +32,20 @@ def main() -> int:
     x, out = torch.randn(1, 16), torch.empty(1, 16)
     wrapper = planned_op.SegmentSumWrapper(torch.empty(64, dtype=torch.uint8))
     wrapper.plan(indptr, dim=16)
-    kernel = planned_op.SEGMENT_SUM.variant(dtype=torch.float32).kernel()
-    threads = 1
-    workspace = torch.empty(64, dtype=torch.uint8)
-    kernel.plan(indptr.data_ptr(), 1, threads, workspace.data_ptr())
-    raw, bound = (
-        kernel.run,
-        kernel.bind(
-            "run", indptr=indptr.data_ptr(), batch=1, dim=16, workspace=workspace.data_ptr(), num_threads=threads
-        ),
-    )
-    xp, op, ip, wp = x.data_ptr(), out.data_ptr(), indptr.data_ptr(), workspace.data_ptr()
-    wrapper._run = bound  # the wrapper's own plan, on one thread like the raw calls
+    # The wrapper's own kernel and plan struct (examples/planned_op.py: run takes the declared plan
+    # struct, then out, x, x_stride), called three ways.
+    kernel, plan = wrapper._kernel, wrapper._plan
+    raw, bound = kernel.run, kernel.bind("run", plan=plan)
+    xp, op = x.data_ptr(), out.data_ptr()
 
     fns = {
-        "raw kernel.run(8 args)": lambda: raw(op, xp, 16, ip, 1, 16, wp, threads),
+        "raw kernel.run(4 args)": lambda: raw(plan, op, xp, 16),
         "bound run(3 args)": lambda: bound(op, xp, 16),
         "wrapper.run(x, out=out)": lambda: wrapper.run(x, out=out),
         "empty lambda (timer floor)": lambda: None,
     }
     t = H.compare(fns, budget_s=0.2 if args.quick else 1.0, rounds=3 if args.quick else 5, min_samples=15)
-    base = t["raw kernel.run(8 args)"].us
+    base = t["raw kernel.run(4 args)"].us
     rows = [[name, H.us(timing), f"{timing.us - base:+.3f}"] for name, timing in t.items()]
     print(H.table(["call", "median", "vs raw (µs)"], rows))
     H.write_json(args.json, {"machine": info, "median_us": {k: v.us for k, v in t.items()}})

@@ -1,5 +1,5 @@
 """What bounds a paged KV read on this machine (issue 22): a load-only walk over the KV cache that
-decode attention reads (benchmarks/templates/bench_paged_read.cpp.jinja), varying one thing at a
+decode attention reads (investigations/templates/bench_paged_read.cpp.jinja), varying one thing at a
 time, against the rate kernforge's M=1 GEMM streams a weight larger than the L3 and torch's sum
 over 1 GiB, measured in the same run, round-robin (this VM's DRAM rate moves over minutes).
 
@@ -18,19 +18,21 @@ kernel beside them; and the kernel on 16 MB of KV (in the L3), the rate its arit
 beside vdpbf16ps at its peak on every thread, stated as the KV bytes decode reads per as many dot
 products (the bound on that arithmetic).
 
-    .venv/bin/python benchmarks/bench_paged_read.py --wait-quiet 30      # about 1.5 minutes
+    .venv/bin/python benchmarks/investigations/bench_paged_read.py --wait-quiet 30      # about 1.5 minutes
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 
 import torch
 
 import kernforge
 
-import _harness as H
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _harness and the routines
+import _harness as H  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 32
 STREAM_NAME = f"weight_packed_linear M=1 ({H.DRAM_SPAN // H.MiB} MiB weight)"
@@ -76,7 +78,7 @@ class PagedCache:
 def probe():
     from kernforge.jit import Entry, Module, core
 
-    kernforge.register_template_dir(H.BENCH_DIR / "templates")
+    kernforge.register_template_dir(Path(__file__).resolve().parent / "templates")
     module = Module(
         "bench_paged_read",
         "bench_paged_read.cpp.jinja",

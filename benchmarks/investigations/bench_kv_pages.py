@@ -13,7 +13,8 @@ is copied until the copies the calls rotate over are not, so every call reads fr
 Shape: 32 query heads, 8 KV heads, head dim 128, pages of 16 tokens shuffled (bench_decode's).
 Check (untimed): each decode's output on huge pages equals its output on 4 KiB pages bit for bit.
 
-    .venv/bin/python benchmarks/bench_kv_pages.py [--cases 16:16384 16:4096 ...] [--rounds 5]  # about 1 minute
+    # about 1 minute:
+    .venv/bin/python benchmarks/investigations/bench_kv_pages.py [--cases 16:16384 16:4096 ...] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import gc
 import itertools
 import statistics
 import sys
+from pathlib import Path
 
 import torch
-from bench_decode import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _harness and the routines
+from bench_decode import (  # noqa: E402
     BF16,
     FP8,
     HQ,
@@ -38,9 +42,9 @@ from bench_decode import (
     random_cache,
 )
 
-import kernforge
+import kernforge  # noqa: E402
 
-import _harness as H
+import _harness as H  # noqa: E402
 
 DEFAULT_CASES = "target"  # bench_decode's: 16:4096 64:1024 1:32768 16:16384
 

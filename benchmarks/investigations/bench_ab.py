@@ -6,7 +6,7 @@ drifts by tens of percent between minutes, so each round runs both trees in fres
 first in even rounds, B first in odd ones), and the report gives per-case medians over rounds and
 the B/A ratio of each round.
 
-    python benchmarks/bench_ab.py --a /path/to/old-checkout --b . --rounds 4
+    python benchmarks/investigations/bench_ab.py --a /path/to/old-checkout --b . --rounds 4
 
 --pinned: A and B at the same time instead, one thread each, each process on a core of its own
 (taskset), the cores swapped every round. For kernels bound by their arithmetic (the *_l2 / *_l3

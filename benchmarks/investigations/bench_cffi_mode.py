@@ -10,7 +10,7 @@ per-call time over chunks. A pure-Python function with the same 15 arguments
 gives the floor of the Python call itself. Then the real rmsnorm kernel
 (bf16, [1, 4096]) is built in both modes and timed the same way.
 
-    .venv/bin/python benchmarks/bench_cffi_mode.py [--quick] [--calls N] [--json out.json]
+    .venv/bin/python benchmarks/investigations/bench_cffi_mode.py [--quick] [--calls N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _harness and the routines
 import _harness as H  # noqa: E402
 
 NOOP_ARGS = (

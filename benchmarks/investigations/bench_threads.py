@@ -15,7 +15,7 @@ of spinning workers fighting over the 2 cores. Evidence printed:
   torch's own copy_ of the same buffers (torch's pool only, same bytes), so
   the cache part can be told apart. Median over several trials.
 
-    .venv/bin/python benchmarks/bench_threads.py [--quick] [--json out.json]
+    .venv/bin/python benchmarks/investigations/bench_threads.py [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _harness and the routines
 import torch  # noqa: E402
 
 import kernforge  # noqa: E402
