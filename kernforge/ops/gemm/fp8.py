@@ -101,7 +101,7 @@ def convert_weight_packed_fp8(
 ) -> PackedFp8Weight:
     """Pack an e4m3fn ``weight [N, K]`` with its fp32 block scales ``[ceil(N / bn), ceil(K / bk)]``."""
     n, k = checked_weight(weight, torch.float8_e4m3fn, "convert_weight_packed_fp8")
-    block = _checked_block_size(block_size)
+    block = checked_block_size(block_size)
     weight_scale = _checked_scale(weight_scale, n, k, block)
     if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():  # once per weight, not per call
         raise ValueError(
@@ -138,7 +138,7 @@ def fp8_scaled_mm(
     kernel = fp8_scaled_mm.kernels.variant(x.dtype).kernel()
     n, k = _checked_packed(packed)
     m, _, x2, ldx = matrix_rows(x, "x", k, "packed's K")
-    block = _checked_block_size(block_size)
+    block = checked_block_size(block_size)
     weight_scale = _checked_scale(weight_scale, n, k, block)
     bias = checked_fp32_bias(bias, n)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
@@ -183,7 +183,9 @@ def scale_shape(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
     return (-(-n // block_size[0]), -(-k // block_size[1]))
 
 
-def _checked_block_size(block_size) -> tuple[int, int]:
+def checked_block_size(block_size) -> tuple[int, int]:
+    """``block_size`` as two positive ints ``(block_n, block_k)``, or a ValueError naming it (MoE's fp8
+    experts check theirs with it)."""
     try:
         bn, bk = (int(s) for s in block_size)
     except (TypeError, ValueError):

@@ -70,7 +70,7 @@ import torch
 
 from kernforge.ops._common import checked_out, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, export
-from kernforge.ops.gemm._common import check_cpu_tensor, raise_for_status
+from kernforge.ops.gemm import check_cpu_tensor, raise_for_status
 from kernforge.ops.gemm.bf16 import (
     PackedWeight,
     checked_packed_weight,

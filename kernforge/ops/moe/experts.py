@@ -56,10 +56,10 @@ import torch
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module, Struct
 from kernforge.ops._common import checked_out, dtype_name, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, Traced, kernel_op, model_kernels
+from kernforge.ops.gemm import check_cpu_tensor, check_layout_version, packed_weight
 from kernforge.ops.gemm import fp8 as gemm_fp8
 from kernforge.ops.gemm import int4 as gemm_int4
 from kernforge.ops.gemm import int8 as gemm_int8
-from kernforge.ops.gemm._common import check_cpu_tensor, check_layout_version, packed_weight
 
 LAYOUT_VERSION = 1
 PANEL_WIDTH = 32  # bf16: columns per packed panel, as kernforge.ops.gemm's (a multiple of every tier's NR)
@@ -308,7 +308,7 @@ def pack_experts_fp8(
     [E, ceil(N / bn), ceil(K / bk)]`` (``block_size = (bn, bk)``) for :func:`fused_experts` with
     ``use_fp8_w8a16``; ``gated`` as for :func:`pack_experts`."""
     experts, n, k = _checked_stack(w, "w", torch.float8_e4m3fn, gated, "pack_experts_fp8")
-    block = gemm_fp8._checked_block_size(block_size)
+    block = gemm_fp8.checked_block_size(block_size)
     check_cpu_tensor(w_scale, "w_scale")
     if not w_scale.is_floating_point():
         raise TypeError(f"w_scale has dtype {w_scale.dtype}; expected a floating dtype (stored as float32)")
@@ -452,7 +452,7 @@ def _checked_packed(packed, name: str):
         columns = (packed.experts, packed.parts, layout[0][2][2] * width)
         layout += [("compensation", torch.int32, columns), ("scale", torch.float32, columns)]
     elif kind == "fp8":
-        bn, bk = gemm_fp8._checked_block_size(packed.block_size)
+        bn, bk = gemm_fp8.checked_block_size(packed.block_size)
         layout.append(("scale", torch.float32, (packed.experts, -(-packed.n // bn), -(-packed.k // bk))))
     elif kind == "int4":
         per_group = (packed.experts, packed.parts, packed.k // packed.group_size, packed.n // packed.parts)
