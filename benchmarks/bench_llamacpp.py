@@ -43,65 +43,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
 import _harness as H
 
 sys.path.insert(0, str(H.REPO_ROOT / "examples"))
 import bench_e2e  # noqa: E402
 from llama_generate import build_model, random_prompts, timed_generate  # noqa: E402
 
-from kernforge.integrations.random_llama import random_llama  # noqa: E402
+from kernforge.integrations.random_llama import random_llama, write_gguf  # noqa: E402
 
 FORMATS = ("Q4_0", "Q4_K_M")
 KERNFORGE = "kernforge int4"
 LLAMA_CPP_TOOLS = ("llama-bench", "llama-quantize")
-
-
-def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rotate-half rows -> llama.cpp's interleaved RoPE rows (convert_hf_to_gguf's LlamaModel.permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(model, path: Path) -> None:
-    import gguf
-
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("kernforge-bench-llama-3.2-1b-shape")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta if hasattr(config, "rope_theta") else 500000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_tokenizer_model("none")
-
-    def add(name: str, t: torch.Tensor, norm: bool = False) -> None:
-        writer.add_tensor(name, t.detach().float().numpy().astype(np.float32 if norm else np.float16))
-
-    add("token_embd.weight", model.model.embed_tokens.weight)
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, norm=True)
-        add(f"blk.{i}.attn_q.weight", _permute(attn.q_proj.weight, config.num_attention_heads))
-        add(f"blk.{i}.attn_k.weight", _permute(attn.k_proj.weight, config.num_key_value_heads))
-        add(f"blk.{i}.attn_v.weight", attn.v_proj.weight)
-        add(f"blk.{i}.attn_output.weight", attn.o_proj.weight)
-        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, norm=True)
-        add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
-        add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
-        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
-    add("output_norm.weight", model.model.norm.weight, norm=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def quantized_ggufs(model, bin_dir: Path, cache: Path, layers: int, shape: str = "llama-3.2-1b") -> dict[str, Path]:
@@ -111,23 +63,27 @@ def quantized_ggufs(model, bin_dir: Path, cache: Path, layers: int, shape: str =
     if not f16.exists():
         write_gguf(model, f16.with_suffix(".tmp"))
         f16.with_suffix(".tmp").rename(f16)
-    files = {}
-    for fmt in FORMATS:
-        out = cache / f"{shape}-shape-{layers}l-{fmt}.gguf"
-        if not out.exists():
-            subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(out), fmt], check=True, capture_output=True)
-        files[fmt] = out
-    return files
+    return {fmt: quantized(bin_dir, f16, fmt) for fmt in FORMATS}
 
 
-def llama_bench_command(bin_dir: Path, gguf_file: Path | str, args) -> list[str]:
+def quantized(bin_dir: Path, f16: Path, fmt: str) -> Path:
+    """``f16`` quantized to ``fmt`` by llama.cpp's llama-quantize (once; kept beside it)."""
+    out = f16.with_name(f16.name.replace("-f16.gguf", f"-{fmt}.gguf"))
+    if not out.exists():
+        partial = out.with_suffix(".tmp")
+        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(partial), fmt], check=True, capture_output=True)
+        partial.rename(out)
+    return out
+
+
+def llama_bench_command(bin_dir: Path, gguf_file: Path | str, args, flash: int = 1) -> list[str]:
     command = [str(bin_dir / "llama-bench"), "-m", str(gguf_file), "-p", str(args.prompt), "-n", str(args.new)]
-    return command + ["-t", str(args.threads), "-fa", "1", "-r", "1", "-o", "json"]
+    return command + ["-t", str(args.threads), "-fa", str(flash), "-r", "1", "-o", "json"]
 
 
-def llama_bench(bin_dir: Path, gguf_file: Path, args) -> dict[str, float]:
-    """{"pp": prompt tokens/s, "tg": generated tokens/s} of one llama-bench run."""
-    command = llama_bench_command(bin_dir, gguf_file, args)
+def llama_bench(bin_dir: Path, gguf_file: Path, args, flash: int = 1) -> dict[str, float]:
+    """{"pp": prompt tokens/s, "tg": generated tokens/s} of one llama-bench run (flash attention on or off)."""
+    command = llama_bench_command(bin_dir, gguf_file, args, flash)
     runs = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     return {"pp" if run["n_prompt"] else "tg": run["avg_ts"] for run in runs}
 

@@ -37,6 +37,7 @@ ROUTINES: dict[str, tuple[str, str]] = {
     "e2e": ("bench_e2e.py", "a Hugging Face model generating through kernforge vs stock transformers"),
     "vllm": ("bench_vllm.py", "vLLM's CPU engine with and without kernforge's plugin (needs .venv-vllm)"),
     "llamacpp": ("bench_llamacpp.py", "four-bit weights vs llama.cpp on the same weights (needs its binary)"),
+    "gguf": ("bench_gguf.py", "GGUF files (from_gguf) vs llama.cpp and transformers reading the same files"),
     "quality": ("eval_quality.py", "quality on a real model (SmolLM2-135M): perplexity, KL, greedy agreement vs stock"),
 }
 

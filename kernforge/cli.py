@@ -74,7 +74,11 @@ def _parse_param(text: str):
 def _prewarm(args) -> int:
     for directory in args.template_dir:
         render.register_template_dir(directory)
-    if args.model_config:
+    if args.gguf:
+        from kernforge.integrations.transformers import gguf_manifest
+
+        manifest = gguf_manifest(args.gguf, tuple(args.kv_cache_dtype or ()))
+    elif args.model_config:
         manifest = prewarm.manifest_from_model_config(args.model_config, tuple(args.kv_cache_dtype or ()), args.quant)
     elif args.manifest:
         manifest = json.loads(open(args.manifest).read())
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prewarm", help="compile variants ahead of time (default: every op and dtype)")
     p.add_argument("manifest", nargs="?", help="JSON manifest of kernels to build")
     p.add_argument("--model-config", help="derive the manifest from a model's config.json")
+    p.add_argument("--gguf", help="derive the manifest from a GGUF file (kernforge.from_gguf's model)")
     p.add_argument(
         "--kv-cache-dtype",
         action="append",

@@ -17,7 +17,9 @@ user's :class:`~kernforge.jit.module.Module`, imported to register it); its
 params are checked against the declaration (``python -m kernforge modules``
 prints every schema).
 
-``manifest_from_model_config`` derives one from a Hugging Face ``config.json``.
+``manifest_from_model_config`` derives one from a Hugging Face ``config.json``,
+``kernforge.integrations.transformers.gguf_manifest`` from a GGUF file (its GEMMs at the file's
+tensor types; ``prewarm --gguf``).
 The norm and activation kernels take the hidden size at run time (they are
 memory-bound, and a per-size build would only multiply compiles), so the
 model's sizes are recorded in the manifest's ``model`` section but select

@@ -392,6 +392,76 @@ def _rewrite_checkpoint(
     return path
 
 
+_GGUF_FLOATS = {"F32": "float32", "F16": "float16"}
+
+
+def _llama_cpp_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotate-half q/k rows -> llama.cpp's interleaved RoPE rows (convert_hf_to_gguf's LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callable[..., Any] | None = None) -> Path:
+    """Write a ``LlamaForCausalLM`` as llama.cpp's ``convert_hf_to_gguf.py`` writes one (the ``gguf``
+    package's writer; tensor names ``token_embd``, ``blk.N.attn_q`` ...; q/k rows permuted to llama.cpp's
+    RoPE layout; norms F32; no tokenizer: ``tokenizer.ggml.model = "none"``). The 2-D weights are
+    ``tensor_type``: F16, F32, or a type ``gguf.quants`` quantizes (Q4_0, Q4_1, Q8_0; llama.cpp's
+    ``llama-quantize`` writes the others from an F16 file). ``encode(name, weight fp32 ndarray)`` may
+    return ``(block bytes uint8 [rows, row bytes], type name)`` for a tensor instead (tests write K-quant
+    blocks that way), or None. Tied embeddings write no ``output.weight``."""
+    import gguf
+    import numpy as np
+
+    config, path = model.config, Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(config.name_or_path or "kernforge-random-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("none")
+
+    def add(name: str, t: torch.Tensor, norm: bool = False) -> None:
+        values = t.detach().float().numpy()
+        encoded = None if norm or encode is None else encode(name, values)
+        if encoded is not None:
+            blocks, kind = encoded
+            raw_type = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=raw_type)
+        elif norm or tensor_type in _GGUF_FLOATS:
+            writer.add_tensor(name, values.astype(np.float32 if norm else _GGUF_FLOATS[tensor_type]))
+        else:
+            raw_type = gguf.GGMLQuantizationType[tensor_type]
+            blocks = gguf.quants.quantize(values, raw_type)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=raw_type)
+
+    add("token_embd.weight", model.model.embed_tokens.weight)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, norm=True)
+        add(f"blk.{i}.attn_q.weight", _llama_cpp_rope_rows(attn.q_proj.weight, config.num_attention_heads))
+        add(f"blk.{i}.attn_k.weight", _llama_cpp_rope_rows(attn.k_proj.weight, config.num_key_value_heads))
+        add(f"blk.{i}.attn_v.weight", attn.v_proj.weight)
+        add(f"blk.{i}.attn_output.weight", attn.o_proj.weight)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, norm=True)
+        add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
+        add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
+        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
+    add("output_norm.weight", model.model.norm.weight, norm=True)
+    if not config.tie_word_embeddings:
+        add("output.weight", model.lm_head.weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

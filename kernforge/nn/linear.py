@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kernforge import torch_library
+from kernforge.nn.gguf import GGUFLinear
 from kernforge.ops._registry import DTYPE_NAMES
 from kernforge.ops.gemm import bf16, fp8, int4, int8
 
@@ -79,7 +80,10 @@ class Linear(nn.Module):
     def from_linear(cls, layer: nn.Linear, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> Linear:
         """Pack ``layer``'s weight (and keep its bias) for inputs of ``dtype``. ``layer`` may be an
         :class:`Int4LinearWeights` (a weight that is four-bit already): quant "int4"/"int4_w4a16" pack its
-        codes as they are, the other quants take its dequantized weight."""
+        codes as they are, the other quants take its dequantized weight; a :class:`~kernforge.nn.gguf.GGUFLinear`
+        is returned as it is (its blocks run at the file's types)."""
+        if isinstance(layer, GGUFLinear):  # a GGUF file's blocks run at their own type, packed already
+            return layer
         if isinstance(layer, Int4LinearWeights):
             _check_config(dtype, quant)
             if quant in int4.QUANTS:

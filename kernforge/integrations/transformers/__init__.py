@@ -22,7 +22,9 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
   ``page_size`` tokens); prefill runs ``BatchPrefillWithPagedKVCacheWrapper`` and decode
   ``BatchDecodeWithPagedKVCacheWrapper``, planned once per forward by the first layer and run by
   every layer. ``model(...)`` and ``model.generate(...)`` get a fresh :class:`PagedCache` when
-  they would have made a ``DynamicCache``;
+  they would have made a ``DynamicCache``; a ``use_cache=False`` forward gets one whose pages return
+  to the pool when it ends, and returns none. Attention weights are not computed:
+  ``output_attentions=True`` warns, and gets an empty ``attentions``;
 * RMSNorms: kernforge's ``rmsnorm`` (the decoder layers' residual adds are transformers');
 * MLP: one packed gate|up linear, ``silu_and_mul`` (or the GELU gated kernel the config names)
   and the down linear;
@@ -56,6 +58,11 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
 * sampling: :func:`generate`, a small loop over the same cache with transformers' arguments, samples
   with ``top_k_top_p_sampling_from_logits``. (``model.generate`` samples with torch.)
 
+``model.save_pretrained(dir)`` writes the checkpoint the stock model would have (``_saving``: the
+packed bf16 weights unpacked, exactly), which transformers loads and ``optimize`` takes again; a model
+whose weights were quantized, or rounded to bf16 from a wider dtype, or packed as MoE experts, refuses
+with a ValueError saying how to save it (before ``optimize``).
+
 A model of another kind, or a configuration kernforge cannot run (a head dim without attention
 kernels, a RoPE type whose frequencies change with the length, a missing pre-warmed kernel with
 ``KERNFORGE_JIT=0``), raises :class:`UnsupportedModelError` or ``KernelNotCachedError`` naming
@@ -75,12 +82,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 import copy
+import os
+import sys
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from kernforge.integrations.transformers import _compat, _kernels, _modules, _tensor_parallel
+from kernforge.integrations.transformers import _compat, _kernels, _modules, _saving, _tensor_parallel
 from kernforge.integrations.transformers._cache import (
     AttentionSpec,
     KVCacheFullError,
@@ -92,10 +101,12 @@ from kernforge.integrations.transformers._cache import (
 )
 from kernforge.integrations.transformers._checkpoints import Int4CheckpointLinear, from_pretrained
 from kernforge.integrations.transformers._generate import generate
+from kernforge.integrations.transformers._gguf import from_gguf, gguf_manifest, gguf_tokenizer
 from kernforge.jit import KernelNotCachedError
 from kernforge.memory import trim_heap
 from kernforge.model_spec import ModelSpec
 from kernforge.nn import Linear
+from kernforge.nn.gguf import GGUFLinear
 from kernforge.nn.linear import Int4LinearWeights
 from kernforge.ops._common import MAX_HEAD_DIM
 
@@ -106,8 +117,11 @@ __all__ = [
     "KVCacheFullError",
     "PagedCache",
     "UnsupportedModelError",
+    "from_gguf",
     "from_pretrained",
     "generate",
+    "gguf_manifest",
+    "gguf_tokenizer",
     "new_cache",
     "optimize",
 ]
@@ -140,12 +154,29 @@ class UnsupportedModelError(NotImplementedError):
 class _Runtime:
     """What an optimized model carries (as ``model._kernforge``): the model spec it was built by
     (pre-warm's manifest is ``kernforge.prewarm.manifest_from_spec`` of it), the attention spec, its
-    page pool and, with tensor parallelism, the communicator."""
+    page pool, the stock state dict's layout (what ``save_pretrained`` writes back) and, with tensor
+    parallelism, the communicator; while a ``use_cache=False`` forward runs, its cache."""
 
     def __init__(
-        self, model_spec: ModelSpec, spec: AttentionSpec | MLASpec, pool: PagePool, quant: str | None, comm=None
+        self,
+        model_spec: ModelSpec,
+        spec: AttentionSpec | MLASpec,
+        pool: PagePool,
+        quant: str | None,
+        stock: _saving._Stock,
+        comm=None,
     ):
         self.model_spec, self.spec, self.pool, self.quant, self.comm = model_spec, spec, pool, quant, comm
+        self.stock = stock
+        self.uncached: PagedCache | None = None  # the pages of the use_cache=False forward running now
+        self.warned: set[str] = set()  # what this model has warned about (once each)
+
+    def release_uncached(self) -> PagedCache | None:
+        """Return the pages of the ``use_cache=False`` forward (one that raised leaves them here); its cache."""
+        cache, self.uncached = self.uncached, None
+        if cache is not None:
+            cache.reset()
+        return cache
 
 
 def optimize(
@@ -197,8 +228,9 @@ def optimize(
         spec = _mla_spec(model_spec, decoder, dtype)
     else:
         spec = _attention_spec(model_spec, decoder, dtype, comm.world_size if comm is not None else 1)
-    _check_kernels(model_spec, quant)
+    _check_kernels(model_spec, quant, getattr(model, "gguf_file", None))
     pool = PagePool(spec, kv_cache_pages, page_size)  # checks kv_cache_pages and page_size before any change
+    stock_layout = _saving.stock_layout(model)  # what save_pretrained writes back, recorded before any change
     if comm is not None:
         _tensor_parallel.shard_stock_modules(model, comm)
     _modules.register()
@@ -228,11 +260,13 @@ def optimize(
                 model.lm_head = _tensor_parallel.VocabParallel(head, comm, vocab)
         if comm is not None:
             _tensor_parallel.parallelize_outputs(model, comm)
-    runtime = model._kernforge = _Runtime(model_spec, spec, pool, quant, comm)
+    runtime = model._kernforge = _Runtime(model_spec, spec, pool, quant, stock_layout, comm)
     _own_config(model)._attn_implementation = _modules.ATTN_IMPLEMENTATION
     decoder.register_forward_pre_hook(
         _paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)), with_kwargs=True
     )
+    decoder.register_forward_hook(_uncached_forward_hook(runtime))
+    _saving.install(model)
     _warn_stock_modules(model, stock)
     return model
 
@@ -370,16 +404,20 @@ def _mla_spec(model_spec: ModelSpec, decoder, dtype) -> MLASpec:
     )
 
 
-def _check_kernels(model_spec: ModelSpec, quant: str | None) -> None:
+def _check_kernels(model_spec: ModelSpec, quant: str | None, gguf_file: str | None = None) -> None:
     """With KERNFORGE_JIT=0, every kernel the model's manifest lists must be cached already: the
-    manifest pre-warm derives from ``model_spec``, the spec the model runs by."""
+    manifest pre-warm derives from ``model_spec``, the spec the model runs by (and, for a model read
+    from a GGUF file, from the file's tensor types)."""
     from kernforge.jit import core
     from kernforge.prewarm import manifest_from_spec, specs_from_manifest
 
     if core.jit_enabled():
         return
     try:
-        manifest = manifest_from_spec(model_spec, quant=quant)
+        if gguf_file is not None:
+            manifest = gguf_manifest(gguf_file, dtype=model_spec.dtype)
+        else:
+            manifest = manifest_from_spec(model_spec, quant=quant)
     except ValueError as exc:  # what pre-warm refuses (an activation without a gated kernel)
         raise UnsupportedModelError(f"KERNFORGE_JIT=0 and pre-warm cannot build this model's kernels: {exc}") from None
     missing = []
@@ -391,8 +429,12 @@ def _check_kernels(model_spec: ModelSpec, quant: str | None) -> None:
     if missing:
         raise KernelNotCachedError(
             f"KERNFORGE_JIT=0 and {len(missing)} kernels this model needs are not cached: {'; '.join(missing)}. "
-            "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>"
-            + (f" --quant {quant}" if quant else "")
+            + (
+                f"Build them first with: python -m kernforge prewarm --gguf {gguf_file}"
+                if gguf_file is not None
+                else "Build them first with: python -m kernforge prewarm --model-config <the model's config.json>"
+                + (f" --quant {quant}" if quant else "")
+            )
         )
 
 
@@ -532,8 +574,9 @@ def _replaced_mlp(mlp, activation: str, dtype, quant, stock: list) -> nn.Module:
 
 
 def _linear_like(module) -> bool:
-    """An ``nn.Linear``, or what stands for one whose weight is four-bit already (``from_pretrained``'s)."""
-    return type(module) is nn.Linear or isinstance(module, Int4LinearWeights)
+    """An ``nn.Linear``, or what stands for one whose weight is quantized already (``from_pretrained``'s
+    four-bit checkpoints, ``from_gguf``'s blocks)."""
+    return type(module) is nn.Linear or isinstance(module, (Int4LinearWeights, GGUFLinear))
 
 
 def _is_sparse_moe(mlp) -> bool:
@@ -605,8 +648,9 @@ def _own_config(model: nn.Module):
 
 def _paged_cache_hook(runtime: _Runtime, argument: str):
     """A forward pre-hook of the decoder that gives it a PagedCache where transformers would make
-    (or has just made, in ``generate``) an empty DynamicCache. The cache comes under either of
-    transformers' names for it and goes on under ``argument``, the one the decoder takes."""
+    (or has just made, in ``generate``) an empty DynamicCache, and where it would make none
+    (``use_cache=False``) one for this forward only. The cache comes under either of transformers'
+    names for it and goes on under ``argument``, the one the decoder takes."""
 
     def hook(module, args, kwargs):
         if kwargs.get("output_router_logits"):  # transformers records them from the routers optimize() replaced
@@ -614,8 +658,14 @@ def _paged_cache_hook(runtime: _Runtime, argument: str):
                 "a kernforge-optimized model does not record router logits (output_router_logits, for training's "
                 "auxiliary loss): pass output_router_logits=False"
             )
+        _warn_attentions_not_computed(runtime, module, kwargs)
+        runtime.release_uncached()  # a use_cache=False forward that raised left its pages there
         cache = _compat.take_cache(kwargs)
-        if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
+        if cache is None and not _uses_cache(module, kwargs):
+            # no cache wanted (stock makes none), but kernforge attention reads the pages: this forward
+            # gets a cache of its own, whose pages return when it ends (_uncached_forward_hook)
+            cache = runtime.uncached = paged_cache(runtime.spec, runtime.pool)
+        elif cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
             cache = paged_cache(runtime.spec, runtime.pool)
         elif not isinstance(cache, PagedCache):
             raise TypeError(
@@ -627,3 +677,53 @@ def _paged_cache_hook(runtime: _Runtime, argument: str):
         return args, kwargs
 
     return hook
+
+
+def _uses_cache(decoder: nn.Module, kwargs: dict) -> bool:
+    """Whether the forward keeps a cache: its ``use_cache``, else the config's (as transformers reads it)."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", None)
+    return bool(use_cache)
+
+
+def _uncached_forward_hook(runtime: _Runtime):
+    """A forward hook of the decoder: after a ``use_cache=False`` forward, its pages go back to the pool
+    and its output has no cache, as stock's has none (a scoring loop keeping outputs keeps no pages)."""
+
+    def hook(module, args, output):
+        cache = runtime.release_uncached()
+        if cache is None:
+            return None
+        if isinstance(output, tuple):  # return_dict=False
+            return tuple(value for value in output if value is not cache)
+        return type(output)(**{name: value for name, value in output.items() if value is not cache})
+
+    return hook
+
+
+def _warn_attentions_not_computed(runtime: _Runtime, decoder: nn.Module, kwargs: dict) -> None:
+    """Once per model: ``output_attentions=True`` gets no attention weights from kernforge's kernels."""
+    asked = kwargs.get("output_attentions", getattr(decoder.config, "output_attentions", False))
+    if asked and "output_attentions" not in runtime.warned:
+        runtime.warned.add("output_attentions")
+        warnings.warn(
+            "output_attentions=True: a kernforge-optimized model's attention kernels do not compute attention "
+            "weights, so outputs.attentions is empty. For them, run the model before optimize() with "
+            "attn_implementation='eager'",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+def _caller_stacklevel() -> int:
+    """For a warning raised inside a forward: the stacklevel of the first frame outside torch,
+    transformers and kernforge, so that it names the caller's line (transformers' decorators make
+    the depth vary between releases)."""
+    import kernforge
+
+    internal = tuple(os.path.dirname(str(module.__file__)) + os.sep for module in (torch, transformers, kernforge))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -78,10 +78,17 @@ class PagePool:
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
+            held = self.num_pages - len(self._free)
             raise KVCacheFullError(
                 f"the KV cache is out of pages: this step needs {count} more pages of {self.page_size} tokens, "
-                f"{len(self._free)} of kv_cache_pages={self.num_pages} are free; pass a larger kv_cache_pages to "
-                "kernforge.integrations.transformers.optimize()"
+                f"{len(self._free)} of kv_cache_pages={self.num_pages} are free; pass "
+                f"kv_cache_pages={held + count} or more to kernforge.integrations.transformers.optimize()"
+                + (
+                    f" ({held} of them for the pages live caches hold: a PagedCache returns its pages when "
+                    "reset() or garbage-collected)"
+                    if held
+                    else ""
+                )
             )
         return [self._free.pop() for _ in range(count)]
 

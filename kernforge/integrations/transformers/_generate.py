@@ -7,6 +7,8 @@ returns by default: the prompts followed by the new tokens, ``[batch, prompt + n
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kernforge.integrations.transformers import _compat
@@ -38,7 +40,8 @@ def generate(
     order), drawing from ``generator``; a sequence that emits ``eos_token_id`` is finished and
     continues with ``pad_token_id``; the loop stops when every sequence is finished or after
     ``max_new_tokens``. ``streamer.put()`` receives the prompts, then each step's tokens, and
-    ``streamer.end()`` is called at the end, as transformers' streamers expect.
+    ``streamer.end()`` is called at the end, as transformers' streamers expect. Running past the
+    config's ``max_position_embeddings`` warns once, as transformers' ``generate`` does.
     """
     config = model.generation_config
     batch, prompt_len = _checked_prompt(input_ids, attention_mask)
@@ -63,7 +66,12 @@ def generate(
         streamer.put(input_ids.cpu())
     tokens, finished = [], torch.zeros(batch, dtype=torch.bool)
     step_ids = input_ids
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    # the first step whose forward feeds a position >= the context (the prefill, for a longer prompt)
+    past_context = None if context is None else max(context + 1 - prompt_len, 0)
     for step in range(max_new_tokens):
+        if step == past_context:
+            _warn_past_context(context)
         outputs = model(
             input_ids=step_ids,
             attention_mask=attention_mask,
@@ -88,6 +96,18 @@ def generate(
     if streamer is not None:
         streamer.end()
     return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+
+
+def _warn_past_context(context: int | None) -> None:
+    """transformers' generate warns when a sequence grows past the model's context (its
+    MaxLengthCriteria, as a logged warning): so does this loop, as a UserWarning."""
+    warnings.warn(
+        f"the current text generation call has exceeded the model's predefined maximum length "
+        f"(max_position_embeddings={context}). Depending on the model, you may observe exceptions, performance "
+        "degradation, or nothing at all",
+        UserWarning,
+        stacklevel=4,  # this function, generate, torch.no_grad's wrapper, the caller
+    )
 
 
 def _checked_prompt(input_ids, attention_mask) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from kernforge.integrations.transformers import _kernels as kf
 from kernforge.integrations.transformers._cache import AttentionSpec, MLAPagedCache, MLASpec, PagedCache
 from kernforge.model_spec import PACKED_LINEARS, ModelSpec
 from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
+from kernforge.nn.gguf import GGUFLinear
 from kernforge.nn.linear import FP8_BLOCK, Int4LinearWeights
 from kernforge.ops.moe.experts import (
     CPUQuantMethod,
@@ -477,9 +478,11 @@ def _packed(module: nn.Module, name: str) -> nn.Linear:
 
 def _concatenated(*layers: nn.Linear) -> nn.Linear:
     """One ``nn.Linear`` whose output is the layers' outputs side by side (four-bit weights that are
-    so already, a checkpoint's, as one ``Int4LinearWeights``)."""
+    so already, a checkpoint's, as one ``Int4LinearWeights``; a GGUF file's as one ``GGUFLinear``)."""
     if any(isinstance(layer, Int4LinearWeights) for layer in layers):
         return Int4LinearWeights.concatenated(layers)
+    if any(isinstance(layer, GGUFLinear) for layer in layers):
+        return GGUFLinear.concatenated(layers)
     weight = torch.cat([layer.weight.detach() for layer in layers], dim=0)
     bias = None
     if any(layer.bias is not None for layer in layers):  # zeros for a layer without one

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from typing_extensions import dataclass_transform
 
 from kernforge.ops._common import readable_rows
 
@@ -19,14 +20,18 @@ from kernforge.ops._common import readable_rows
 STATUS = {1: "packed.panel_width is not a multiple of this tier's tile width"}
 
 
-def packed_weight(saved_as: str):
+_Class = TypeVar("_Class", bound=type)
+
+
+@dataclass_transform()
+def packed_weight(saved_as: str) -> Callable[[_Class], _Class]:
     """A packed-weight class: a dataclass with ``n`` and ``k`` fields, given ``shape`` = ``(n, k)``
     (the weight's) and registered with torch.load's safe globals, so it loads with the default
     ``weights_only=True``: under its module's name and under ``saved_as``, the name files saved
     before the GEMM ops became a package (kernforge 0.x, ``kernforge.ops.gemm.int8``...) refer to."""
 
-    def register(cls: type) -> type:
-        cls = dataclass(cls)
+    def register(cls: _Class) -> _Class:
+        dataclass(cls)  # in place: the class gains its fields' __init__, __eq__, __repr__
         cls.shape = property(lambda self: (self.n, self.k), doc="The weight's shape, (N, K).")
         torch.serialization.add_safe_globals([cls, (cls, f"{saved_as}.{cls.__name__}")])
         return cls

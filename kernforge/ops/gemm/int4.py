@@ -228,27 +228,41 @@ def pack_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) ->
     if not scales.is_floating_point():
         raise TypeError(f"scales has dtype {scales.dtype}; expected a floating dtype (stored as float32)")
     codes, zeros = _checked_codes(codes, "codes", 15), _checked_codes(zeros, "zeros", MAX_ZERO)
+    return PackedInt4Weight(
+        pack_nibbles(codes),
+        zeros.contiguous(),
+        scales.to(torch.float32, copy=True).contiguous(),
+        int(n),
+        int(k),
+        k // groups,
+    )
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes [N, K]`` (uint8 0..15, K a multiple of 4) -> uint8 ``[ceil(N / 64), K / 4, 128]`` in
+    the layout of the module's docstring (columns past N hold 0). Also GGUF's 4-bit types' codes."""
+    n, k = codes.shape
     panels = -(-n // PANEL_WIDTH)
     padded = codes.new_zeros(panels * PANEL_WIDTH, k)
     padded[:n] = codes
     # [panel, chunk, half, column, quad, 4] -> [panel, quad, chunk, column, 4] bytes: low | high << 4
     blocks = padded.view(panels, PANEL_WIDTH // CHUNK, 2, CHUNK // 2, k // QUAD, QUAD)
     low, high = blocks[:, :, 0], blocks[:, :, 1]
-    packed = (low | (high << 4)).permute(0, 3, 1, 2, 4).reshape(panels, k // QUAD, QUAD_BYTES).contiguous()
-    return PackedInt4Weight(
-        packed, zeros.contiguous(), scales.to(torch.float32, copy=True).contiguous(), int(n), int(k), k // groups
-    )
+    return (low | (high << 4)).permute(0, 3, 1, 2, 4).reshape(panels, k // QUAD, QUAD_BYTES).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`pack_nibbles` undone: codes uint8 ``[n, k]``."""
+    panels = packed.shape[0]
+    nibbles = packed.view(panels, k // QUAD, PANEL_WIDTH // CHUNK, CHUNK // 2, QUAD)
+    halves = torch.stack((nibbles & 0xF, nibbles >> 4), dim=3)  # [panel, quad, chunk, half, column, 4]
+    return halves.permute(0, 2, 3, 4, 1, 5).reshape(panels * PANEL_WIDTH, k)[:n]
 
 
 def unpack_int4(packed: PackedInt4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes [N, K], zeros [G, N], scales [G, N])``: :func:`pack_int4` undone (for checks, and for
     callers that dequantize)."""
-    n, k = packed.n, packed.k
-    panels = packed.packed.shape[0]
-    nibbles = packed.packed.view(panels, k // QUAD, PANEL_WIDTH // CHUNK, CHUNK // 2, QUAD)
-    halves = torch.stack((nibbles & 0xF, nibbles >> 4), dim=3)  # [panel, quad, chunk, half, column, 4]
-    codes = halves.permute(0, 2, 3, 4, 1, 5).reshape(panels * PANEL_WIDTH, k)[:n]
-    return codes, packed.zeros, packed.scales
+    return unpack_nibbles(packed.packed, packed.n, packed.k), packed.zeros, packed.scales
 
 
 def dequantize_int4(packed: PackedInt4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

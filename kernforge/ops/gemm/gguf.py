@@ -1,0 +1,454 @@
+"""GEMM on llama.cpp's block-quantized weights: the tensors of a GGUF file (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K, as ``ggml-common.h`` defines their blocks) repacked once for kernforge's kernels without
+changing a value.
+
+Every one of these types is, per group of 16 or 32 K elements, ``weight = scale * code + offset``
+with an unsigned integer ``code``:
+
+========  ======  =====  ===========================  ===================================  ========
+type      group   code   scale                        offset                               stored
+========  ======  =====  ===========================  ===================================  ========
+Q4_0      32      0..15  ``d``                        ``-8 d`` (zero 8)                    nibbles
+Q4_1      32      0..15  ``d``                        ``m``                                nibbles
+Q8_0      32      0..255 ``d``                        ``-128 d`` (zero 128; code q + 128)  bytes
+Q4_K      32      0..15  ``d * sc[j]``                ``-dmin * m[j]``                     nibbles
+Q5_K      32      0..31  ``d * sc[j]``                ``-dmin * m[j]``                     bytes
+Q6_K      16      0..63  ``d * sc[j]``                ``-32 d sc[j]`` (zero 32)            bytes
+========  ======  =====  ===========================  ===================================  ========
+
+Scales and offsets are fp32: every product above is exact in fp32 (``d`` is fp16, ``sc`` at most 8
+bits), so :func:`dequantize` (``scale * code + offset`` rounded once to fp32) equals llama.cpp's own
+dequantization (``gguf.quants.dequantize``) bit for bit. Types whose offset is a whole number of scales
+keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int32).
+
+* :func:`pack_gguf(data, qtype, n, k)` -> :class:`PackedGGUFWeight`: a GGUF tensor's bytes (``[n, row
+  bytes]`` uint8, as the file stores a 2-D tensor of ``n`` rows of ``k``) repacked.
+* :func:`gguf_linear(x, w, bias=None)`: ``x [..., K]`` (bf16, fp16, fp32) times the weight -> ``[..., N]``
+  in ``x``'s dtype. ``x`` is quantized per block of 32 to int8 inside the call (``scale = amax / 127``,
+  as llama.cpp quantizes activations to q8_0), each group's integer product is exact in int32, and
+  ``a_scale * (scale * dot + offset * sum(q))`` accumulates in fp32.
+* :func:`dequantize_rows(data, qtype, k, rows)`: some rows of a tensor as fp32 (an embedding lookup).
+
+Layout (``LAYOUT_VERSION`` 1): N in panels of 64 columns, K in quads. 4-bit codes as
+``kernforge.ops.gemm.int4`` packs them (``[panels, K / 4, 128]``); 8-bit codes ``[panels, K / 4, 256]``,
+column ``j``'s 4 K bytes at byte ``4 j``. Scales and offsets ``[panels, G, 64]`` fp32 (columns past N: 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, Module, Struct
+from kernforge.ops._common import num_threads
+from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
+from kernforge.ops.gemm import int4
+from kernforge.ops.gemm._common import check_cpu_tensor, checked_fp32_bias, matrix_rows, packed_weight
+
+LAYOUT_VERSION = 1
+PANEL_WIDTH = 64
+QUAD = 4
+ACTIVATION_BLOCK = 32  # K elements per activation scale (llama.cpp's q8_0 block)
+SUM_BLOCK = 16  # K elements per stored sum of quantized activations (the smallest group)
+FLOAT_OFFSETS = -1  # the kernel's zero parameter where offsets are stored
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """How one GGUF type's blocks read: ``block`` K elements in ``size`` bytes; ``group`` K elements per
+    scale; codes ``bits`` wide, stored as nibbles (4) or bytes (8); ``zero`` the integer zero point, or
+    ``FLOAT_OFFSETS``."""
+
+    name: str
+    block: int
+    size: int
+    group: int
+    bits: int
+    zero: int
+
+    @property
+    def storage_bits(self) -> int:
+        return 4 if self.bits == 4 else 8
+
+
+BLOCK_TYPES = {
+    t.name: t
+    for t in (
+        BlockType("Q4_0", 32, 18, 32, 4, 8),
+        BlockType("Q4_1", 32, 20, 32, 4, FLOAT_OFFSETS),
+        BlockType("Q8_0", 32, 34, 32, 8, 128),
+        BlockType("Q4_K", 256, 144, 32, 4, FLOAT_OFFSETS),
+        BlockType("Q5_K", 256, 176, 32, 5, FLOAT_OFFSETS),
+        BlockType("Q6_K", 256, 210, 16, 6, 32),
+    )
+}
+TYPES = tuple(BLOCK_TYPES)
+
+_I64 = "int64_t"
+GGUF_GEMM_ARGS = Struct(
+    "kf_gguf_gemm",
+    tuple(
+        (name, _I64)
+        for name in (
+            "x",  # [m, k] rows, ldx elements apart
+            "ldx",
+            "packed",  # the codes (see the module's docstring)
+            "scales",  # fp32 [panels, k / group_size, 64]
+            "offsets",  # fp32 [panels, k / group_size, 64], or 0 with an integer zero
+            "bias",  # fp32 [n] or 0
+            "out",  # [m, n] rows, ldo elements apart
+            "ldo",
+            "m",
+            "n",
+            "k",
+            "group_size",
+            "q",  # uint8 [m, k] scratch: x quantized (int8 + 128)
+            "q_scale",  # fp32 [m, k / 32] scratch
+            "q_sums",  # int32 [m, k / 16] scratch
+            "num_threads",
+        )
+    ),
+)
+GEMM_GGUF = Module(
+    "gemm_gguf",
+    "gemm_gguf.cpp.jinja",
+    params={"dtype": DType(), "bits": Int(choices=(4, 8)), "zero": Int(choices=(FLOAT_OFFSETS, 8, 32, 128))},
+    structs=[GGUF_GEMM_ARGS],
+    entries=[Entry("linear", "const kf_gguf_gemm* args", returns="int64_t")],
+    tiers=ALL_TIERS,
+)
+STATUS = {2: "K must be a multiple of 32 and of the weight's group size (16 or 32)"}
+
+
+@packed_weight(saved_as="kernforge.ops.gemm_gguf")
+class PackedGGUFWeight:
+    """A GGUF weight ``[n, k]`` of type ``qtype``, packed for :func:`gguf_linear`; survives
+    ``torch.save``/``torch.load``."""
+
+    packed: torch.Tensor  # uint8 codes (module docstring)
+    scales: torch.Tensor  # fp32 [panels, k / group_size, 64]
+    offsets: torch.Tensor | None  # fp32 like scales, None where the type has an integer zero
+    qtype: str
+    n: int
+    k: int
+    layout_version: int = LAYOUT_VERSION
+
+    @property
+    def block_type(self) -> BlockType:
+        return BLOCK_TYPES[self.qtype]
+
+    @property
+    def group_size(self) -> int:
+        return self.block_type.group
+
+
+# --------------------------------------------------------------------------- llama.cpp's blocks
+
+
+def block_type(qtype: object) -> BlockType:
+    """The :class:`BlockType` of ``qtype`` (a name such as ``"Q4_K"`` or a ``gguf.GGMLQuantizationType``)."""
+    name = getattr(qtype, "name", qtype)
+    if name not in BLOCK_TYPES:
+        raise ValueError(f"GGUF tensor type {name!r} is not taken; kernforge reads {', '.join(TYPES)}")
+    return BLOCK_TYPES[name]
+
+
+def decode_blocks(data: torch.Tensor, qtype: object, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``data`` uint8 ``[rows, row bytes]`` of a ``qtype`` tensor with ``k`` elements per row ->
+    ``(codes uint8 [rows, k], scales fp32 [rows, k / group], offsets fp32 [rows, k / group])``: the weight
+    is ``scales * codes + offsets`` (per group), exactly llama.cpp's values."""
+    bt = block_type(qtype)
+    check_cpu_tensor(data, "data")
+    if data.dtype is not torch.uint8:
+        raise TypeError(f"data has dtype {data.dtype}; expected torch.uint8 (a GGUF tensor's bytes)")
+    if k % bt.block:
+        raise ValueError(f"a {bt.name} row holds whole blocks of {bt.block} elements; K = {k} does not split")
+    rows = data.shape[0] if data.dim() else 0
+    row_bytes = k // bt.block * bt.size
+    if data.dim() != 2 or data.shape[1] != row_bytes:
+        raise ValueError(
+            f"data must be [rows, {row_bytes}] ({k // bt.block} {bt.name} blocks a row), got {tuple(data.shape)}"
+        )
+    blocks = data.contiguous().view(rows * (k // bt.block), bt.size)
+    codes, scales, offsets = _DECODERS[bt.name](blocks)
+    return codes.reshape(rows, k), scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte ``start`` of each block, as fp32 [blocks, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles_split(qs: torch.Tensor) -> torch.Tensor:
+    """bytes [..., c] -> codes [..., 2 c]: the low nibbles, then the high ones (ggml's order within a run)."""
+    return torch.cat((qs & 0xF, qs >> 4), dim=-1)
+
+
+def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _half(blocks, 0)
+    return _nibbles_split(blocks[:, 2:]), d, -8 * d
+
+
+def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _nibbles_split(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2)
+
+
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _half(blocks, 0)
+    codes = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return codes, d, -128 * d
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's get_scale_min_k4 for all 8 sub-blocks: 12 bytes -> (sc [b, 8], m [b, 8]), 6 bits each."""
+    s = scales.to(torch.int32)
+    d, m, both = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    mn = torch.cat((m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return sc.to(torch.float32), mn.to(torch.float32)
+
+
+def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K's 128 bytes -> 256 4-bit values: each 32 bytes hold sub-block 2i (low nibbles) and 2i + 1."""
+    return _nibbles_split(qs.reshape(-1, 4, 32)).reshape(-1, 256)
+
+
+def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sc, mn = _k_scales(blocks[:, 4:16])
+    return _k_low_nibbles(blocks[:, 16:]), _half(blocks, 0) * sc, -(_half(blocks, 2) * mn)
+
+
+def _q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sc, mn = _k_scales(blocks[:, 4:16])
+    qh = blocks[:, 16:48]  # bit j of byte l: the fifth bit of sub-block j's element l
+    high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=1).reshape(-1, 256)
+    codes = _k_low_nibbles(blocks[:, 48:]) | (high << 4)
+    return codes, _half(blocks, 0) * sc, -(_half(blocks, 2) * mn)
+
+
+def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ql, qh = blocks[:, 0:128].reshape(-1, 2, 64), blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    low = torch.cat((ql & 0xF, ql >> 4), dim=-1).reshape(-1, 2, 4, 32)  # per half: l, l + 32, +64, +96
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=2)
+    codes = (low | (high << 4)).reshape(-1, 256)
+    scale = _half(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)
+    return codes, scale, -32 * scale
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize_rows(data: torch.Tensor, qtype: object, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (int64 indices; all if None) of a ``qtype`` tensor ``data [n, row bytes]`` as fp32
+    ``[len(rows), k]``: ``scale * code + offset``, exactly llama.cpp's values (an embedding lookup reads
+    only the rows it needs)."""
+    if rows is not None:
+        data = data[rows]
+    codes, scales, offsets = decode_blocks(data, qtype, k)
+    group = block_type(qtype).group
+    values = (
+        codes.view(codes.shape[0], -1, group).to(torch.float64) * scales[..., None].double()
+        + offsets[..., None].double()
+    )
+    return values.reshape(codes.shape[0], k).to(torch.float32)
+
+
+export("dequantize_rows", dequantize_rows)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def pack_gguf(data: torch.Tensor, qtype: object, n: int, k: int) -> PackedGGUFWeight:
+    """A ``qtype`` tensor of ``n`` rows of ``k`` (``data``: its bytes, ``[n, row bytes]`` uint8 or flat)
+    packed for :func:`gguf_linear`."""
+    bt = block_type(qtype)
+    if n < 1 or k < 1:
+        raise ValueError(f"n and k must be positive, got {n}, {k}")
+    check_cpu_tensor(data, "data")
+    if data.dim() == 1 and data.numel() % n == 0:
+        data = data.view(n, -1)
+    codes, scales, offsets = decode_blocks(data, bt.name, k)
+    if codes.shape[0] != n:
+        raise ValueError(f"data holds {codes.shape[0]} rows; the weight has n = {n}")
+    return pack_decoded(codes, scales, offsets, bt.name)
+
+
+def pack_decoded(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, qtype: object) -> PackedGGUFWeight:
+    """:func:`decode_blocks`' three tensors (or :func:`unpack_gguf`'s) packed for :func:`gguf_linear`."""
+    bt = block_type(qtype)
+    n, k = codes.shape
+    packed = int4.pack_nibbles(codes) if bt.storage_bits == 4 else _pack_bytes(codes)
+    kept = None if bt.zero != FLOAT_OFFSETS else _panel_major(offsets)
+    return PackedGGUFWeight(packed, _panel_major(scales), kept, bt.name, int(n), int(k))
+
+
+def concatenated(weights: list[PackedGGUFWeight]) -> PackedGGUFWeight:
+    """One weight whose output is ``weights``' outputs side by side (q|k|v, gate|up), all of one type."""
+    if len({w.qtype for w in weights}) != 1 or len({w.k for w in weights}) != 1:
+        raise ValueError("weights concatenated along N share their type and K")
+    codes, scales, offsets = (torch.cat(tensors) for tensors in zip(*(unpack_gguf(w) for w in weights)))
+    return pack_decoded(codes, scales, offsets, weights[0].qtype)
+
+
+def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape) of the weight, fp32 ``[*ids.shape, K]``, read from the packed
+    layout (a tied embedding and lm_head share one packed copy; only the looked-up rows are decoded)."""
+    flat = ids.reshape(-1)
+    panel, column = flat // PANEL_WIDTH, flat % PANEL_WIDTH
+    quads = w.k // QUAD
+    if w.block_type.storage_bits == 4:  # int4's chunk layout: byte 64 c + 4 (j % 16) + i, low or high nibble
+        chunk, within = column // int4.CHUNK, column % int4.CHUNK
+        start = chunk * 64 + (within % 16) * QUAD
+        words = w.packed[
+            panel[:, None, None], torch.arange(quads)[None, :, None], start[:, None, None] + torch.arange(QUAD)
+        ]
+        high = (within >= 16)[:, None, None]
+        codes = torch.where(high, words >> 4, words & 0xF)
+    else:
+        start = column * QUAD
+        codes = w.packed[
+            panel[:, None, None], torch.arange(quads)[None, :, None], start[:, None, None] + torch.arange(QUAD)
+        ]
+    codes = codes.reshape(-1, w.k)
+    groups = w.k // w.group_size
+    scales = w.scales[panel, :, column]  # [rows, G]
+    offsets = -w.block_type.zero * scales if w.offsets is None else w.offsets[panel, :, column]
+    values = codes.view(-1, groups, w.group_size).double() * scales[..., None].double() + offsets[..., None].double()
+    return values.to(torch.float32).reshape(*ids.shape, w.k)
+
+
+def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] -> [panels, K / 4, 256]: column j of a panel, K 4q..4q+3, at bytes 4 j of quad q."""
+    n, k = codes.shape
+    panels = -(-n // PANEL_WIDTH)
+    padded = codes.new_zeros(panels * PANEL_WIDTH, k)
+    padded[:n] = codes
+    return (
+        padded.view(panels, PANEL_WIDTH, k // QUAD, QUAD)
+        .permute(0, 2, 1, 3)
+        .reshape(panels, k // QUAD, -1)
+        .contiguous()
+    )
+
+
+def _panel_major(per_row: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> fp32 [panels, G, 64], columns past N zero."""
+    n, groups = per_row.shape
+    panels = -(-n // PANEL_WIDTH)
+    padded = per_row.new_zeros(panels * PANEL_WIDTH, groups, dtype=torch.float32)
+    padded[:n] = per_row
+    return padded.view(panels, PANEL_WIDTH, groups).permute(0, 2, 1).contiguous()
+
+
+def unpack_gguf(w: PackedGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [N, K], scales fp32 [N, G], offsets fp32 [N, G])``: :func:`pack_gguf` undone
+    (offsets ``-zero * scales`` where the type keeps none)."""
+    n, k, bt = w.n, w.k, w.block_type
+    if bt.storage_bits == 4:
+        codes = int4.unpack_nibbles(w.packed, n, k)
+    else:
+        panels = w.packed.shape[0]
+        codes = w.packed.view(panels, k // QUAD, PANEL_WIDTH, QUAD).permute(0, 2, 1, 3).reshape(-1, k)[:n]
+    scales = w.scales.permute(0, 2, 1).reshape(-1, k // bt.group)[:n]
+    offsets = -bt.zero * scales if w.offsets is None else w.offsets.permute(0, 2, 1).reshape(-1, k // bt.group)[:n]
+    return codes, scales, offsets
+
+
+def dequantize(w: PackedGGUFWeight) -> torch.Tensor:
+    """The weight ``[N, K]`` fp32 a packed one stands for (llama.cpp's dequantization, bit for bit)."""
+    codes, scales, offsets = unpack_gguf(w)
+    group = w.group_size
+    values = codes.view(w.n, -1, group).double() * scales[..., None].double() + offsets[..., None].double()
+    return values.reshape(w.n, w.k).to(torch.float32)
+
+
+export("pack_gguf", pack_gguf)
+export("embedding_rows", embedding_rows)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+@kernel_op(GEMM_GGUF, bits=4, zero=8)
+def gguf_linear(
+    x: torch.Tensor, w: PackedGGUFWeight | Sequence[PackedGGUFWeight], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [..., K]`` (bf16, fp16, fp32) times the GGUF weight ``w`` (``[N, K]``, from :func:`pack_gguf`),
+    ``+ bias`` (fp32 ``[N]``) -> ``[..., N]`` in ``x``'s dtype; ``x`` quantized per block of 32 to int8.
+    ``w`` may be a sequence of weights with one K (a fused q|k|v whose parts have different types, as a
+    Q4_K_M file's do): their outputs side by side, each part at its own type."""
+    check_cpu_tensor(x, "x")
+    if x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"x has dtype {x.dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
+    parts = _checked_parts(w)
+    n = sum(part.n for part in parts)
+    m, _, x2, ldx = matrix_rows(x, "x", parts[0].k, "w's K")
+    bias = checked_fp32_bias(bias, n)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    if m:
+        column = 0
+        for part in parts:
+            part_bias = None if bias is None else bias[column : column + part.n]
+            _run(x2, ldx, part, part_bias, out.data_ptr() + column * out.element_size(), n, m)
+            column += part.n
+    return out
+
+
+def _checked_parts(w: object) -> list[PackedGGUFWeight]:
+    parts: list[PackedGGUFWeight] = []
+    for part in list(w) if isinstance(w, (list, tuple)) else [w]:
+        if not isinstance(part, PackedGGUFWeight):
+            raise TypeError(
+                f"w must be a PackedGGUFWeight (from pack_gguf) or a list of them, got {type(part).__name__}"
+            )
+        parts.append(part)
+        if part.layout_version != LAYOUT_VERSION:
+            raise ValueError(
+                f"w has layout version {part.layout_version}; this kernforge reads {LAYOUT_VERSION}: pack it again"
+            )
+    if not parts or len({part.k for part in parts}) != 1:
+        raise ValueError(f"w's parts must share K, got {[part.k for part in parts]}")
+    return parts
+
+
+def _run(
+    x2: torch.Tensor, ldx: int, w: PackedGGUFWeight, bias: torch.Tensor | None, out_address: int, ldo: int, m: int
+) -> None:
+    bt = w.block_type
+    kernel = GEMM_GGUF.variant(dtype=DTYPE_NAMES[x2.dtype], bits=bt.storage_bits, zero=bt.zero).kernel()
+    q = torch.empty(m, w.k, dtype=torch.uint8)
+    q_scale = torch.empty(m, w.k // ACTIVATION_BLOCK, dtype=torch.float32)
+    q_sums = torch.empty(m, w.k // SUM_BLOCK, dtype=torch.int32)
+    args = {
+        "x": x2.data_ptr(),
+        "ldx": ldx,
+        "packed": w.packed.data_ptr(),
+        "scales": w.scales.data_ptr(),
+        "offsets": 0 if w.offsets is None else w.offsets.data_ptr(),
+        "bias": 0 if bias is None else bias.data_ptr(),
+        "out": out_address,
+        "ldo": ldo,
+        "m": m,
+        "n": w.n,
+        "k": w.k,
+        "group_size": w.group_size,
+        "q": q.data_ptr(),
+        "q_scale": q_scale.data_ptr(),
+        "q_sums": q_sums.data_ptr(),
+        "num_threads": num_threads(),
+    }
+    status = kernel.linear(kernel.new("kf_gguf_gemm", args))
+    if status:
+        raise ValueError(STATUS.get(status, f"GGUF GEMM failed with status {status}"))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`gguf_linear` multiplies ``x [M, K]`` as: ``(q int8 [M, K], scale fp32 [M, K / 32])``,
+    ``q = rint(x * (127 / amax))`` per block of 32 (the reference the tests hold the kernel to)."""
+    blocks = x.to(torch.float32).reshape(x.shape[0], -1, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse).to(torch.int8).reshape(x.shape), (amax / 127.0).squeeze(-1)
