@@ -26,7 +26,8 @@ class GGUFLinear(nn.Module):
         self.in_features = self.parts[0].k
         self.out_features = sum(part.n for part in self.parts)
         self.dtype = dtype
-        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self._runner = gguf.GGUFLinearRunner(self.parts, bias)  # checked and laid out once, run per token
 
     @classmethod
     def concatenated(cls, layers: list[GGUFLinear]) -> GGUFLinear:
@@ -50,11 +51,16 @@ class GGUFLinear(nn.Module):
         return cls(parts, bias, layers[0].dtype)
 
     @property
+    def bias(self) -> torch.Tensor | None:
+        """fp32 ``[out_features]`` or None (fixed at construction: the runner holds it)."""
+        return self._runner.bias
+
+    @property
     def qtypes(self) -> tuple[str, ...]:
         return tuple(part.qtype for part in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf.gguf_linear(x, self.parts if len(self.parts) > 1 else self.parts[0], self.bias)
+        return self._runner(x)
 
     def extra_repr(self) -> str:
         return (

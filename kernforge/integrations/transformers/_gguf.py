@@ -176,7 +176,7 @@ def gemm_kernels(file: GGUFFile, dtype: str) -> list[dict[str, Any]]:
     for kind in kinds:
         if kind in gguf_ops.BLOCK_TYPES:
             bt = gguf_ops.BLOCK_TYPES[kind]
-            params = {"dtype": DTYPE_NAMES[_TORCH_DTYPES[dtype]], "bits": bt.storage_bits, "zero": bt.zero}
+            params = {"dtype": DTYPE_NAMES[_TORCH_DTYPES[dtype]], **bt.kernel_params}
             entries.append({"module": gguf_ops.GEMM_GGUF.name, "params": params})
     return entries
 
@@ -226,10 +226,6 @@ def _place_tensors(model: nn.Module, file: GGUFFile, config: Any, dtype: torch.d
             setattr(model.get_submodule(parent) if parent else model, child, linear)
         elif attr == "weight" or not isinstance(owner, GGUFLinear):
             _set_parameter(owner, attr, _plain(file, name, hf_name, tuple(getattr(owner, attr).shape), dtype))
-    for hf_name, name in places.items():  # biases of the linears replaced above
-        owner = model.get_submodule(hf_name.rpartition(".")[0])
-        if isinstance(owner, GGUFLinear) and hf_name.endswith(".bias"):
-            owner.bias = _plain(file, name, hf_name, (owner.out_features,), torch.float32)
     if hasattr(model.config, "tie_word_embeddings"):
         model.config.tie_word_embeddings = False  # two modules over one packed weight: nothing to tie
 
@@ -282,7 +278,11 @@ def _linear(
     if file.type_name(name) in PLAIN_TYPES:
         _set_parameter(owner, "weight", _plain(file, name, hf_name, shape, dtype))
         return owner
-    return GGUFLinear([_packed(file, name, shape, _rope_heads(hf_name, file, config))], None, dtype)
+    bias_name = name.removesuffix(".weight") + ".bias"
+    bias = None
+    if owner.bias is not None:  # Qwen2's q/k/v
+        bias = _plain(file, bias_name, hf_name.removesuffix(".weight") + ".bias", (owner.out_features,), torch.float32)
+    return GGUFLinear([_packed(file, name, shape, _rope_heads(hf_name, file, config))], bias, dtype)
 
 
 def _rope_heads(hf_name: str, file: GGUFFile, config: Any) -> int | None:

@@ -16,8 +16,9 @@ Q5_K      32      0..31  ``d * sc[j]``                ``-dmin * m[j]``          
 Q6_K      16      0..63  ``d * sc[j]``                ``-32 d sc[j]`` (zero 32)            bytes
 ========  ======  =====  ===========================  ===================================  ========
 
-Scales and offsets are fp32: every product above is exact in fp32 (``d`` is fp16, ``sc`` at most 8
-bits), so :func:`dequantize` (``scale * code + offset`` rounded once to fp32) equals llama.cpp's own
+Scales and offsets are the file's fp16 ``d`` and ``m`` (Q4_0, Q4_1, Q8_0: the file's bytes per weight)
+or fp32 products: every product above is exact in fp32 (``d`` is fp16, ``sc`` at most 8 bits), so
+:func:`dequantize` (``scale * code + offset`` rounded once to fp32) equals llama.cpp's own
 dequantization (``gguf.quants.dequantize``) bit for bit. Types whose offset is a whole number of scales
 keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int32).
 
@@ -31,17 +32,19 @@ keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int
 
 Layout (``LAYOUT_VERSION`` 1): N in panels of 64 columns, K in quads. 4-bit codes as
 ``kernforge.ops.gemm.int4`` packs them (``[panels, K / 4, 128]``); 8-bit codes ``[panels, K / 4, 256]``,
-column ``j``'s 4 K bytes at byte ``4 j``. Scales and offsets ``[panels, G, 64]`` fp32 (columns past N: 0).
+column ``j``'s 4 K bytes at byte ``4 j``. Scales and offsets ``[panels, G, 64]`` (columns past N: 0).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kernforge.jit.module import ALL_TIERS, DType, Entry, Int, Module, Struct
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, Module, Struct
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 from kernforge.ops.gemm import int4
@@ -59,7 +62,8 @@ FLOAT_OFFSETS = -1  # the kernel's zero parameter where offsets are stored
 class BlockType:
     """How one GGUF type's blocks read: ``block`` K elements in ``size`` bytes; ``group`` K elements per
     scale; codes ``bits`` wide, stored as nibbles (4) or bytes (8); ``zero`` the integer zero point, or
-    ``FLOAT_OFFSETS``."""
+    ``FLOAT_OFFSETS``; ``scales`` how scales and offsets are kept: fp16 where they are the file's own
+    fp16 ``d`` and ``m`` (the bytes per weight of the file), fp32 where they are products (``d * sc``)."""
 
     name: str
     block: int
@@ -67,21 +71,27 @@ class BlockType:
     group: int
     bits: int
     zero: int
+    scales: str
 
     @property
     def storage_bits(self) -> int:
         return 4 if self.bits == 4 else 8
 
+    @property
+    def kernel_params(self) -> dict[str, Any]:
+        """The GEMM variant's parameters besides the dtype."""
+        return {"bits": self.storage_bits, "zero": self.zero, "scales": self.scales}
+
 
 BLOCK_TYPES = {
     t.name: t
     for t in (
-        BlockType("Q4_0", 32, 18, 32, 4, 8),
-        BlockType("Q4_1", 32, 20, 32, 4, FLOAT_OFFSETS),
-        BlockType("Q8_0", 32, 34, 32, 8, 128),
-        BlockType("Q4_K", 256, 144, 32, 4, FLOAT_OFFSETS),
-        BlockType("Q5_K", 256, 176, 32, 5, FLOAT_OFFSETS),
-        BlockType("Q6_K", 256, 210, 16, 6, 32),
+        BlockType("Q4_0", 32, 18, 32, 4, 8, "fp16"),
+        BlockType("Q4_1", 32, 20, 32, 4, FLOAT_OFFSETS, "fp16"),
+        BlockType("Q8_0", 32, 34, 32, 8, 128, "fp16"),
+        BlockType("Q4_K", 256, 144, 32, 4, FLOAT_OFFSETS, "fp32"),
+        BlockType("Q5_K", 256, 176, 32, 5, FLOAT_OFFSETS, "fp32"),
+        BlockType("Q6_K", 256, 210, 16, 6, 32, "fp32"),
     )
 }
 TYPES = tuple(BLOCK_TYPES)
@@ -95,8 +105,8 @@ GGUF_GEMM_ARGS = Struct(
             "x",  # [m, k] rows, ldx elements apart
             "ldx",
             "packed",  # the codes (see the module's docstring)
-            "scales",  # fp32 [panels, k / group_size, 64]
-            "offsets",  # fp32 [panels, k / group_size, 64], or 0 with an integer zero
+            "scales",  # fp16 or fp32 [panels, k / group_size, 64]
+            "offsets",  # as scales, or 0 with an integer zero
             "bias",  # fp32 [n] or 0
             "out",  # [m, n] rows, ldo elements apart
             "ldo",
@@ -114,7 +124,12 @@ GGUF_GEMM_ARGS = Struct(
 GEMM_GGUF = Module(
     "gemm_gguf",
     "gemm_gguf.cpp.jinja",
-    params={"dtype": DType(), "bits": Int(choices=(4, 8)), "zero": Int(choices=(FLOAT_OFFSETS, 8, 32, 128))},
+    params={
+        "dtype": DType(),
+        "bits": Int(choices=(4, 8)),
+        "zero": Int(choices=(FLOAT_OFFSETS, 8, 32, 128)),
+        "scales": Enum(choices=("fp16", "fp32")),
+    },
     structs=[GGUF_GEMM_ARGS],
     entries=[Entry("linear", "const kf_gguf_gemm* args", returns="int64_t")],
     tiers=ALL_TIERS,
@@ -128,8 +143,8 @@ class PackedGGUFWeight:
     ``torch.save``/``torch.load``."""
 
     packed: torch.Tensor  # uint8 codes (module docstring)
-    scales: torch.Tensor  # fp32 [panels, k / group_size, 64]
-    offsets: torch.Tensor | None  # fp32 like scales, None where the type has an integer zero
+    scales: torch.Tensor  # fp16 or fp32 (BlockType.scales) [panels, k / group_size, 64]
+    offsets: torch.Tensor | None  # like scales, None where the type has an integer zero
     qtype: str
     n: int
     k: int
@@ -281,8 +296,9 @@ def pack_decoded(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     bt = block_type(qtype)
     n, k = codes.shape
     packed = int4.pack_nibbles(codes) if bt.storage_bits == 4 else _pack_bytes(codes)
-    kept = None if bt.zero != FLOAT_OFFSETS else _panel_major(offsets)
-    return PackedGGUFWeight(packed, _panel_major(scales), kept, bt.name, int(n), int(k))
+    dtype = torch.float16 if bt.scales == "fp16" else torch.float32  # fp16: the file's values, exactly
+    kept = None if bt.zero != FLOAT_OFFSETS else _panel_major(offsets, dtype)
+    return PackedGGUFWeight(packed, _panel_major(scales, dtype), kept, bt.name, int(n), int(k))
 
 
 def concatenated(weights: list[PackedGGUFWeight]) -> PackedGGUFWeight:
@@ -314,8 +330,8 @@ def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
         ]
     codes = codes.reshape(-1, w.k)
     groups = w.k // w.group_size
-    scales = w.scales[panel, :, column]  # [rows, G]
-    offsets = -w.block_type.zero * scales if w.offsets is None else w.offsets[panel, :, column]
+    scales = w.scales[panel, :, column].float()  # [rows, G]
+    offsets = -w.block_type.zero * scales if w.offsets is None else w.offsets[panel, :, column].float()
     values = codes.view(-1, groups, w.group_size).double() * scales[..., None].double() + offsets[..., None].double()
     return values.to(torch.float32).reshape(*ids.shape, w.k)
 
@@ -334,11 +350,11 @@ def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _panel_major(per_row: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> fp32 [panels, G, 64], columns past N zero."""
+def _panel_major(per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, G] -> ``dtype`` [panels, G, 64], columns past N zero."""
     n, groups = per_row.shape
     panels = -(-n // PANEL_WIDTH)
-    padded = per_row.new_zeros(panels * PANEL_WIDTH, groups, dtype=torch.float32)
+    padded = per_row.new_zeros(panels * PANEL_WIDTH, groups, dtype=dtype)
     padded[:n] = per_row
     return padded.view(panels, PANEL_WIDTH, groups).permute(0, 2, 1).contiguous()
 
@@ -352,8 +368,10 @@ def unpack_gguf(w: PackedGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.
     else:
         panels = w.packed.shape[0]
         codes = w.packed.view(panels, k // QUAD, PANEL_WIDTH, QUAD).permute(0, 2, 1, 3).reshape(-1, k)[:n]
-    scales = w.scales.permute(0, 2, 1).reshape(-1, k // bt.group)[:n]
-    offsets = -bt.zero * scales if w.offsets is None else w.offsets.permute(0, 2, 1).reshape(-1, k // bt.group)[:n]
+    scales = w.scales.permute(0, 2, 1).reshape(-1, k // bt.group)[:n].float()
+    offsets = (
+        -bt.zero * scales if w.offsets is None else w.offsets.permute(0, 2, 1).reshape(-1, k // bt.group)[:n].float()
+    )
     return codes, scales, offsets
 
 
@@ -372,29 +390,82 @@ export("embedding_rows", embedding_rows)
 # --------------------------------------------------------------------------- the op
 
 
-@kernel_op(GEMM_GGUF, bits=4, zero=8)
+@kernel_op(GEMM_GGUF, bits=4, zero=8, scales="fp16")
 def gguf_linear(
     x: torch.Tensor, w: PackedGGUFWeight | Sequence[PackedGGUFWeight], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x [..., K]`` (bf16, fp16, fp32) times the GGUF weight ``w`` (``[N, K]``, from :func:`pack_gguf`),
     ``+ bias`` (fp32 ``[N]``) -> ``[..., N]`` in ``x``'s dtype; ``x`` quantized per block of 32 to int8.
     ``w`` may be a sequence of weights with one K (a fused q|k|v whose parts have different types, as a
-    Q4_K_M file's do): their outputs side by side, each part at its own type."""
-    check_cpu_tensor(x, "x")
-    if x.dtype not in DTYPE_NAMES:
-        raise TypeError(f"x has dtype {x.dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
-    parts = _checked_parts(w)
-    n = sum(part.n for part in parts)
-    m, _, x2, ldx = matrix_rows(x, "x", parts[0].k, "w's K")
-    bias = checked_fp32_bias(bias, n)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-    if m:
-        column = 0
-        for part in parts:
-            part_bias = None if bias is None else bias[column : column + part.n]
-            _run(x2, ldx, part, part_bias, out.data_ptr() + column * out.element_size(), n, m)
-            column += part.n
-    return out
+    Q4_K_M file's do): their outputs side by side, each part at its own type. A layer that multiplies
+    by one weight many times prepares it once: :class:`GGUFLinearRunner`."""
+    return GGUFLinearRunner(w, bias)(x)
+
+
+class GGUFLinearRunner:
+    """:func:`gguf_linear` by one weight (its parts) and bias, checked and laid out once, so that a call
+    does only what depends on ``x``: its checks, the output, the kernel arguments that change (what a
+    model's layer does once per token; the rest of a call's arguments live in per-thread structs)."""
+
+    def __init__(self, w: PackedGGUFWeight | Sequence[PackedGGUFWeight], bias: torch.Tensor | None = None):
+        self.parts = _checked_parts(w)
+        self.k, self.n = self.parts[0].k, sum(part.n for part in self.parts)
+        self.bias = checked_fp32_bias(bias, self.n)
+        self._columns = [sum(part.n for part in self.parts[:i]) for i in range(len(self.parts))]
+        self._variants: dict[torch.dtype, list[Any]] = {}
+        self._local = threading.local()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        check_cpu_tensor(x, "x")
+        if x.dtype not in DTYPE_NAMES:
+            raise TypeError(f"x has dtype {x.dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
+        if x.dim() == 2 and x.shape[1] == self.k and x.is_contiguous():  # a layer's rows: nothing to work out
+            m, x2, ldx = x.shape[0], x, self.k
+        else:
+            m, _, x2, ldx = matrix_rows(x, "x", self.k, "w's K")
+        out = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)
+        if m:
+            self._run(x2, ldx, out, m)
+        return out
+
+    def _run(self, x2: torch.Tensor, ldx: int, out: torch.Tensor, m: int) -> None:
+        q, q_scale, q_sums = _scratch(m, self.k)
+        x_address, out_address, size, threads = x2.data_ptr(), out.data_ptr(), out.element_size(), num_threads()
+        for (entry, args), column in zip(self._calls(x2.dtype), self._columns):
+            args.x, args.ldx, args.out, args.m = x_address, ldx, out_address + column * size, m
+            args.q, args.q_scale, args.q_sums, args.num_threads = q, q_scale, q_sums, threads
+            status = entry(args)
+            if status:
+                raise ValueError(STATUS.get(status, f"GGUF GEMM failed with status {status}"))
+
+    def _calls(self, dtype: torch.dtype) -> list[tuple[Any, Any]]:
+        """This thread's (entry, argument struct) per part for ``dtype``, the weight's fields set; built
+        again where the tier in use changed (each kernel has its own struct type)."""
+        if dtype not in self._variants:
+            self._variants[dtype] = [
+                GEMM_GGUF.variant(dtype=DTYPE_NAMES[dtype], **p.block_type.kernel_params) for p in self.parts
+            ]
+        kernels = [variant.kernel() for variant in self._variants[dtype]]
+        held = getattr(self._local, "calls", None)
+        if held is None or held[0] is not dtype or any(a is not b for a, b in zip(held[1], kernels)):
+            calls = [
+                (kernel.linear, kernel.new("kf_gguf_gemm", self._weight_fields(part, column)))
+                for kernel, part, column in zip(kernels, self.parts, self._columns)
+            ]
+            self._local.calls = held = (dtype, kernels, calls)
+        return held[2]
+
+    def _weight_fields(self, part: PackedGGUFWeight, column: int) -> dict[str, int]:
+        return {
+            "packed": part.packed.data_ptr(),
+            "scales": part.scales.data_ptr(),
+            "offsets": 0 if part.offsets is None else part.offsets.data_ptr(),
+            "bias": 0 if self.bias is None else self.bias.data_ptr() + 4 * column,
+            "ldo": self.n,
+            "n": part.n,
+            "k": part.k,
+            "group_size": part.group_size,
+        }
 
 
 def _checked_parts(w: object) -> list[PackedGGUFWeight]:
@@ -414,35 +485,22 @@ def _checked_parts(w: object) -> list[PackedGGUFWeight]:
     return parts
 
 
-def _run(
-    x2: torch.Tensor, ldx: int, w: PackedGGUFWeight, bias: torch.Tensor | None, out_address: int, ldo: int, m: int
-) -> None:
-    bt = w.block_type
-    kernel = GEMM_GGUF.variant(dtype=DTYPE_NAMES[x2.dtype], bits=bt.storage_bits, zero=bt.zero).kernel()
-    q = torch.empty(m, w.k, dtype=torch.uint8)
-    q_scale = torch.empty(m, w.k // ACTIVATION_BLOCK, dtype=torch.float32)
-    q_sums = torch.empty(m, w.k // SUM_BLOCK, dtype=torch.int32)
-    args = {
-        "x": x2.data_ptr(),
-        "ldx": ldx,
-        "packed": w.packed.data_ptr(),
-        "scales": w.scales.data_ptr(),
-        "offsets": 0 if w.offsets is None else w.offsets.data_ptr(),
-        "bias": 0 if bias is None else bias.data_ptr(),
-        "out": out_address,
-        "ldo": ldo,
-        "m": m,
-        "n": w.n,
-        "k": w.k,
-        "group_size": w.group_size,
-        "q": q.data_ptr(),
-        "q_scale": q_scale.data_ptr(),
-        "q_sums": q_sums.data_ptr(),
-        "num_threads": num_threads(),
-    }
-    status = kernel.linear(kernel.new("kf_gguf_gemm", args))
-    if status:
-        raise ValueError(STATUS.get(status, f"GGUF GEMM failed with status {status}"))
+_SCRATCH = threading.local()  # per thread: the quantized activations' buffers, grown to the largest call
+
+
+def _scratch(m: int, k: int) -> tuple[int, int, int]:
+    """Addresses of this thread's buffers for ``m`` rows of ``k``: q (uint8 [m, k]), their scales (fp32
+    [m, k / 32]) and sums (int32 [m, k / 16]); kept between calls (a prefill's rows once grown)."""
+    held = getattr(_SCRATCH, "buffers", None)
+    if held is None or held[0].numel() < m * k:
+        elements = max(m * k, 2 * held[0].numel() if held is not None else 0)
+        held = _SCRATCH.buffers = (
+            torch.empty(elements, dtype=torch.uint8),
+            torch.empty(elements // ACTIVATION_BLOCK, dtype=torch.float32),
+            torch.empty(elements // SUM_BLOCK, dtype=torch.int32),
+        )
+        _SCRATCH.addresses = tuple(t.data_ptr() for t in held)
+    return _SCRATCH.addresses
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

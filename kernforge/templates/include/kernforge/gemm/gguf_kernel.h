@@ -39,18 +39,16 @@ constexpr int kFloatOffsets = -1;  // the zero parameter of types whose offsets 
 
 enum Status : int64_t { kOk = 0, kBadGroupSize = 2 };
 
+template <class Scale>  // fp16 (the file's own d and m: Q4_0, Q4_1, Q8_0) or float (K-quants' d * sc)
 struct Problem {
   const uint8_t* packed;
-  const float* scales;   // [panel][group][64]
-  const float* offsets;  // [panel][group][64], or null with an integer zero
+  const Scale* scales;   // [panel][group][64]
+  const Scale* offsets;  // [panel][group][64], or null with an integer zero
   int64_t m, n, k, group_size;
 
   int64_t groups() const { return k / group_size; }
-  const float* panel_scales(int64_t n0, int64_t g) const {
-    return scales + ((n0 / kPanelWidth) * groups() + g) * kPanelWidth + n0 % kPanelWidth;
-  }
-  const float* panel_offsets(int64_t n0, int64_t g) const {
-    return offsets + ((n0 / kPanelWidth) * groups() + g) * kPanelWidth + n0 % kPanelWidth;
+  int64_t panel_offset(int64_t n0, int64_t g) const {
+    return ((n0 / kPanelWidth) * groups() + g) * kPanelWidth + n0 % kPanelWidth;
   }
 };
 
@@ -100,8 +98,8 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, uint8_t
 namespace detail {
 
 // The codes of quad q for columns [n0, n0 + NR): vector v holds columns [v W, v W + W) as words.
-template <int kBits, int NR>
-inline void load_codes(const Problem& p, int64_t n0, int64_t q, VecI32 (&codes)[NR / VecI32::kWidth]) {
+template <int kBits, int NR, class Scale>
+inline void load_codes(const Problem<Scale>& p, int64_t n0, int64_t q, VecI32 (&codes)[NR / VecI32::kWidth]) {
   if constexpr (kBits == 4) {
     const int4::Problem nibbles{p.packed, nullptr, nullptr, nullptr, p.m, p.n, p.k, p.group_size};
     int4::detail::load_codes<NR>(nibbles, n0, q, codes);
@@ -146,8 +144,8 @@ inline VecF to_float(VecI32 v) { return int4::detail::float_of_difference(v, Vec
 
 // tile[r][j] += the product of rows [r0, r0 + ROWS) of the activations by columns [n0, n0 + NR)
 // (columns past N: their codes are 0 and their scales 0).
-template <int kBits, int kZero, int ROWS, int NR>
-inline void rows_by_columns(const Problem& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
+template <int kBits, int kZero, int ROWS, int NR, class Scale>
+inline void rows_by_columns(const Problem<Scale>& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
   constexpr int kLanes = VecI32::kWidth, kVectors = NR / kLanes;
   constexpr uint32_t kSignFlip = 0x80808080u;  // uint8 (int8 + 128) -> int8
   const int64_t group = p.group_size, sums_per_group = group / kSumBlock;
@@ -166,7 +164,7 @@ inline void rows_by_columns(const Problem& p, const Activations& a, int64_t r0, 
         for (int v = 0; v < kVectors; ++v) acc[r][v] = detail::dot4<kBits>(acc[r][v], codes[v], word);
       }
     }
-    const float* scales = p.panel_scales(n0, g);
+    const Scale* scales = p.scales + p.panel_offset(n0, g);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = r0 + r;
       int32_t sum = 0;
@@ -176,7 +174,7 @@ inline void rows_by_columns(const Problem& p, const Activations& a, int64_t r0, 
         float* out = tile + r * NR + v * kLanes;
         const VecF scale = VecF::load(scales + v * kLanes);
         if constexpr (kZero == kFloatOffsets) {
-          const VecF offset = VecF::load(p.panel_offsets(n0, g) + v * kLanes);
+          const VecF offset = VecF::load(p.offsets + p.panel_offset(n0, g) + v * kLanes);
           const VecF sum_term = offset * VecF::broadcast(float(sum));
           fma(fma(detail::to_float(acc[r][v]), scale, sum_term), a_scale, VecF::load(out)).store(out);
         } else {
@@ -188,17 +186,18 @@ inline void rows_by_columns(const Problem& p, const Activations& a, int64_t r0, 
   }
 }
 
-template <int kBits, int kZero, int MR, int NR>
-inline void rows_by_columns(int64_t rows, const Problem& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
+template <int kBits, int kZero, int MR, int NR, class Scale>
+inline void rows_by_columns(int64_t rows, const Problem<Scale>& p, const Activations& a, int64_t r0, int64_t n0,
+                            float* tile) {
   if constexpr (MR > 1) {
     if (rows < MR) return rows_by_columns<kBits, kZero, MR - 1, NR>(rows, p, a, r0, n0, tile);
   }
-  rows_by_columns<kBits, kZero, MR, NR>(p, a, r0, n0, tile);
+  rows_by_columns<kBits, kZero, MR, NR, Scale>(p, a, r0, n0, tile);
 }
 
 // The whole problem: on_task(m0, n0, rows, tile [rows][NR]) per task of up to kRowBlock rows.
-template <int kBits, int kZero, int MR, int NR, class OnTask>
-int64_t gemm(const Problem& p, const Activations& a, int64_t num_threads, const OnTask& on_task) {
+template <int kBits, int kZero, int MR, int NR, class Scale, class OnTask>
+int64_t gemm(const Problem<Scale>& p, const Activations& a, int64_t num_threads, const OnTask& on_task) {
   static_assert(kPanelWidth % NR == 0, "a tile lies within a panel");
   if (p.group_size != 16 && p.group_size != 32) return kBadGroupSize;
   if (p.k % kActivationBlock || p.k % p.group_size) return kBadGroupSize;
