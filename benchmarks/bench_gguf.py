@@ -94,14 +94,12 @@ def _written(path: Path, model, tensor_type: str) -> Path:
 
 
 def kernforge_bytes_per_token(model, context: int) -> float:
-    """What one decode step reads: every packed weight with its scales and offsets (the embedding's one
+    """What one decode step reads: every packed weight with its scales (the embedding's one
     row aside) and the KV cache of ``context`` tokens."""
     total = 0
     for module in model.modules():
         if isinstance(module, GGUFLinear):
-            for part in module.parts:
-                tensors = (part.packed, part.scales, part.offsets)
-                total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            total += sum(t.numel() * t.element_size() for part in module.parts for t in part.tensors())
         elif not isinstance(module, GGUFEmbedding):
             total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     config = model.config

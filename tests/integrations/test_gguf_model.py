@@ -93,19 +93,20 @@ def test_tied_head_and_embedding_share_one_packed_weight(files):
     assert model.lm_head.parts[0] is model.model.embed_tokens.weight_packed
 
 
-def test_no_dequantized_copy_in_memory(files):
-    """What the model holds: the packed blocks (a little more than the file's bytes: fp32 scales),
-    fp32 norms, never a weight in the compute dtype."""
-    path = files["Q4_0"]
+@pytest.mark.parametrize("kind", ["Q4_0", "K"])
+def test_no_dequantized_copy_in_memory(files, kind):
+    """What the model holds: the packed blocks (the file's d and m as fp16, the K-quants' 6-bit
+    sub-scales as bytes, 5- and 6-bit codes as bytes), fp32 norms, never a weight in the compute dtype:
+    at most 1.3x the file."""
+    path = files[kind]
     model = kft.from_gguf(path, kv_cache_pages=1)
     tensors = {}
     for module in model.modules():
-        packed = [p for part in getattr(module, "parts", []) for p in (part.packed, part.scales, part.offsets)]
+        packed = [t for part in getattr(module, "parts", []) for t in part.tensors()]
         if isinstance(module, GGUFEmbedding):
-            packed += [module.weight_packed.packed, module.weight_packed.scales]
+            packed += module.weight_packed.tensors()
         for t in [*packed, *module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if t is not None and not t.is_meta:
-                tensors[t.data_ptr()] = t.numel() * t.element_size()
+            tensors[t.data_ptr()] = t.numel() * t.element_size()
     held = sum(tensors.values())  # the KV cache included: one page
     assert held <= 1.3 * path.stat().st_size, f"{held} bytes held for a {path.stat().st_size}-byte file"
 

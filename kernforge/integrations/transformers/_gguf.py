@@ -169,16 +169,14 @@ def gguf_manifest(path: str | Path, kv_cache_dtypes: tuple[str, ...] = (), dtype
 
 
 def gemm_kernels(file: GGUFFile, dtype: str) -> list[dict[str, Any]]:
-    """The GGUF GEMM variants a model of ``file`` runs (one per tensor type among its 2-D weights),
-    as pre-warm manifest entries, and whether every linear weight is quantized (no bf16 GEMM needed)."""
+    """The GGUF GEMM variants a model of ``file`` runs (one per block type among its 2-D weights), as
+    pre-warm manifest entries."""
     kinds = sorted({file.type_name(name) for name in file.tensors if len(file.shape(name)) == 2})
-    entries = []
-    for kind in kinds:
-        if kind in gguf_ops.BLOCK_TYPES:
-            bt = gguf_ops.BLOCK_TYPES[kind]
-            params = {"dtype": DTYPE_NAMES[_TORCH_DTYPES[dtype]], **bt.kernel_params}
-            entries.append({"module": gguf_ops.GEMM_GGUF.name, "params": params})
-    return entries
+    return [
+        {"module": gguf_ops.GEMM_GGUF.name, "params": {"dtype": DTYPE_NAMES[_TORCH_DTYPES[dtype]], "qtype": kind}}
+        for kind in kinds
+        if kind in gguf_ops.BLOCK_TYPES
+    ]
 
 
 def quantized_linears_only(file: GGUFFile) -> bool:

@@ -38,13 +38,13 @@ column ``j``'s 4 K bytes at byte ``4 j``. Scales and offsets ``[panels, G, 64]``
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, Module, Struct
+from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module, Struct
 from kernforge.ops._common import num_threads
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 from kernforge.ops.gemm import int4
@@ -62,8 +62,9 @@ FLOAT_OFFSETS = -1  # the kernel's zero parameter where offsets are stored
 class BlockType:
     """How one GGUF type's blocks read: ``block`` K elements in ``size`` bytes; ``group`` K elements per
     scale; codes ``bits`` wide, stored as nibbles (4) or bytes (8); ``zero`` the integer zero point, or
-    ``FLOAT_OFFSETS``; ``scales`` how scales and offsets are kept: fp16 where they are the file's own
-    fp16 ``d`` and ``m`` (the bytes per weight of the file), fp32 where they are products (``d * sc``)."""
+    ``FLOAT_OFFSETS``. Scales are the file's fp16 ``d`` per ``super_groups`` groups (a K-quant's 256
+    elements), times each group's integer ``sub_scales`` (``u8`` 6-bit, ``s8``, or ``none``); offsets the
+    same with the file's fp16 ``m`` (Q4_1) or ``-dmin`` and ``sub_offsets`` (K-quants' 6-bit ``m``)."""
 
     name: str
     block: int
@@ -71,27 +72,24 @@ class BlockType:
     group: int
     bits: int
     zero: int
-    scales: str
+    super_groups: int = 1
+    sub_scales: str = "none"
+    sub_offsets: bool = False
 
     @property
     def storage_bits(self) -> int:
         return 4 if self.bits == 4 else 8
 
-    @property
-    def kernel_params(self) -> dict[str, Any]:
-        """The GEMM variant's parameters besides the dtype."""
-        return {"bits": self.storage_bits, "zero": self.zero, "scales": self.scales}
-
 
 BLOCK_TYPES = {
     t.name: t
     for t in (
-        BlockType("Q4_0", 32, 18, 32, 4, 8, "fp16"),
-        BlockType("Q4_1", 32, 20, 32, 4, FLOAT_OFFSETS, "fp16"),
-        BlockType("Q8_0", 32, 34, 32, 8, 128, "fp16"),
-        BlockType("Q4_K", 256, 144, 32, 4, FLOAT_OFFSETS, "fp32"),
-        BlockType("Q5_K", 256, 176, 32, 5, FLOAT_OFFSETS, "fp32"),
-        BlockType("Q6_K", 256, 210, 16, 6, 32, "fp32"),
+        BlockType("Q4_0", 32, 18, 32, 4, 8),
+        BlockType("Q4_1", 32, 20, 32, 4, FLOAT_OFFSETS),
+        BlockType("Q8_0", 32, 34, 32, 8, 128),
+        BlockType("Q4_K", 256, 144, 32, 4, FLOAT_OFFSETS, 8, "u8", True),
+        BlockType("Q5_K", 256, 176, 32, 5, FLOAT_OFFSETS, 8, "u8", True),
+        BlockType("Q6_K", 256, 210, 16, 6, 32, 16, "s8"),
     )
 }
 TYPES = tuple(BLOCK_TYPES)
@@ -105,15 +103,16 @@ GGUF_GEMM_ARGS = Struct(
             "x",  # [m, k] rows, ldx elements apart
             "ldx",
             "packed",  # the codes (see the module's docstring)
-            "scales",  # fp16 or fp32 [panels, k / group_size, 64]
-            "offsets",  # as scales, or 0 with an integer zero
+            "scales",  # fp16 [panels, super-blocks, 64]
+            "offsets",  # fp16 [panels, super-blocks, 64], or 0 with an integer zero
+            "sub_scales",  # uint8 / int8 [panels, groups, 64], or 0
+            "sub_offsets",  # uint8 [panels, groups, 64], or 0
             "bias",  # fp32 [n] or 0
             "out",  # [m, n] rows, ldo elements apart
             "ldo",
             "m",
             "n",
             "k",
-            "group_size",
             "q",  # uint8 [m, k] scratch: x quantized (int8 + 128)
             "q_scale",  # fp32 [m, k / 32] scratch
             "q_sums",  # int32 [m, k / 16] scratch
@@ -124,17 +123,12 @@ GGUF_GEMM_ARGS = Struct(
 GEMM_GGUF = Module(
     "gemm_gguf",
     "gemm_gguf.cpp.jinja",
-    params={
-        "dtype": DType(),
-        "bits": Int(choices=(4, 8)),
-        "zero": Int(choices=(FLOAT_OFFSETS, 8, 32, 128)),
-        "scales": Enum(choices=("fp16", "fp32")),
-    },
+    params={"dtype": DType(), "qtype": Enum(choices=TYPES)},
     structs=[GGUF_GEMM_ARGS],
     entries=[Entry("linear", "const kf_gguf_gemm* args", returns="int64_t")],
     tiers=ALL_TIERS,
 )
-STATUS = {2: "K must be a multiple of 32 and of the weight's group size (16 or 32)"}
+STATUS = {2: "K must be a multiple of the weight's block (32 or 256 elements)"}
 
 
 @packed_weight(saved_as="kernforge.ops.gemm_gguf")
@@ -143,8 +137,10 @@ class PackedGGUFWeight:
     ``torch.save``/``torch.load``."""
 
     packed: torch.Tensor  # uint8 codes (module docstring)
-    scales: torch.Tensor  # fp16 or fp32 (BlockType.scales) [panels, k / group_size, 64]
-    offsets: torch.Tensor | None  # like scales, None where the type has an integer zero
+    scales: torch.Tensor  # fp16 [panels, k / (group_size * super_groups), 64]: the file's d
+    offsets: torch.Tensor | None  # fp16 like scales (m, or -dmin); None where the type has an integer zero
+    sub_scales: torch.Tensor | None  # uint8 / int8 [panels, k / group_size, 64] (K-quants), else None
+    sub_offsets: torch.Tensor | None  # uint8 like sub_scales (Q4_K, Q5_K), else None
     qtype: str
     n: int
     k: int
@@ -158,6 +154,40 @@ class PackedGGUFWeight:
     def group_size(self) -> int:
         return self.block_type.group
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weight holds (what it weighs in memory, and reads per token)."""
+        held = (self.packed, self.scales, self.offsets, self.sub_scales, self.sub_offsets)
+        return [t for t in held if t is not None]
+
+
+class Blocks(NamedTuple):
+    """A tensor's blocks, decoded as they are stored: ``codes`` uint8 ``[rows, k]``; per super-block the
+    file's fp16 ``d`` and ``base`` (``m`` or ``-dmin``; None with an integer zero) as fp32 ``[rows, S]``;
+    per group the integer ``sub_scales`` and ``sub_offsets`` ``[rows, G]`` (None where the type has none)."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    base: torch.Tensor | None
+    sub_scales: torch.Tensor | None
+    sub_offsets: torch.Tensor | None
+
+    @classmethod
+    def of(cls, fields: Iterable[torch.Tensor | None]) -> Blocks:
+        """The five fields in order (codes and d are never None: every type stores them)."""
+        codes, d, base, sub_scales, sub_offsets = fields
+        assert codes is not None and d is not None, "every block type stores codes and d"
+        return cls(codes, d, base, sub_scales, sub_offsets)
+
+    def scales_and_offsets(self, bt: BlockType) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``[rows, G]`` each: the weight is ``scale * code + offset`` per group (products exact in
+        fp32: ``d`` has 11 significant bits, a sub-scale at most 8)."""
+        d = self.d.repeat_interleave(bt.super_groups, dim=1)
+        scales = d if self.sub_scales is None else d * self.sub_scales.to(torch.float32)
+        if self.base is None:
+            return scales, -bt.zero * scales
+        base = self.base.repeat_interleave(bt.super_groups, dim=1)
+        return scales, base if self.sub_offsets is None else base * self.sub_offsets.to(torch.float32)
+
 
 # --------------------------------------------------------------------------- llama.cpp's blocks
 
@@ -170,10 +200,9 @@ def block_type(qtype: object) -> BlockType:
     return BLOCK_TYPES[name]
 
 
-def decode_blocks(data: torch.Tensor, qtype: object, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``data`` uint8 ``[rows, row bytes]`` of a ``qtype`` tensor with ``k`` elements per row ->
-    ``(codes uint8 [rows, k], scales fp32 [rows, k / group], offsets fp32 [rows, k / group])``: the weight
-    is ``scales * codes + offsets`` (per group), exactly llama.cpp's values."""
+def read_blocks(data: torch.Tensor, qtype: object, k: int) -> Blocks:
+    """``data`` uint8 ``[rows, row bytes]`` of a ``qtype`` tensor with ``k`` elements per row, decoded
+    (:class:`Blocks`), every value as llama.cpp's ``ggml-common.h`` lays it out."""
     bt = block_type(qtype)
     check_cpu_tensor(data, "data")
     if data.dtype is not torch.uint8:
@@ -186,9 +215,16 @@ def decode_blocks(data: torch.Tensor, qtype: object, k: int) -> tuple[torch.Tens
         raise ValueError(
             f"data must be [rows, {row_bytes}] ({k // bt.block} {bt.name} blocks a row), got {tuple(data.shape)}"
         )
-    blocks = data.contiguous().view(rows * (k // bt.block), bt.size)
-    codes, scales, offsets = _DECODERS[bt.name](blocks)
-    return codes.reshape(rows, k), scales.reshape(rows, -1), offsets.reshape(rows, -1)
+    decoded = _DECODERS[bt.name](data.contiguous().view(rows * (k // bt.block), bt.size))
+    return Blocks.of(None if t is None else t.reshape(rows, -1) for t in decoded)
+
+
+def decode_blocks(data: torch.Tensor, qtype: object, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [rows, k], scales fp32 [rows, k / group], offsets fp32 [rows, k / group])`` of a
+    ``qtype`` tensor's bytes ``data [rows, row bytes]``: the weight is ``scales * codes + offsets`` per
+    group, exactly llama.cpp's values."""
+    blocks = read_blocks(data, qtype, k)
+    return (blocks.codes, *blocks.scales_and_offsets(block_type(qtype)))
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -201,28 +237,28 @@ def _nibbles_split(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0xF, qs >> 4), dim=-1)
 
 
-def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d = _half(blocks, 0)
-    return _nibbles_split(blocks[:, 2:]), d, -8 * d
+_Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _nibbles_split(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2)
+def _q4_0(blocks: torch.Tensor) -> _Decoded:
+    return _nibbles_split(blocks[:, 2:]), _half(blocks, 0), None, None, None
 
 
-def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d = _half(blocks, 0)
+def _q4_1(blocks: torch.Tensor) -> _Decoded:
+    return _nibbles_split(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2), None, None
+
+
+def _q8_0(blocks: torch.Tensor) -> _Decoded:
     codes = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return codes, d, -128 * d
+    return codes, _half(blocks, 0), None, None, None
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's get_scale_min_k4 for all 8 sub-blocks: 12 bytes -> (sc [b, 8], m [b, 8]), 6 bits each."""
-    s = scales.to(torch.int32)
-    d, m, both = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    """ggml's get_scale_min_k4 for all 8 sub-blocks: 12 bytes -> (sc [b, 8], m [b, 8]) uint8, 6 bits each."""
+    d, m, both = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat((d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)), dim=1)
     mn = torch.cat((m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)), dim=1)
-    return sc.to(torch.float32), mn.to(torch.float32)
+    return sc, mn
 
 
 def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -230,44 +266,42 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return _nibbles_split(qs.reshape(-1, 4, 32)).reshape(-1, 256)
 
 
-def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q4_k(blocks: torch.Tensor) -> _Decoded:
     sc, mn = _k_scales(blocks[:, 4:16])
-    return _k_low_nibbles(blocks[:, 16:]), _half(blocks, 0) * sc, -(_half(blocks, 2) * mn)
+    return _k_low_nibbles(blocks[:, 16:]), _half(blocks, 0), -_half(blocks, 2), sc, mn
 
 
-def _q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q5_k(blocks: torch.Tensor) -> _Decoded:
     sc, mn = _k_scales(blocks[:, 4:16])
     qh = blocks[:, 16:48]  # bit j of byte l: the fifth bit of sub-block j's element l
     high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=1).reshape(-1, 256)
     codes = _k_low_nibbles(blocks[:, 48:]) | (high << 4)
-    return codes, _half(blocks, 0) * sc, -(_half(blocks, 2) * mn)
+    return codes, _half(blocks, 0), -_half(blocks, 2), sc, mn
 
 
-def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q6_k(blocks: torch.Tensor) -> _Decoded:
     ql, qh = blocks[:, 0:128].reshape(-1, 2, 64), blocks[:, 128:192].reshape(-1, 2, 1, 32)
     low = torch.cat((ql & 0xF, ql >> 4), dim=-1).reshape(-1, 2, 4, 32)  # per half: l, l + 32, +64, +96
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=2)
     codes = (low | (high << 4)).reshape(-1, 256)
-    scale = _half(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    return codes, scale, -32 * scale
+    return codes, _half(blocks, 208), None, blocks[:, 192:208].view(torch.int8), None
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
+def _values(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor:
+    """``scale * code + offset`` per group, exact in float64, rounded once to fp32 (llama.cpp's values)."""
+    rows, k = codes.shape
+    values = codes.view(rows, -1, group).double() * scales[..., None].double() + offsets[..., None].double()
+    return values.reshape(rows, k).to(torch.float32)
+
+
 def dequantize_rows(data: torch.Tensor, qtype: object, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``rows`` (int64 indices; all if None) of a ``qtype`` tensor ``data [n, row bytes]`` as fp32
-    ``[len(rows), k]``: ``scale * code + offset``, exactly llama.cpp's values (an embedding lookup reads
-    only the rows it needs)."""
-    if rows is not None:
-        data = data[rows]
-    codes, scales, offsets = decode_blocks(data, qtype, k)
-    group = block_type(qtype).group
-    values = (
-        codes.view(codes.shape[0], -1, group).to(torch.float64) * scales[..., None].double()
-        + offsets[..., None].double()
-    )
-    return values.reshape(codes.shape[0], k).to(torch.float32)
+    ``[len(rows), k]``: ``scale * code + offset``, exactly llama.cpp's values."""
+    codes, scales, offsets = decode_blocks(data if rows is None else data[rows], qtype, k)
+    return _values(codes, scales, offsets, block_type(qtype).group)
 
 
 export("dequantize_rows", dequantize_rows)
@@ -285,28 +319,42 @@ def pack_gguf(data: torch.Tensor, qtype: object, n: int, k: int) -> PackedGGUFWe
     check_cpu_tensor(data, "data")
     if data.dim() == 1 and data.numel() % n == 0:
         data = data.view(n, -1)
-    codes, scales, offsets = decode_blocks(data, bt.name, k)
-    if codes.shape[0] != n:
-        raise ValueError(f"data holds {codes.shape[0]} rows; the weight has n = {n}")
-    return pack_decoded(codes, scales, offsets, bt.name)
+    blocks = read_blocks(data, bt.name, k)
+    if blocks.codes.shape[0] != n:
+        raise ValueError(f"data holds {blocks.codes.shape[0]} rows; the weight has n = {n}")
+    return pack_blocks(blocks, bt.name)
 
 
-def pack_decoded(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, qtype: object) -> PackedGGUFWeight:
-    """:func:`decode_blocks`' three tensors (or :func:`unpack_gguf`'s) packed for :func:`gguf_linear`."""
+def pack_blocks(blocks: Blocks, qtype: object) -> PackedGGUFWeight:
+    """Decoded blocks (:func:`read_blocks`, :func:`unpack_blocks`) packed for :func:`gguf_linear`: the
+    codes in panels, d and m as the file's fp16, the sub-scales as their bytes (nothing rounded)."""
     bt = block_type(qtype)
-    n, k = codes.shape
-    packed = int4.pack_nibbles(codes) if bt.storage_bits == 4 else _pack_bytes(codes)
-    dtype = torch.float16 if bt.scales == "fp16" else torch.float32  # fp16: the file's values, exactly
-    kept = None if bt.zero != FLOAT_OFFSETS else _panel_major(offsets, dtype)
-    return PackedGGUFWeight(packed, _panel_major(scales, dtype), kept, bt.name, int(n), int(k))
+    n, k = blocks.codes.shape
+    packed = int4.pack_nibbles(blocks.codes) if bt.storage_bits == 4 else _pack_bytes(blocks.codes)
+
+    def panels(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if t is None else _panel_major(t, dtype)
+
+    sub_dtype = torch.int8 if bt.sub_scales == "s8" else torch.uint8
+    return PackedGGUFWeight(
+        packed,
+        _panel_major(blocks.d, torch.float16),
+        panels(blocks.base, torch.float16),
+        panels(blocks.sub_scales, sub_dtype),
+        panels(blocks.sub_offsets, torch.uint8),
+        bt.name,
+        int(n),
+        int(k),
+    )
 
 
 def concatenated(weights: list[PackedGGUFWeight]) -> PackedGGUFWeight:
     """One weight whose output is ``weights``' outputs side by side (q|k|v, gate|up), all of one type."""
     if len({w.qtype for w in weights}) != 1 or len({w.k for w in weights}) != 1:
         raise ValueError("weights concatenated along N share their type and K")
-    codes, scales, offsets = (torch.cat(tensors) for tensors in zip(*(unpack_gguf(w) for w in weights)))
-    return pack_decoded(codes, scales, offsets, weights[0].qtype)
+    parts = [unpack_blocks(w) for w in weights]
+    fused = Blocks.of(None if field[0] is None else torch.cat(field) for field in zip(*parts))
+    return pack_blocks(fused, weights[0].qtype)
 
 
 def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -314,26 +362,21 @@ def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
     layout (a tied embedding and lm_head share one packed copy; only the looked-up rows are decoded)."""
     flat = ids.reshape(-1)
     panel, column = flat // PANEL_WIDTH, flat % PANEL_WIDTH
-    quads = w.k // QUAD
+    quads = torch.arange(w.k // QUAD)[None, :, None]
     if w.block_type.storage_bits == 4:  # int4's chunk layout: byte 64 c + 4 (j % 16) + i, low or high nibble
         chunk, within = column // int4.CHUNK, column % int4.CHUNK
         start = chunk * 64 + (within % 16) * QUAD
-        words = w.packed[
-            panel[:, None, None], torch.arange(quads)[None, :, None], start[:, None, None] + torch.arange(QUAD)
-        ]
-        high = (within >= 16)[:, None, None]
-        codes = torch.where(high, words >> 4, words & 0xF)
+        words = w.packed[panel[:, None, None], quads, start[:, None, None] + torch.arange(QUAD)]
+        codes = torch.where((within >= 16)[:, None, None], words >> 4, words & 0xF)
     else:
-        start = column * QUAD
-        codes = w.packed[
-            panel[:, None, None], torch.arange(quads)[None, :, None], start[:, None, None] + torch.arange(QUAD)
-        ]
-    codes = codes.reshape(-1, w.k)
-    groups = w.k // w.group_size
-    scales = w.scales[panel, :, column].float()  # [rows, G]
-    offsets = -w.block_type.zero * scales if w.offsets is None else w.offsets[panel, :, column].float()
-    values = codes.view(-1, groups, w.group_size).double() * scales[..., None].double() + offsets[..., None].double()
-    return values.to(torch.float32).reshape(*ids.shape, w.k)
+        codes = w.packed[panel[:, None, None], quads, (column * QUAD)[:, None, None] + torch.arange(QUAD)]
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[panel, :, column]
+
+    blocks = Blocks.of((codes.reshape(-1, w.k), *(rows(t) for t in _factors(w))))
+    values = _values(blocks.codes, *blocks.scales_and_offsets(w.block_type), w.group_size)
+    return values.reshape(*ids.shape, w.k)
 
 
 def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -351,36 +394,48 @@ def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _panel_major(per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, G] -> ``dtype`` [panels, G, 64], columns past N zero."""
-    n, groups = per_row.shape
+    """[N, C] -> ``dtype`` [panels, C, 64], columns past N zero."""
+    n, count = per_row.shape
     panels = -(-n // PANEL_WIDTH)
-    padded = per_row.new_zeros(panels * PANEL_WIDTH, groups, dtype=dtype)
+    padded = torch.zeros(panels * PANEL_WIDTH, count, dtype=dtype)
     padded[:n] = per_row
-    return padded.view(panels, PANEL_WIDTH, groups).permute(0, 2, 1).contiguous()
+    return padded.view(panels, PANEL_WIDTH, count).permute(0, 2, 1).contiguous()
 
 
-def unpack_gguf(w: PackedGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(codes uint8 [N, K], scales fp32 [N, G], offsets fp32 [N, G])``: :func:`pack_gguf` undone
-    (offsets ``-zero * scales`` where the type keeps none)."""
-    n, k, bt = w.n, w.k, w.block_type
-    if bt.storage_bits == 4:
+def _row_major(panel_major: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """:func:`_panel_major` undone, fp32 (or the integers as they are) ``[n, C]``."""
+    if panel_major is None:
+        return None
+    rows = panel_major.permute(0, 2, 1).reshape(-1, panel_major.shape[1])[:n]
+    return rows.float() if rows.is_floating_point() else rows
+
+
+def _factors(w: PackedGGUFWeight) -> tuple[torch.Tensor | None, ...]:
+    """The packed (d, base, sub_scales, sub_offsets), in the panel-major layout."""
+    return w.scales, w.offsets, w.sub_scales, w.sub_offsets
+
+
+def unpack_blocks(w: PackedGGUFWeight) -> Blocks:
+    """:func:`pack_blocks` undone."""
+    n, k = w.n, w.k
+    if w.block_type.storage_bits == 4:
         codes = int4.unpack_nibbles(w.packed, n, k)
     else:
         panels = w.packed.shape[0]
         codes = w.packed.view(panels, k // QUAD, PANEL_WIDTH, QUAD).permute(0, 2, 1, 3).reshape(-1, k)[:n]
-    scales = w.scales.permute(0, 2, 1).reshape(-1, k // bt.group)[:n].float()
-    offsets = (
-        -bt.zero * scales if w.offsets is None else w.offsets.permute(0, 2, 1).reshape(-1, k // bt.group)[:n].float()
-    )
-    return codes, scales, offsets
+    return Blocks.of((codes, *(_row_major(t, n) for t in _factors(w))))
+
+
+def unpack_gguf(w: PackedGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [N, K], scales fp32 [N, G], offsets fp32 [N, G])``: the weight is ``scales * codes +
+    offsets`` per group (offsets ``-zero * scales`` where the type keeps none)."""
+    blocks = unpack_blocks(w)
+    return (blocks.codes, *blocks.scales_and_offsets(w.block_type))
 
 
 def dequantize(w: PackedGGUFWeight) -> torch.Tensor:
     """The weight ``[N, K]`` fp32 a packed one stands for (llama.cpp's dequantization, bit for bit)."""
-    codes, scales, offsets = unpack_gguf(w)
-    group = w.group_size
-    values = codes.view(w.n, -1, group).double() * scales[..., None].double() + offsets[..., None].double()
-    return values.reshape(w.n, w.k).to(torch.float32)
+    return _values(*unpack_gguf(w), w.group_size)
 
 
 export("pack_gguf", pack_gguf)
@@ -390,7 +445,7 @@ export("embedding_rows", embedding_rows)
 # --------------------------------------------------------------------------- the op
 
 
-@kernel_op(GEMM_GGUF, bits=4, zero=8, scales="fp16")
+@kernel_op(GEMM_GGUF, qtype="Q4_0")
 def gguf_linear(
     x: torch.Tensor, w: PackedGGUFWeight | Sequence[PackedGGUFWeight], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -442,9 +497,7 @@ class GGUFLinearRunner:
         """This thread's (entry, argument struct) per part for ``dtype``, the weight's fields set; built
         again where the tier in use changed (each kernel has its own struct type)."""
         if dtype not in self._variants:
-            self._variants[dtype] = [
-                GEMM_GGUF.variant(dtype=DTYPE_NAMES[dtype], **p.block_type.kernel_params) for p in self.parts
-            ]
+            self._variants[dtype] = [GEMM_GGUF.variant(dtype=DTYPE_NAMES[dtype], qtype=p.qtype) for p in self.parts]
         kernels = [variant.kernel() for variant in self._variants[dtype]]
         held = getattr(self._local, "calls", None)
         if held is None or held[0] is not dtype or any(a is not b for a, b in zip(held[1], kernels)):
@@ -459,13 +512,18 @@ class GGUFLinearRunner:
         return {
             "packed": part.packed.data_ptr(),
             "scales": part.scales.data_ptr(),
-            "offsets": 0 if part.offsets is None else part.offsets.data_ptr(),
+            "offsets": _address(part.offsets),
+            "sub_scales": _address(part.sub_scales),
+            "sub_offsets": _address(part.sub_offsets),
             "bias": 0 if self.bias is None else self.bias.data_ptr() + 4 * column,
             "ldo": self.n,
             "n": part.n,
             "k": part.k,
-            "group_size": part.group_size,
         }
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _checked_parts(w: object) -> list[PackedGGUFWeight]:

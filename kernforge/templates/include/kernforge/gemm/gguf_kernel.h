@@ -1,9 +1,12 @@
 // GEMM on llama.cpp's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), as
 // kernforge.ops.gemm.gguf repacks them without changing a value:
-//   weight[n][k] = scale[g][n] * code[n][k] + offset[g][n]     (group g = k / group_size, 16 or 32)
-// with code unsigned (4-bit codes as nibbles, 5- to 8-bit codes as bytes) and, for the types whose
-// offset is a whole number of scales (Q4_0: -8 d, Q8_0: -128 d, Q6_K: -32 d sc), offset = -zero * scale
-// with the type's zero a template parameter (no offsets stored).
+//   weight[n][k] = scale[g][n] * code[n][k] + offset[g][n]     (group g = k / kGroup, 16 or 32)
+//   scale = d[s][n] * sub_scale[g][n], offset = base[s][n] * sub_offset[g][n]   (s = g / kSuperGroups)
+// with d and base the file's fp16 values (d and m, or d and -dmin), the sub-scales and sub-offsets the
+// K-quants' 6- or 8-bit integers per group (1 where a type has none): both products are exact in fp32.
+// Codes are unsigned (4-bit codes as nibbles, 5- to 8-bit codes as bytes); for the types whose offset
+// is a whole number of scales (Q4_0: -8 d, Q8_0: -128 d, Q6_K: -32 d sc), offset = -zero * scale with
+// the type's zero a constant (no offsets stored).
 //
 // Activations are quantized per block of 32 K elements to int8 (llama.cpp's q8_0: scale = amax / 127),
 // with the sums of each 16 quantized values kept (the offsets' term). For each group the integer
@@ -13,14 +16,16 @@
 //
 // Layout (kernforge.ops.gemm.gguf): N in panels of 64 columns, each panel K quad by K quad (4 K per
 // column word). 4-bit: int4's chunk layout (gemm/int4_kernel.h), 128 bytes a quad. 8-bit: 256 bytes a
-// quad, column j's word at byte 4 j. Scales and offsets fp32 [panel][group][64], a panel's contiguous.
-// Codes go from memory straight into u8 x s8 dot products (int4's few-rows path, extended to every M
-// in passes of MR rows: a panel's codes stay in L2 between passes).
+// quad, column j's word at byte 4 j. d and base [panel][super-block][64], sub-scales and sub-offsets
+// [panel][group][64]: a panel's contiguous. Codes go from memory straight into u8 x s8 dot products
+// (int4's few-rows path, extended to every M in passes of MR rows: a panel's codes stay in L2 between
+// passes).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernforge/core/isa_features.h"
 #include "kernforge/core/parallel.h"
@@ -37,18 +42,35 @@ constexpr int64_t kRowBlock = 64;         // rows per task
 constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;
 constexpr int kFloatOffsets = -1;  // the zero parameter of types whose offsets are stored
 
-enum Status : int64_t { kOk = 0, kBadGroupSize = 2 };
+enum Status : int64_t { kOk = 0, kBadShape = 2 };
 
-template <class Scale>  // fp16 (the file's own d and m: Q4_0, Q4_1, Q8_0) or float (K-quants' d * sc)
+// The block types (ggml-common.h), as kernforge.ops.gemm.gguf.BLOCK_TYPES stores them: the codes'
+// storage bits, the integer zero (or kFloatOffsets), K per group, groups per super-block (a K-quant's
+// 256 elements share d), the sub-scales' type (void: none) and whether sub-offsets are stored.
+template <int kBits_, int kZero_, int kGroup_, int kSuperGroups_, class SubScale_, bool kSubOffsets_>
+struct BlockType {
+  static constexpr int kBits = kBits_, kZero = kZero_, kGroup = kGroup_, kSuperGroups = kSuperGroups_;
+  static constexpr bool kSubScales = !std::is_void_v<SubScale_>, kSubOffsets = kSubOffsets_;
+  using SubScale = SubScale_;
+};
+using Q4_0 = BlockType<4, 8, 32, 1, void, false>;
+using Q4_1 = BlockType<4, kFloatOffsets, 32, 1, void, false>;
+using Q8_0 = BlockType<8, 128, 32, 1, void, false>;
+using Q4_K = BlockType<4, kFloatOffsets, 32, 8, uint8_t, true>;
+using Q5_K = BlockType<8, kFloatOffsets, 32, 8, uint8_t, true>;
+using Q6_K = BlockType<8, 32, 16, 16, int8_t, false>;
+
 struct Problem {
   const uint8_t* packed;
-  const Scale* scales;   // [panel][group][64]
-  const Scale* offsets;  // [panel][group][64], or null with an integer zero
-  int64_t m, n, k, group_size;
+  const fp16* scales;          // d: [panel][super-block][64]
+  const fp16* offsets;         // base (m, or -dmin): [panel][super-block][64], or null with an integer zero
+  const void* sub_scales;      // [panel][group][64] (uint8 or int8), or null
+  const uint8_t* sub_offsets;  // [panel][group][64], or null
+  int64_t m, n, k;
 
-  int64_t groups() const { return k / group_size; }
-  int64_t panel_offset(int64_t n0, int64_t g) const {
-    return ((n0 / kPanelWidth) * groups() + g) * kPanelWidth + n0 % kPanelWidth;
+  // Column n0's entry `index` of a [panel][count][64] array.
+  static int64_t at(int64_t n0, int64_t index, int64_t count) {
+    return ((n0 / kPanelWidth) * count + index) * kPanelWidth + n0 % kPanelWidth;
   }
 };
 
@@ -98,10 +120,10 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, uint8_t
 namespace detail {
 
 // The codes of quad q for columns [n0, n0 + NR): vector v holds columns [v W, v W + W) as words.
-template <int kBits, int NR, class Scale>
-inline void load_codes(const Problem<Scale>& p, int64_t n0, int64_t q, VecI32 (&codes)[NR / VecI32::kWidth]) {
+template <int kBits, int NR>
+inline void load_codes(const Problem& p, int64_t n0, int64_t q, VecI32 (&codes)[NR / VecI32::kWidth]) {
   if constexpr (kBits == 4) {
-    const int4::Problem nibbles{p.packed, nullptr, nullptr, nullptr, p.m, p.n, p.k, p.group_size};
+    const int4::Problem nibbles{p.packed, nullptr, nullptr, nullptr, p.m, p.n, p.k, kQuad};
     int4::detail::load_codes<NR>(nibbles, n0, q, codes);
   } else {
     const uint8_t* words =
@@ -140,74 +162,107 @@ inline VecI32 dot4(VecI32 acc, VecI32 codes, uint32_t a_word) {
 
 inline VecF to_float(VecI32 v) { return int4::detail::float_of_difference(v, VecI32::zero()); }
 
+// A vector's worth of small integers (uint8 or int8) as floats.
+template <class T>
+inline VecF bytes_as_float(const T* p) {
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_signed_v<T>) return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
+#elif defined(KF_TIER_AVX2)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_signed_v<T>) return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))};
+#else
+  VecF out;
+  for (int i = 0; i < VecF::kWidth; ++i) out.lane[i] = float(p[i]);
+  return out;
+#endif
+}
+
+// Group g's scales and offsets for columns [n0, n0 + NR), exact in fp32 (a product of an fp16 and a
+// small integer).
+template <class Type, int NR>
+inline void group_factors(const Problem& p, int64_t n0, int64_t g, VecF (&scale)[NR / VecF::kWidth],
+                          VecF (&offset)[NR / VecF::kWidth]) {
+  constexpr int kLanes = VecF::kWidth;
+  const int64_t groups = p.k / Type::kGroup, supers = groups / Type::kSuperGroups;
+  const int64_t super_at = Problem::at(n0, g / Type::kSuperGroups, supers), group_at = Problem::at(n0, g, groups);
+  for (int v = 0; v < NR / kLanes; ++v) {
+    scale[v] = VecF::load(p.scales + super_at + v * kLanes);
+    if constexpr (Type::kSubScales)
+      scale[v] *= bytes_as_float(static_cast<const typename Type::SubScale*>(p.sub_scales) + group_at + v * kLanes);
+    if constexpr (Type::kZero == kFloatOffsets) {
+      offset[v] = VecF::load(p.offsets + super_at + v * kLanes);
+      if constexpr (Type::kSubOffsets) offset[v] *= bytes_as_float(p.sub_offsets + group_at + v * kLanes);
+    }
+  }
+}
+
 }  // namespace detail
 
 // tile[r][j] += the product of rows [r0, r0 + ROWS) of the activations by columns [n0, n0 + NR)
 // (columns past N: their codes are 0 and their scales 0).
-template <int kBits, int kZero, int ROWS, int NR, class Scale>
-inline void rows_by_columns(const Problem<Scale>& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
-  constexpr int kLanes = VecI32::kWidth, kVectors = NR / kLanes;
+template <class Type, int ROWS, int NR>
+inline void rows_by_columns(const Problem& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
+  constexpr int kLanes = VecI32::kWidth, kVectors = NR / kLanes, kGroup = Type::kGroup;
   constexpr uint32_t kSignFlip = 0x80808080u;  // uint8 (int8 + 128) -> int8
-  const int64_t group = p.group_size, sums_per_group = group / kSumBlock;
   const int64_t scales_per_row = a.k / kActivationBlock, sums_per_row = a.k / kSumBlock;
-  for (int64_t g = 0; g < p.groups(); ++g) {
+  for (int64_t g = 0; g < p.k / kGroup; ++g) {
     VecI32 acc[ROWS][kVectors];
     for (auto& row : acc)
       for (auto& v : row) v = VecI32::zero();
-    for (int64_t q = g * group / kQuad; q < (g + 1) * group / kQuad; ++q) {
+    for (int64_t q = g * kGroup / kQuad; q < (g + 1) * kGroup / kQuad; ++q) {
       VecI32 codes[kVectors];
-      detail::load_codes<kBits, NR>(p, n0, q, codes);
+      detail::load_codes<Type::kBits, NR>(p, n0, q, codes);
       for (int r = 0; r < ROWS; ++r) {
         uint32_t word;
         std::memcpy(&word, a.q + (r0 + r) * a.k + q * kQuad, sizeof(word));
         word ^= kSignFlip;
-        for (int v = 0; v < kVectors; ++v) acc[r][v] = detail::dot4<kBits>(acc[r][v], codes[v], word);
+        for (int v = 0; v < kVectors; ++v) acc[r][v] = detail::dot4<Type::kBits>(acc[r][v], codes[v], word);
       }
     }
-    const Scale* scales = p.scales + p.panel_offset(n0, g);
+    VecF scale[kVectors], offset[kVectors];
+    detail::group_factors<Type, NR>(p, n0, g, scale, offset);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = r0 + r;
       int32_t sum = 0;
-      for (int64_t s = 0; s < sums_per_group; ++s) sum += a.sums[row * sums_per_row + g * sums_per_group + s];
-      const VecF a_scale = VecF::broadcast(a.scale[row * scales_per_row + g * group / kActivationBlock]);
+      for (int64_t s = 0; s < kGroup / kSumBlock; ++s) sum += a.sums[row * sums_per_row + g * kGroup / kSumBlock + s];
+      const VecF a_scale = VecF::broadcast(a.scale[row * scales_per_row + g * kGroup / kActivationBlock]);
       for (int v = 0; v < kVectors; ++v) {
         float* out = tile + r * NR + v * kLanes;
-        const VecF scale = VecF::load(scales + v * kLanes);
-        if constexpr (kZero == kFloatOffsets) {
-          const VecF offset = VecF::load(p.offsets + p.panel_offset(n0, g) + v * kLanes);
-          const VecF sum_term = offset * VecF::broadcast(float(sum));
-          fma(fma(detail::to_float(acc[r][v]), scale, sum_term), a_scale, VecF::load(out)).store(out);
+        if constexpr (Type::kZero == kFloatOffsets) {
+          const VecF sum_term = offset[v] * VecF::broadcast(float(sum));
+          fma(fma(detail::to_float(acc[r][v]), scale[v], sum_term), a_scale, VecF::load(out)).store(out);
         } else {
-          const VecF exact = detail::to_float(acc[r][v]) - VecF::broadcast(float(kZero * sum));
-          fma(exact * scale, a_scale, VecF::load(out)).store(out);
+          const VecF exact = detail::to_float(acc[r][v]) - VecF::broadcast(float(Type::kZero * sum));
+          fma(exact * scale[v], a_scale, VecF::load(out)).store(out);
         }
       }
     }
   }
 }
 
-template <int kBits, int kZero, int MR, int NR, class Scale>
-inline void rows_by_columns(int64_t rows, const Problem<Scale>& p, const Activations& a, int64_t r0, int64_t n0,
-                            float* tile) {
+template <class Type, int MR, int NR>
+inline void rows_by_columns(int64_t rows, const Problem& p, const Activations& a, int64_t r0, int64_t n0, float* tile) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_by_columns<kBits, kZero, MR - 1, NR>(rows, p, a, r0, n0, tile);
+    if (rows < MR) return rows_by_columns<Type, MR - 1, NR>(rows, p, a, r0, n0, tile);
   }
-  rows_by_columns<kBits, kZero, MR, NR, Scale>(p, a, r0, n0, tile);
+  rows_by_columns<Type, MR, NR>(p, a, r0, n0, tile);
 }
 
 // The whole problem: on_task(m0, n0, rows, tile [rows][NR]) per task of up to kRowBlock rows.
-template <int kBits, int kZero, int MR, int NR, class Scale, class OnTask>
-int64_t gemm(const Problem<Scale>& p, const Activations& a, int64_t num_threads, const OnTask& on_task) {
+template <class Type, int MR, int NR, class OnTask>
+int64_t gemm(const Problem& p, const Activations& a, int64_t num_threads, const OnTask& on_task) {
   static_assert(kPanelWidth % NR == 0, "a tile lies within a panel");
-  if (p.group_size != 16 && p.group_size != 32) return kBadGroupSize;
-  if (p.k % kActivationBlock || p.k % p.group_size) return kBadGroupSize;
+  if (p.k % (Type::kGroup * Type::kSuperGroups) || p.k % kActivationBlock) return kBadShape;
   if (p.m <= 0 || p.n <= 0) return kOk;
   for_each_output_tile<NR>(
       p.m, p.n, p.k, kRowBlock, kMinMacsPerThread, num_threads, [&](int64_t m0, int64_t n0, int64_t rows) {
         alignas(64) float tile[kRowBlock * NR];
         std::fill_n(tile, rows * NR, 0.0f);
         for (int64_t r = 0; r < rows; r += MR)
-          rows_by_columns<kBits, kZero, MR, NR>(std::min<int64_t>(MR, rows - r), p, a, m0 + r, n0, tile + r * NR);
+          rows_by_columns<Type, MR, NR>(std::min<int64_t>(MR, rows - r), p, a, m0 + r, n0, tile + r * NR);
         on_task(m0, n0, rows, static_cast<const float*>(tile));
       });
   return kOk;
