@@ -176,26 +176,22 @@ def best_llama_cpp(median: dict, fmt: str) -> dict[str, float] | None:
 
 
 def report(median: dict, files: dict, bounds: dict, args) -> None:
+    """The table, and one record per figure: case "<model> <format> p<prompt> n<new>", impl kernforge,
+    llama.cpp (its better of flash attention on and off) or transformers."""
     rows = []
-    case = f"{args.model if not args.quick else 'tiny'} p{args.prompt} n{args.new}"
+    model = "tiny" if args.quick else args.model
     for fmt in files:
         ours = median[f"kernforge {fmt}"]
         peers = {"llama.cpp": best_llama_cpp(median, fmt), "transformers": median.get(f"transformers {fmt}")}
         bound_tg = 1 / bounds[fmt]
+        case = f"{model} {fmt} p{args.prompt} n{args.new}"
+        params = {"model": model, "format": fmt, "prompt": args.prompt, "new_tokens": args.new}
         rows.append(
             [f"kernforge {fmt}", H.fmt(ours["pp"], 1), H.fmt(ours["tg"], 1), "", "", H.fmt(ours["tg"] / bound_tg, 2)]
         )
-        params = {"model": args.model, "format": fmt, "prompt": args.prompt, "new_tokens": args.new}
-        H.emit(case, f"kernforge {fmt}", "pp_tok_s", ours["pp"], "tok/s", params=params)
-        H.emit(
-            case,
-            f"kernforge {fmt}",
-            "tg_tok_s",
-            ours["tg"],
-            "tok/s",
-            params=params,
-            bound=("bytes at the streaming rate", bound_tg),
-        )
+        H.emit(case, "kernforge", "pp_tok_s", ours["pp"], "tok/s", params=params)
+        bound = ("bytes read per token at the streaming rate", bound_tg)
+        H.emit(case, "kernforge", "tg_tok_s", ours["tg"], "tok/s", params=params, bound=bound)
         for peer, figures in peers.items():
             if figures is None:
                 continue
@@ -210,17 +206,10 @@ def report(median: dict, files: dict, bounds: dict, args) -> None:
                     "",
                 ]
             )
-            H.emit(case, f"{peer} {fmt}", "pp_tok_s", figures["pp"], "tok/s", params=params)
-            H.emit(case, f"{peer} {fmt}", "tg_tok_s", figures["tg"], "tok/s", params=params)
-    headers = [
-        "",
-        "pp tok/s (prompt / TTFT)",
-        "tg tok/s (1 / TPOT)",
-        "kernforge TTFT x",
-        "kernforge TPOT x",
-        "TPOT bound / TPOT",
-    ]
-    print(H.table(headers, rows))
+            H.emit(case, peer, "pp_tok_s", figures["pp"], "tok/s", params=params)
+            H.emit(case, peer, "tg_tok_s", figures["tg"], "tok/s", params=params)
+    headers = ["", "pp tok/s (prompt / TTFT)", "tg tok/s (1 / TPOT)", "kernforge TTFT x", "kernforge TPOT x"]
+    print(H.table(headers + ["TPOT bound / TPOT"], rows))
     for fmt, seconds in bounds.items():
         print(f"- {fmt}: kernforge reads {seconds * 1e3:.2f} ms of bytes per token at the streaming rate")
 

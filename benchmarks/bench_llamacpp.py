@@ -88,15 +88,15 @@ def llama_bench(bin_dir: Path, gguf_file: Path, args, flash: int = 1) -> dict[st
     return {"pp" if run["n_prompt"] else "tg": run["avg_ts"] for run in runs}
 
 
-def find_llama_cpp(given: Path | None) -> Path | None:
-    """llama.cpp's bin directory (see the module's docstring), or None where it has not both tools."""
+def find_llama_cpp(given: Path | None, tools: tuple[str, ...] = LLAMA_CPP_TOOLS) -> Path | None:
+    """llama.cpp's bin directory (see the module's docstring), or None where it lacks one of ``tools``."""
     on_path = shutil.which("llama-bench")
     candidates = [given] if given else []
     if not given:
         candidates += [Path(p) for p in (os.environ.get("KERNFORGE_LLAMA_CPP"), on_path and Path(on_path).parent) if p]
         candidates.append(H.REPO_ROOT.parent / "peers" / "llama.cpp" / "build" / "bin")
     for directory in candidates:
-        if all((Path(directory) / tool).is_file() for tool in LLAMA_CPP_TOOLS):
+        if all((Path(directory) / tool).is_file() for tool in tools):
             return Path(directory)
     return None
 

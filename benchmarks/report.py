@@ -43,7 +43,7 @@ KINDS = {
 }
 ROUTINES = (
     "gemm", "decode", "prefill", "mla", "moe", "page", "ops", "sampling",
-    "jit", "comm", "e2e", "vllm", "llamacpp", "quality",
+    "jit", "comm", "e2e", "vllm", "llamacpp", "gguf", "quality", "gguf-quality",
 )  # fmt: skip
 # The implementation a kernforge figure is set against, by routine: the first of these measured.
 PEERS = {
@@ -52,9 +52,12 @@ PEERS = {
     "e2e": ("transformers",),
     "vllm": ("vllm",),
     "llamacpp": ("llama.cpp", "llama.cpp Q4_K_M"),
+    "gguf": ("llama.cpp", "transformers"),
+    "gguf-quality": ("llama.cpp", "transformers"),
 }
 DEFAULT_PEERS = ("torch.compile", "torch", "transformers", "vllm", "llama.cpp")
 LOWER_IS_BETTER = {"ns", "us", "µs", "ms", "s", "seconds"}  # units of time; every other unit is a rate
+LOWER_IS_BETTER_METRICS = {"perplexity"}
 # A day (transcribed records) or an ISO 8601 time (what kernforge.bench.records writes); either sorts as text.
 _DATE = re.compile(r"\d{4}-\d\d-\d\d(T\d\d:\d\d(:\d\d)?([+-]\d\d:\d\d|Z)?)?$")
 
@@ -128,7 +131,7 @@ def is_kernforge(impl: str) -> bool:
 
 
 def lower_is_better(record: Record) -> bool:
-    return record["unit"] in LOWER_IS_BETTER
+    return record["unit"] in LOWER_IS_BETTER or record["metric"] in LOWER_IS_BETTER_METRICS
 
 
 def ratio(record: Record, peer: Record | None) -> float | None:

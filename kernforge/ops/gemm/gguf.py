@@ -12,14 +12,15 @@ Q4_0      32      0..15  ``d``                        ``-8 d`` (zero 8)         
 Q4_1      32      0..15  ``d``                        ``m``                                nibbles
 Q8_0      32      0..255 ``d``                        ``-128 d`` (zero 128; code q + 128)  bytes
 Q4_K      32      0..15  ``d * sc[j]``                ``-dmin * m[j]``                     nibbles
-Q5_K      32      0..31  ``d * sc[j]``                ``-dmin * m[j]``                     bytes
-Q6_K      16      0..63  ``d * sc[j]``                ``-32 d sc[j]`` (zero 32)            bytes
+Q5_K      32      0..31  ``d * sc[j]``                ``-dmin * m[j]``                     nibbles + 2
+Q6_K      16      0..63  ``d * sc[j]``                ``-32 d sc[j]`` (zero 32)            nibbles + 2
 ========  ======  =====  ===========================  ===================================  ========
 
-Scales and offsets are the file's fp16 ``d`` and ``m`` (Q4_0, Q4_1, Q8_0: the file's bytes per weight)
-or fp32 products: every product above is exact in fp32 (``d`` is fp16, ``sc`` at most 8 bits), so
-:func:`dequantize` (``scale * code + offset`` rounded once to fp32) equals llama.cpp's own
-dequantization (``gguf.quants.dequantize``) bit for bit. Types whose offset is a whole number of scales
+The file's values are kept as it stores them: fp16 ``d``, ``m`` and ``dmin`` per block or super-block
+(256 elements), the K-quants' sub-scales ``sc[j]`` and ``m[j]`` (6-bit; Q6_K's int8) as bytes per
+group; the kernel forms each group's scale and offset, products exact in fp32 (``d`` has 11
+significant bits, ``sc`` at most 8), so :func:`dequantize` (``scale * code + offset`` rounded once to
+fp32) equals llama.cpp's own dequantization (``gguf.quants.dequantize``) bit for bit. Types whose offset is a whole number of scales
 keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int32).
 
 * :func:`pack_gguf(data, qtype, n, k)` -> :class:`PackedGGUFWeight`: a GGUF tensor's bytes (``[n, row
@@ -31,8 +32,11 @@ keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int
 * :func:`dequantize_rows(data, qtype, k, rows)`: some rows of a tensor as fp32 (an embedding lookup).
 
 Layout (``LAYOUT_VERSION`` 1): N in panels of 64 columns, K in quads. 4-bit codes as
-``kernforge.ops.gemm.int4`` packs them (``[panels, K / 4, 128]``); 8-bit codes ``[panels, K / 4, 256]``,
-column ``j``'s 4 K bytes at byte ``4 j``. Scales and offsets ``[panels, G, 64]`` (columns past N: 0).
+``kernforge.ops.gemm.int4`` packs them (``[panels, K / 4, 128]``); 5- and 6-bit codes the same for their
+low nibbles, plus ``high`` ``[panels, K / 4, 64]``: bits ``2 (j / 16)`` of byte ``4 (j % 16) + i`` hold
+column ``j``'s two high bits at K ``4 q + i``; 8-bit codes ``[panels, K / 4, 256]``, column ``j``'s 4 K
+bytes at byte ``4 j``. Per-block values ``[panels, blocks, 64]``, per-group ones ``[panels, G, 64]``
+(columns past N: 0).
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ class BlockType:
 
     @property
     def storage_bits(self) -> int:
-        return 4 if self.bits == 4 else 8
+        """4: nibbles; 6: nibbles and a plane of two high bits (5- and 6-bit codes); 8: bytes."""
+        return 4 if self.bits == 4 else 6 if self.bits <= 6 else 8
 
 
 BLOCK_TYPES = {
@@ -103,6 +108,7 @@ GGUF_GEMM_ARGS = Struct(
             "x",  # [m, k] rows, ldx elements apart
             "ldx",
             "packed",  # the codes (see the module's docstring)
+            "high",  # 5- and 6-bit codes' high bits: uint8 [panels, k / 4, 64], or 0
             "scales",  # fp16 [panels, super-blocks, 64]
             "offsets",  # fp16 [panels, super-blocks, 64], or 0 with an integer zero
             "sub_scales",  # uint8 / int8 [panels, groups, 64], or 0
@@ -136,7 +142,8 @@ class PackedGGUFWeight:
     """A GGUF weight ``[n, k]`` of type ``qtype``, packed for :func:`gguf_linear`; survives
     ``torch.save``/``torch.load``."""
 
-    packed: torch.Tensor  # uint8 codes (module docstring)
+    packed: torch.Tensor  # uint8 codes, their low nibbles for 5- and 6-bit types (module docstring)
+    high: torch.Tensor | None  # uint8 [panels, k / 4, 64]: 5- and 6-bit codes' high bits, else None
     scales: torch.Tensor  # fp16 [panels, k / (group_size * super_groups), 64]: the file's d
     offsets: torch.Tensor | None  # fp16 like scales (m, or -dmin); None where the type has an integer zero
     sub_scales: torch.Tensor | None  # uint8 / int8 [panels, k / group_size, 64] (K-quants), else None
@@ -156,7 +163,7 @@ class PackedGGUFWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight holds (what it weighs in memory, and reads per token)."""
-        held = (self.packed, self.scales, self.offsets, self.sub_scales, self.sub_offsets)
+        held = (self.packed, self.high, self.scales, self.offsets, self.sub_scales, self.sub_offsets)
         return [t for t in held if t is not None]
 
 
@@ -330,7 +337,9 @@ def pack_blocks(blocks: Blocks, qtype: object) -> PackedGGUFWeight:
     codes in panels, d and m as the file's fp16, the sub-scales as their bytes (nothing rounded)."""
     bt = block_type(qtype)
     n, k = blocks.codes.shape
-    packed = int4.pack_nibbles(blocks.codes) if bt.storage_bits == 4 else _pack_bytes(blocks.codes)
+    codes = blocks.codes
+    packed = _pack_bytes(codes) if bt.storage_bits == 8 else int4.pack_nibbles(codes & 0xF)
+    high = _pack_high_bits(codes >> 4) if bt.storage_bits == 6 else None
 
     def panels(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         return None if t is None else _panel_major(t, dtype)
@@ -338,6 +347,7 @@ def pack_blocks(blocks: Blocks, qtype: object) -> PackedGGUFWeight:
     sub_dtype = torch.int8 if bt.sub_scales == "s8" else torch.uint8
     return PackedGGUFWeight(
         packed,
+        high,
         _panel_major(blocks.d, torch.float16),
         panels(blocks.base, torch.float16),
         panels(blocks.sub_scales, sub_dtype),
@@ -363,13 +373,16 @@ def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     panel, column = flat // PANEL_WIDTH, flat % PANEL_WIDTH
     quads = torch.arange(w.k // QUAD)[None, :, None]
-    if w.block_type.storage_bits == 4:  # int4's chunk layout: byte 64 c + 4 (j % 16) + i, low or high nibble
+    if w.block_type.storage_bits == 8:
+        codes = w.packed[panel[:, None, None], quads, (column * QUAD)[:, None, None] + torch.arange(QUAD)]
+    else:  # int4's chunk layout: byte 64 c + 4 (j % 16) + i, low or high nibble
         chunk, within = column // int4.CHUNK, column % int4.CHUNK
         start = chunk * 64 + (within % 16) * QUAD
         words = w.packed[panel[:, None, None], quads, start[:, None, None] + torch.arange(QUAD)]
         codes = torch.where((within >= 16)[:, None, None], words >> 4, words & 0xF)
-    else:
-        codes = w.packed[panel[:, None, None], quads, (column * QUAD)[:, None, None] + torch.arange(QUAD)]
+    if w.high is not None:  # byte 4 (j % 16) + i, bits 2 (j / 16)
+        high = w.high[panel[:, None, None], quads, ((column % 16) * QUAD)[:, None, None] + torch.arange(QUAD)]
+        codes = codes | (((high >> (2 * (column // 16))[:, None, None]) & 3) << 4)
 
     def rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[panel, :, column]
@@ -391,6 +404,26 @@ def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
         .reshape(panels, k // QUAD, -1)
         .contiguous()
     )
+
+
+def _pack_high_bits(high: torch.Tensor) -> torch.Tensor:
+    """Two-bit values [N, K] -> uint8 [panels, K / 4, 64]: column j of a panel, K 4q + i, at bits
+    2 (j / 16) of byte 4 (j % 16) + i of quad q (a vector of 16 columns' words takes one field)."""
+    n, k = high.shape
+    panels = -(-n // PANEL_WIDTH)
+    padded = high.new_zeros(panels * PANEL_WIDTH, k)
+    padded[:n] = high
+    fields = padded.view(panels, 4, 16, k // QUAD, QUAD).permute(0, 3, 1, 2, 4).reshape(panels, k // QUAD, 4, 64)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    return (fields << shifts).sum(dim=2, dtype=torch.uint8)  # the fields' bits are disjoint
+
+
+def _unpack_high_bits(plane: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`_pack_high_bits` undone: uint8 [n, k]."""
+    panels = plane.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    fields = (plane[:, :, None, :] >> shifts) & 3  # [panel, quad, field, 64]
+    return fields.view(panels, k // QUAD, 4, 16, QUAD).permute(0, 2, 3, 1, 4).reshape(-1, k)[:n]
 
 
 def _panel_major(per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -418,11 +451,13 @@ def _factors(w: PackedGGUFWeight) -> tuple[torch.Tensor | None, ...]:
 def unpack_blocks(w: PackedGGUFWeight) -> Blocks:
     """:func:`pack_blocks` undone."""
     n, k = w.n, w.k
-    if w.block_type.storage_bits == 4:
-        codes = int4.unpack_nibbles(w.packed, n, k)
-    else:
+    if w.block_type.storage_bits == 8:
         panels = w.packed.shape[0]
         codes = w.packed.view(panels, k // QUAD, PANEL_WIDTH, QUAD).permute(0, 2, 1, 3).reshape(-1, k)[:n]
+    else:
+        codes = int4.unpack_nibbles(w.packed, n, k)
+    if w.high is not None:
+        codes = codes | (_unpack_high_bits(w.high, n, k) << 4)
     return Blocks.of((codes, *(_row_major(t, n) for t in _factors(w))))
 
 
@@ -511,6 +546,7 @@ class GGUFLinearRunner:
     def _weight_fields(self, part: PackedGGUFWeight, column: int) -> dict[str, int]:
         return {
             "packed": part.packed.data_ptr(),
+            "high": _address(part.high),
             "scales": part.scales.data_ptr(),
             "offsets": _address(part.offsets),
             "sub_scales": _address(part.sub_scales),

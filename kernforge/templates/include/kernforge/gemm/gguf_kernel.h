@@ -4,7 +4,8 @@
 //   scale = d[s][n] * sub_scale[g][n], offset = base[s][n] * sub_offset[g][n]   (s = g / kSuperGroups)
 // with d and base the file's fp16 values (d and m, or d and -dmin), the sub-scales and sub-offsets the
 // K-quants' 6- or 8-bit integers per group (1 where a type has none): both products are exact in fp32.
-// Codes are unsigned (4-bit codes as nibbles, 5- to 8-bit codes as bytes); for the types whose offset
+// Codes are unsigned (4-bit codes as nibbles, 5- and 6-bit ones as nibbles and a plane of their two high
+// bits, 8-bit ones as bytes); for the types whose offset
 // is a whole number of scales (Q4_0: -8 d, Q8_0: -128 d, Q6_K: -32 d sc), offset = -zero * scale with
 // the type's zero a constant (no offsets stored).
 //
@@ -15,8 +16,9 @@
 // or, with an integer zero, a_scale * scale * (dot - zero * sum_k q) (exact in int32 before scaling).
 //
 // Layout (kernforge.ops.gemm.gguf): N in panels of 64 columns, each panel K quad by K quad (4 K per
-// column word). 4-bit: int4's chunk layout (gemm/int4_kernel.h), 128 bytes a quad. 8-bit: 256 bytes a
-// quad, column j's word at byte 4 j. d and base [panel][super-block][64], sub-scales and sub-offsets
+// column word). 4-bit: int4's chunk layout (gemm/int4_kernel.h), 128 bytes a quad; 5- and 6-bit: that,
+// and a high plane of 64 bytes a quad whose byte 4 (j % 16) + i holds column j's K i at bits 2 (j / 16).
+// 8-bit: 256 bytes a quad, column j's word at byte 4 j. d and base [panel][super-block][64], sub-scales and sub-offsets
 // [panel][group][64]: a panel's contiguous. Codes go from memory straight into u8 x s8 dot products
 // (int4's few-rows path, extended to every M in passes of MR rows: a panel's codes stay in L2 between
 // passes).
@@ -57,11 +59,12 @@ using Q4_0 = BlockType<4, 8, 32, 1, void, false>;
 using Q4_1 = BlockType<4, kFloatOffsets, 32, 1, void, false>;
 using Q8_0 = BlockType<8, 128, 32, 1, void, false>;
 using Q4_K = BlockType<4, kFloatOffsets, 32, 8, uint8_t, true>;
-using Q5_K = BlockType<8, kFloatOffsets, 32, 8, uint8_t, true>;
-using Q6_K = BlockType<8, 32, 16, 16, int8_t, false>;
+using Q5_K = BlockType<6, kFloatOffsets, 32, 8, uint8_t, true>;
+using Q6_K = BlockType<6, 32, 16, 16, int8_t, false>;
 
 struct Problem {
   const uint8_t* packed;
+  const uint8_t* high;         // 5- and 6-bit codes' high bits: [panel][quad][64], or null
   const fp16* scales;          // d: [panel][super-block][64]
   const fp16* offsets;         // base (m, or -dmin): [panel][super-block][64], or null with an integer zero
   const void* sub_scales;      // [panel][group][64] (uint8 or int8), or null
@@ -119,12 +122,38 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, uint8_t
 
 namespace detail {
 
+// codes | (bits [2 field, 2 field + 1] of each of `bytes`, moved to bits 4 and 5): a 6-bit code from its
+// low nibble and the high plane, whose byte b holds 16-column group `field`'s byte b at bits 2 field.
+inline VecI32 with_high_bits(VecI32 codes, const uint8_t* bytes, int field) {
+#if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
+  const __m512i v = _mm512_loadu_si512(bytes);  // per byte: no bit crosses a byte once masked below
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, unsigned(2 * field)), _mm512_set1_epi8(3));
+  return {_mm512_or_si512(codes.v, _mm512_slli_epi16(high, 4))};
+#elif defined(KF_TIER_AVX2)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * field)), _mm256_set1_epi8(3));
+  return {_mm256_or_si256(codes.v, _mm256_slli_epi16(high, 4))};
+#else
+  for (int j = 0; j < VecI32::kWidth; ++j)
+    for (int i = 0; i < kQuad; ++i)
+      codes.lane[j] |= int32_t(uint32_t((bytes[j * kQuad + i] >> (2 * field)) & 3) << (8 * i + 4));
+  return codes;
+#endif
+}
+
 // The codes of quad q for columns [n0, n0 + NR): vector v holds columns [v W, v W + W) as words.
 template <int kBits, int NR>
 inline void load_codes(const Problem& p, int64_t n0, int64_t q, VecI32 (&codes)[NR / VecI32::kWidth]) {
   if constexpr (kBits == 4) {
     const int4::Problem nibbles{p.packed, nullptr, nullptr, nullptr, p.m, p.n, p.k, kQuad};
     int4::detail::load_codes<NR>(nibbles, n0, q, codes);
+  } else if constexpr (kBits == 6) {  // the low nibbles, then each byte's two high bits from the high plane
+    load_codes<4, NR>(p, n0, q, codes);
+    const uint8_t* plane = p.high + ((n0 / kPanelWidth) * (p.k / kQuad) + q) * kPanelWidth;
+    for (int v = 0; v < NR / VecI32::kWidth; ++v) {
+      const int64_t column = n0 % kPanelWidth + v * VecI32::kWidth;  // the vector's first column in the panel
+      codes[v] = with_high_bits(codes[v], plane + (column % 16) * kQuad, int(column / 16));
+    }
   } else {
     const uint8_t* words =
         p.packed + ((n0 / kPanelWidth) * (p.k / kQuad) + q) * kPanelWidth * kQuad + (n0 % kPanelWidth) * kQuad;
@@ -132,15 +161,15 @@ inline void load_codes(const Problem& p, int64_t n0, int64_t q, VecI32 (&codes)[
   }
 }
 
-// acc + per lane: sum_i byte_i(codes) * int8(byte_i(a_word)). Codes below 16 (and any byte with
-// vpdpbusd) in one step; 5- to 8-bit codes without VNNI as two nibble halves, so that vpmaddubsw's
-// int16 pairs cannot saturate: low + 16 * high.
+// acc + per lane: sum_i byte_i(codes) * int8(byte_i(a_word)). Codes below 64 (and any byte with
+// vpdpbusd) in one step; 8-bit codes without VNNI as two nibble halves, so that vpmaddubsw's int16
+// pairs cannot saturate: low + 16 * high.
 template <int kBits>
 inline VecI32 dot4(VecI32 acc, VecI32 codes, uint32_t a_word) {
 #if KF_HAS_VNNI
   return int4::detail::dot4_codes(acc, codes, a_word);
 #else
-  if constexpr (kBits == 4) {
+  if constexpr (kBits <= 6) {  // |2 * 63 * 127| fits vpmaddubsw's int16 pairs
     return int4::detail::dot4_codes(acc, codes, a_word);
   } else {
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
