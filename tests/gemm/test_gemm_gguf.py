@@ -178,3 +178,13 @@ def test_parts_of_different_types_run_side_by_side(tier):
     assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="parts must share K"):
         G.gguf_linear(x, [parts[0], G.pack_gguf(random_blocks("Q4_0", 8, 64), "Q4_0", 8, 64)])
+
+
+def test_large_tensors_pack_in_runs_of_rows_to_the_same_weight(monkeypatch):
+    """pack_gguf decodes a tensor PACK_ROWS rows at a time (bounded temporaries): the same weight."""
+    raw = random_blocks("Q6_K", 300, 256)
+    whole = G.pack_gguf(raw, "Q6_K", 300, 256)
+    monkeypatch.setattr(G, "PACK_ROWS", 128)
+    runs = G.pack_gguf(raw, "Q6_K", 300, 256)
+    for a, b in zip(whole.tensors(), runs.tensors()):
+        assert torch.equal(a, b)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernforge.memory import trim_heap
 from kernforge.model_spec import ModelSpec
 from kernforge.nn.gguf import GGUFEmbedding, GGUFLinear
 from kernforge.ops._registry import DTYPE_NAMES
@@ -140,7 +141,9 @@ def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, **optimi
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.gguf_file = str(file.path)  # what optimize (and pre-warm) read the GEMMs' types from
-    return optimize(model.eval(), **optimize_kwargs)
+    model = optimize(model.eval(), **optimize_kwargs)
+    trim_heap()  # what building and fusing freed: resident memory is the packed model's
+    return model
 
 
 def gguf_config(file: GGUFFile | str | Path) -> Any:
@@ -303,7 +306,10 @@ def _packed(
     data = file.read(name)
     if rope_heads is not None:  # llama.cpp's (head, pair, half) row order back to (head, half, pair)
         data = data.view(rope_heads, n // rope_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
-    return gguf_ops.pack_gguf(data, file.type_name(name), n, k)
+    packed = gguf_ops.pack_gguf(data, file.type_name(name), n, k)
+    del data
+    trim_heap()  # the tensor's bytes and temporaries, freed, back to the OS before the next is read
+    return packed
 
 
 def _plain(file: GGUFFile, name: str, hf_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

@@ -20,8 +20,9 @@ The file's values are kept as it stores them: fp16 ``d``, ``m`` and ``dmin`` per
 (256 elements), the K-quants' sub-scales ``sc[j]`` and ``m[j]`` (6-bit; Q6_K's int8) as bytes per
 group; the kernel forms each group's scale and offset, products exact in fp32 (``d`` has 11
 significant bits, ``sc`` at most 8), so :func:`dequantize` (``scale * code + offset`` rounded once to
-fp32) equals llama.cpp's own dequantization (``gguf.quants.dequantize``) bit for bit. Types whose offset is a whole number of scales
-keep no offsets (the kernel subtracts ``zero`` times the activations' sum in int32).
+fp32) equals llama.cpp's own dequantization (``gguf.quants.dequantize``) bit for bit. Types whose
+offset is a whole number of scales keep no offsets (the kernel subtracts ``zero`` times the
+activations' sum in int32).
 
 * :func:`pack_gguf(data, qtype, n, k)` -> :class:`PackedGGUFWeight`: a GGUF tensor's bytes (``[n, row
   bytes]`` uint8, as the file stores a 2-D tensor of ``n`` rows of ``k``) repacked.
@@ -59,6 +60,7 @@ PANEL_WIDTH = 64
 QUAD = 4
 ACTIVATION_BLOCK = 32  # K elements per activation scale (llama.cpp's q8_0 block)
 SUM_BLOCK = 16  # K elements per stored sum of quantized activations (the smallest group)
+PACK_ROWS = 4096  # rows decoded and packed at a time (a whole number of panels): bounds a tensor's temporaries
 FLOAT_OFFSETS = -1  # the kernel's zero parameter where offsets are stored
 
 
@@ -256,8 +258,7 @@ def _q4_1(blocks: torch.Tensor) -> _Decoded:
 
 
 def _q8_0(blocks: torch.Tensor) -> _Decoded:
-    codes = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return codes, _half(blocks, 0), None, None, None
+    return blocks[:, 2:] ^ 0x80, _half(blocks, 0), None, None, None  # int8 q's bits ^ 0x80: q + 128
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,10 +327,37 @@ def pack_gguf(data: torch.Tensor, qtype: object, n: int, k: int) -> PackedGGUFWe
     check_cpu_tensor(data, "data")
     if data.dim() == 1 and data.numel() % n == 0:
         data = data.view(n, -1)
-    blocks = read_blocks(data, bt.name, k)
-    if blocks.codes.shape[0] != n:
-        raise ValueError(f"data holds {blocks.codes.shape[0]} rows; the weight has n = {n}")
-    return pack_blocks(blocks, bt.name)
+    if data.dim() != 2 or data.shape[0] != n:
+        raise ValueError(f"data must hold the weight's n = {n} rows, got shape {tuple(data.shape)}")
+    if n <= PACK_ROWS:
+        return pack_blocks(read_blocks(data, bt.name, k), bt.name)
+    pieces = (pack_blocks(read_blocks(data[r : r + PACK_ROWS], bt.name, k), bt.name) for r in range(0, n, PACK_ROWS))
+    return _stacked_panels(pieces, n)
+
+
+def _stacked_panels(pieces: Iterable[PackedGGUFWeight], n: int) -> PackedGGUFWeight:
+    """Weights packed from consecutive runs of rows (all but the last whole panels), as one: each piece
+    copied into tensors allocated once (a large tensor's temporaries are one run's, not the whole
+    tensor's)."""
+    first: PackedGGUFWeight | None = None
+    fields = ("packed", "high", "scales", "offsets", "sub_scales", "sub_offsets")
+    panel = 0
+    out: dict[str, torch.Tensor | None] = {}
+    for piece in pieces:
+        if first is None:
+            first = piece
+            panels = -(-n // PANEL_WIDTH)
+            for name in fields:
+                t = getattr(piece, name)
+                out[name] = None if t is None else t.new_empty((panels, *t.shape[1:]))
+        count = piece.packed.shape[0]
+        for name in fields:
+            target = out[name]
+            if target is not None:
+                target[panel : panel + count] = getattr(piece, name)
+        panel += count
+    assert first is not None
+    return PackedGGUFWeight(**out, qtype=first.qtype, n=n, k=first.k)  # type: ignore[arg-type]
 
 
 def pack_blocks(blocks: Blocks, qtype: object) -> PackedGGUFWeight:
@@ -362,6 +390,8 @@ def concatenated(weights: list[PackedGGUFWeight]) -> PackedGGUFWeight:
     """One weight whose output is ``weights``' outputs side by side (q|k|v, gate|up), all of one type."""
     if len({w.qtype for w in weights}) != 1 or len({w.k for w in weights}) != 1:
         raise ValueError("weights concatenated along N share their type and K")
+    if all(w.n % PANEL_WIDTH == 0 for w in weights[:-1]):  # whole panels: the packed tensors concatenate
+        return _stacked_panels(weights, sum(w.n for w in weights))
     parts = [unpack_blocks(w) for w in weights]
     fused = Blocks.of(None if field[0] is None else torch.cat(field) for field in zip(*parts))
     return pack_blocks(fused, weights[0].qtype)
