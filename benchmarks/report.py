@@ -43,7 +43,7 @@ KINDS = {
 }
 ROUTINES = (
     "gemm", "decode", "prefill", "mla", "moe", "page", "ops", "sampling",
-    "jit", "comm", "e2e", "vllm", "llamacpp", "gguf", "quality", "gguf-quality",
+    "jit", "comm", "e2e", "vllm", "llamacpp", "gguf", "quality", "gguf_quality",
 )  # fmt: skip
 # The implementation a kernforge figure is set against, by routine: the first of these measured.
 PEERS = {
@@ -53,7 +53,7 @@ PEERS = {
     "vllm": ("vllm",),
     "llamacpp": ("llama.cpp", "llama.cpp Q4_K_M"),
     "gguf": ("llama.cpp", "transformers"),
-    "gguf-quality": ("llama.cpp", "transformers"),
+    "gguf_quality": ("llama.cpp", "transformers"),
 }
 DEFAULT_PEERS = ("torch.compile", "torch", "transformers", "vllm", "llama.cpp")
 LOWER_IS_BETTER = {"ns", "us", "µs", "ms", "s", "seconds"}  # units of time; every other unit is a rate

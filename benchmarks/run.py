@@ -38,7 +38,10 @@ ROUTINES: dict[str, tuple[str, str]] = {
     "vllm": ("bench_vllm.py", "vLLM's CPU engine with and without kernforge's plugin (needs .venv-vllm)"),
     "llamacpp": ("bench_llamacpp.py", "four-bit weights vs llama.cpp on the same weights (needs its binary)"),
     "gguf": ("bench_gguf.py", "GGUF files (from_gguf) vs llama.cpp and transformers reading the same files"),
-    "gguf-quality": ("eval_gguf.py", "GGUF files: perplexity vs stock transformers and llama.cpp on the same file"),
+    "gguf_quality": (
+        "eval_gguf_quality.py",
+        "GGUF files: perplexity vs stock transformers and llama.cpp on the same file",
+    ),
     "quality": ("eval_quality.py", "quality on a real model (SmolLM2-135M): perplexity, KL, greedy agreement vs stock"),
 }
 

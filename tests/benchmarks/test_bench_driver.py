@@ -45,7 +45,7 @@ def test_list_names_every_routine_with_its_script(capsys):
 
 def test_routines_are_the_issues_families():
     expected = {"gemm", "decode", "prefill", "mla", "moe", "page", "ops", "sampling", "jit", "comm", "e2e"}
-    assert expected | {"vllm", "llamacpp", "quality"} == set(_driver().ROUTINES)
+    assert expected | {"vllm", "llamacpp", "gguf", "quality", "gguf_quality"} == set(_driver().ROUTINES)
 
 
 def test_unknown_routine_is_a_clear_error(capsys):

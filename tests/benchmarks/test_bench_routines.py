@@ -20,7 +20,7 @@ DRIVER = REPO_ROOT / "benchmarks" / "run.py"
 # benchmarks/run.py's routines (test_the_list_here_is_the_drivers keeps the two equal), vllm aside.
 ROUTINES = (
     *("gemm", "decode", "prefill", "mla", "moe", "page", "ops", "sampling"),
-    *("jit", "comm", "e2e", "llamacpp", "quality"),
+    *("jit", "comm", "e2e", "llamacpp", "gguf", "quality", "gguf_quality"),
 )
 IN_TESTS_VLLM = pytest.mark.skip(
     reason="needs vLLM (only in .venv-vllm): the vllm routine's quick run is checked in tests/vllm (make test-vllm)"

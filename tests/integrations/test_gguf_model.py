@@ -171,3 +171,10 @@ def test_prewarm_derives_the_kernels_the_gguf_model_loads(files, kind):
     assert sorted(map(str, loaded - specs)) == []
     assert sorted(map(str, specs - other_integrations(model._kernforge.model_spec) - loaded)) == []
     assert {spec.module.name for spec in specs} >= {"gemm_gguf"} and "gemm" not in {s.module.name for s in specs}
+
+
+def test_missing_kernels_with_jit_off_say_prewarm_gguf(files, monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNFORGE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("KERNFORGE_JIT", "0")
+    with pytest.raises(kernforge.KernelNotCachedError, match=r"gemm_gguf\(.*prewarm --gguf .*Q4_0\.gguf"):
+        kft.from_gguf(files["Q4_0"])

@@ -12,8 +12,8 @@ chunk's positions scored), by
 with kernforge's mean KL divergence from the reference's next-token distributions and the share of
 positions where both pick the same top-1 token.
 
-    .venv/bin/python benchmarks/eval_gguf.py [FILE ...] [--ctx 512 --chunks 16] [--llama-cpp DIR]
-    .venv/bin/python benchmarks/eval_gguf.py --quick   # SmolLM2, one chunk of 128, no llama.cpp
+    .venv/bin/python benchmarks/eval_gguf_quality.py [FILE ...] [--ctx 512 --chunks 16] [--llama-cpp DIR]
+    .venv/bin/python benchmarks/eval_gguf_quality.py --quick   # SmolLM2, one chunk of 128, no llama.cpp
 """
 
 from __future__ import annotations
