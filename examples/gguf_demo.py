@@ -19,30 +19,14 @@ import torch
 import kernforge
 from kernforge.integrations.real_model import smollm2_gguf, stock_from_gguf
 
+sys.path.insert(0, str(Path(__file__).parent))
+from llama_generate import TimingStreamer  # noqa: E402  (TTFT and TPOT from when tokens arrive)
+
 PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about a CPU.",
     "Explain in two sentences what a kernel library does.",
 )
-
-
-class TokenTimes:
-    """A streamer that records when each step's tokens arrive (the first put is the prompt)."""
-
-    def __init__(self):
-        self.start, self.times = time.perf_counter(), []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def figures(self) -> tuple[float, float]:
-        tokens = self.times[1:]
-        ttft = tokens[0] - self.start
-        tpot = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
-        return ttft, tpot
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -53,10 +37,10 @@ def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
 
 
 def answer(generate, tokenizer, ids, new_tokens: int) -> tuple[str, float, float]:
-    times = TokenTimes()
+    times = TimingStreamer()
     out = generate(ids, new_tokens, times)
-    ttft, tpot = times.figures()
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip(), ttft, tpot
+    figures = times.figures()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip(), figures["ttft"], figures["tpot"]
 
 
 def main() -> int:
@@ -85,8 +69,14 @@ def main() -> int:
         "kernforge": lambda ids, n, s: kernforge.generate(model, ids, max_new_tokens=n, streamer=s),
         "transformers": lambda ids, n, s: stock.generate(ids, max_new_tokens=n, do_sample=False, streamer=s),
     }
-    for run in runs.values():  # warm-up: kernels compiled and loaded, allocators primed
-        run(chat_ids(tokenizer, "Hi"), 2, TokenTimes())
+    for name, run in runs.items():  # warm-up at the prompts' length: kernels compiled (JIT) and loaded
+        start = time.perf_counter()
+        run(chat_ids(tokenizer, PROMPTS[0]), 2, TimingStreamer())
+        print(
+            f"first call, {name}: {time.perf_counter() - start:.1f} s"
+            + (" (compiles its kernels once)" if name == "kernforge" else "")
+        )
+    print()
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
         print(f"> {prompt}  ({ids.shape[1]} prompt tokens)")
