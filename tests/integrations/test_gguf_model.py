@@ -178,3 +178,22 @@ def test_missing_kernels_with_jit_off_say_prewarm_gguf(files, monkeypatch, tmp_p
     monkeypatch.setenv("KERNFORGE_JIT", "0")
     with pytest.raises(kernforge.KernelNotCachedError, match=r"gemm_gguf\(.*prewarm --gguf .*Q4_0\.gguf"):
         kft.from_gguf(files["Q4_0"])
+
+
+@pytest.mark.slow  # the real model (SmolLM2-135M-Instruct's Q4_1 file, downloaded once), both sides: ~1 min
+def test_make_demos_script_runs_the_real_model():
+    """examples/gguf_demo.py, what `make demo` runs first: both columns answer every prompt."""
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLES_DIR
+
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES_DIR / "gguf_demo.py"), "--max-new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    for column in ("kernforge", "transformers"):
+        assert result.stdout.count(f"  {column} ") == 3 and "TPOT" in result.stdout, result.stdout
