@@ -57,8 +57,11 @@ _TRANSFORMERS_ENTRY_POINTS = ("optimize", "generate", "from_pretrained", "from_g
 
 def __getattr__(name: str) -> Any:
     if name in _TRANSFORMERS_ENTRY_POINTS:
-        from kernforge.integrations import transformers as integration
-
+        try:
+            from kernforge.integrations import transformers as integration
+        except ImportError as error:  # transformers (or gguf) not installed: say which extra brings it
+            extra = "gguf" if "gguf" in name else "transformers"
+            raise ImportError(f"kernforge.{name} needs pip install 'kernforge[{extra}]' ({error})") from error
         return getattr(integration, name)
     raise AttributeError(f"module 'kernforge' has no attribute {name!r}")
 

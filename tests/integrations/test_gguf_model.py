@@ -197,3 +197,17 @@ def test_make_demos_script_runs_the_real_model():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for column in ("kernforge", "transformers"):
         assert result.stdout.count(f"  {column} ") == 3 and "TPOT" in result.stdout, result.stdout
+
+
+def test_a_missing_package_names_the_extra_to_install():
+    """Without transformers, kernforge.from_gguf says which extra brings what it needs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import kernforge\n"
+        "try:\n    kernforge.from_gguf\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert "pip install 'kernforge[gguf]'" in out, out
