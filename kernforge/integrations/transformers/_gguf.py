@@ -217,12 +217,13 @@ def _place_tensors(model: nn.Module, file: GGUFFile, config: Any, dtype: torch.d
         )
     embedding = _embedding(model, file, places["model.embed_tokens.weight"], dtype)
     for hf_name, name in places.items():
-        owner_name, _, attr = hf_name.rpartition(".")
-        owner = model.get_submodule(owner_name)
         if hf_name == "model.embed_tokens.weight":
             continue
+        owner_name, _, attr = hf_name.rpartition(".")
+        owner = model.get_submodule(owner_name)
         if type(owner) is nn.Linear and attr == "weight":
-            linear = _linear(owner, hf_name, file, name, config, dtype, embedding)
+            bias_name = places.get(f"{owner_name}.bias")  # Qwen2's q/k/v
+            linear = _linear(owner, hf_name, file, name, config, dtype, embedding, bias_name)
             parent, _, child = owner_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, linear)
         elif attr == "weight" or not isinstance(owner, GGUFLinear):
@@ -240,8 +241,6 @@ def _places(model: nn.Module, names: Any) -> dict[str, str]:
         if name is None:
             raise ValueError(f"no GGUF tensor name for the model's {hf_name}")
         places[hf_name] = f"{name}.{suffix}"
-    if places.get("lm_head.weight") == places.get("model.embed_tokens.weight"):  # pragma: no cover
-        raise ValueError("lm_head and embed_tokens map to one GGUF name")
     return places
 
 
@@ -267,9 +266,10 @@ def _linear(
     config: Any,
     dtype: torch.dtype,
     embedding: gguf_ops.PackedGGUFWeight | nn.Parameter,
+    bias_name: str | None,
 ) -> nn.Module:
     """What replaces the nn.Linear ``owner``: a GGUFLinear over its packed tensor (the embedding's for a
-    tied lm_head), or ``owner`` with a plain weight."""
+    tied lm_head) and the file's ``bias_name``, or ``owner`` with a plain weight."""
     shape = (owner.out_features, owner.in_features)
     if name not in file.tensors:  # lm_head tied to the embedding
         if isinstance(embedding, nn.Parameter):
@@ -279,10 +279,8 @@ def _linear(
     if file.type_name(name) in PLAIN_TYPES:
         _set_parameter(owner, "weight", _plain(file, name, hf_name, shape, dtype))
         return owner
-    bias_name = name.removesuffix(".weight") + ".bias"
-    bias = None
-    if owner.bias is not None:  # Qwen2's q/k/v
-        bias = _plain(file, bias_name, hf_name.removesuffix(".weight") + ".bias", (owner.out_features,), torch.float32)
+    hf_bias = hf_name.removesuffix("weight") + "bias"
+    bias = None if bias_name is None else _plain(file, bias_name, hf_bias, (owner.out_features,), torch.float32)
     return GGUFLinear([_packed(file, name, shape, _rope_heads(hf_name, file, config))], bias, dtype)
 
 

@@ -56,8 +56,7 @@ from kernforge.ops.gemm import int4
 from kernforge.ops.gemm._common import check_cpu_tensor, checked_fp32_bias, matrix_rows, packed_weight
 
 LAYOUT_VERSION = 1
-PANEL_WIDTH = 64
-QUAD = 4
+PANEL_WIDTH, QUAD = int4.PANEL_WIDTH, int4.QUAD  # int4's panels and quads: the 4-bit codes share its layout
 ACTIVATION_BLOCK = 32  # K elements per activation scale (llama.cpp's q8_0 block)
 SUM_BLOCK = 16  # K elements per stored sum of quantized activations (the smallest group)
 PACK_ROWS = 4096  # rows decoded and packed at a time (a whole number of panels): bounds a tensor's temporaries
@@ -67,10 +66,11 @@ FLOAT_OFFSETS = -1  # the kernel's zero parameter where offsets are stored
 @dataclass(frozen=True)
 class BlockType:
     """How one GGUF type's blocks read: ``block`` K elements in ``size`` bytes; ``group`` K elements per
-    scale; codes ``bits`` wide, stored as nibbles (4) or bytes (8); ``zero`` the integer zero point, or
-    ``FLOAT_OFFSETS``. Scales are the file's fp16 ``d`` per ``super_groups`` groups (a K-quant's 256
-    elements), times each group's integer ``sub_scales`` (``u8`` 6-bit, ``s8``, or ``none``); offsets the
-    same with the file's fp16 ``m`` (Q4_1) or ``-dmin`` and ``sub_offsets`` (K-quants' 6-bit ``m``)."""
+        scale; codes ``bits`` wide, stored as nibbles (4 bits), nibbles and a plane of two high bits (5 and 6)
+    or bytes (8); ``zero`` the integer zero point, or
+        ``FLOAT_OFFSETS``. Scales are the file's fp16 ``d`` per ``super_groups`` groups (a K-quant's 256
+        elements), times each group's integer ``sub_scales`` (``u8`` 6-bit, ``s8``, or ``none``); offsets the
+        same with the file's fp16 ``m`` (Q4_1) or ``-dmin`` and ``sub_offsets`` (K-quants' 6-bit ``m``)."""
 
     name: str
     block: int
@@ -121,6 +121,7 @@ GGUF_GEMM_ARGS = Struct(
             "m",
             "n",
             "k",
+            "quantize",  # 1: quantize x into q first; 0: q already holds it (a later part of one call)
             "q",  # uint8 [m, k] scratch: x quantized (int8 + 128)
             "q_scale",  # fp32 [m, k / 32] scratch
             "q_sums",  # int32 [m, k / 16] scratch
@@ -165,8 +166,11 @@ class PackedGGUFWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight holds (what it weighs in memory, and reads per token)."""
-        held = (self.packed, self.high, self.scales, self.offsets, self.sub_scales, self.sub_offsets)
-        return [t for t in held if t is not None]
+        return [t for t in (getattr(self, name) for name in _TENSOR_FIELDS) if t is not None]
+
+
+# PackedGGUFWeight's tensors, all panel-major along their first dimension
+_TENSOR_FIELDS = ("packed", "high", "scales", "offsets", "sub_scales", "sub_offsets")
 
 
 class Blocks(NamedTuple):
@@ -340,18 +344,17 @@ def _stacked_panels(pieces: Iterable[PackedGGUFWeight], n: int) -> PackedGGUFWei
     copied into tensors allocated once (a large tensor's temporaries are one run's, not the whole
     tensor's)."""
     first: PackedGGUFWeight | None = None
-    fields = ("packed", "high", "scales", "offsets", "sub_scales", "sub_offsets")
     panel = 0
     out: dict[str, torch.Tensor | None] = {}
     for piece in pieces:
         if first is None:
             first = piece
             panels = -(-n // PANEL_WIDTH)
-            for name in fields:
+            for name in _TENSOR_FIELDS:
                 t = getattr(piece, name)
                 out[name] = None if t is None else t.new_empty((panels, *t.shape[1:]))
         count = piece.packed.shape[0]
-        for name in fields:
+        for name in _TENSOR_FIELDS:
             target = out[name]
             if target is not None:
                 target[panel : panel + count] = getattr(piece, name)
@@ -424,10 +427,9 @@ def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
 
 def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [N, K] -> [panels, K / 4, 256]: column j of a panel, K 4q..4q+3, at bytes 4 j of quad q."""
-    n, k = codes.shape
-    panels = -(-n // PANEL_WIDTH)
-    padded = codes.new_zeros(panels * PANEL_WIDTH, k)
-    padded[:n] = codes
+    k = codes.shape[1]
+    padded = int4.padded_to_panels(codes)
+    panels = padded.shape[0] // PANEL_WIDTH
     return (
         padded.view(panels, PANEL_WIDTH, k // QUAD, QUAD)
         .permute(0, 2, 1, 3)
@@ -436,33 +438,31 @@ def _pack_bytes(codes: torch.Tensor) -> torch.Tensor:
     )
 
 
+_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # a high-plane byte's four 2-bit fields
+
+
 def _pack_high_bits(high: torch.Tensor) -> torch.Tensor:
     """Two-bit values [N, K] -> uint8 [panels, K / 4, 64]: column j of a panel, K 4q + i, at bits
     2 (j / 16) of byte 4 (j % 16) + i of quad q (a vector of 16 columns' words takes one field)."""
-    n, k = high.shape
-    panels = -(-n // PANEL_WIDTH)
-    padded = high.new_zeros(panels * PANEL_WIDTH, k)
-    padded[:n] = high
+    k = high.shape[1]
+    padded = int4.padded_to_panels(high)
+    panels = padded.shape[0] // PANEL_WIDTH
     fields = padded.view(panels, 4, 16, k // QUAD, QUAD).permute(0, 3, 1, 2, 4).reshape(panels, k // QUAD, 4, 64)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    return (fields << shifts).sum(dim=2, dtype=torch.uint8)  # the fields' bits are disjoint
+    return (fields << _HIGH_SHIFTS).sum(dim=2, dtype=torch.uint8)  # the fields' bits are disjoint
 
 
 def _unpack_high_bits(plane: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """:func:`_pack_high_bits` undone: uint8 [n, k]."""
     panels = plane.shape[0]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    fields = (plane[:, :, None, :] >> shifts) & 3  # [panel, quad, field, 64]
+    fields = (plane[:, :, None, :] >> _HIGH_SHIFTS) & 3  # [panel, quad, field, 64]
     return fields.view(panels, k // QUAD, 4, 16, QUAD).permute(0, 2, 3, 1, 4).reshape(-1, k)[:n]
 
 
 def _panel_major(per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, C] -> ``dtype`` [panels, C, 64], columns past N zero."""
-    n, count = per_row.shape
-    panels = -(-n // PANEL_WIDTH)
-    padded = torch.zeros(panels * PANEL_WIDTH, count, dtype=dtype)
-    padded[:n] = per_row
-    return padded.view(panels, PANEL_WIDTH, count).permute(0, 2, 1).contiguous()
+    count = per_row.shape[1]
+    padded = int4.padded_to_panels(per_row, dtype)
+    return padded.view(-1, PANEL_WIDTH, count).permute(0, 2, 1).contiguous()
 
 
 def _row_major(panel_major: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -585,6 +585,7 @@ class GGUFLinearRunner:
             "ldo": self.n,
             "n": part.n,
             "k": part.k,
+            "quantize": int(column == 0),  # the parts of one call share x's quantization: the first makes it
         }
 
 

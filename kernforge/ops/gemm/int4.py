@@ -242,13 +242,21 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes [N, K]`` (uint8 0..15, K a multiple of 4) -> uint8 ``[ceil(N / 64), K / 4, 128]`` in
     the layout of the module's docstring (columns past N hold 0). Also GGUF's 4-bit types' codes."""
     n, k = codes.shape
-    panels = -(-n // PANEL_WIDTH)
-    padded = codes.new_zeros(panels * PANEL_WIDTH, k)
-    padded[:n] = codes
+    padded = padded_to_panels(codes)
+    panels = padded.shape[0] // PANEL_WIDTH
     # [panel, chunk, half, column, quad, 4] -> [panel, quad, chunk, column, 4] bytes: low | high << 4
     blocks = padded.view(panels, PANEL_WIDTH // CHUNK, 2, CHUNK // 2, k // QUAD, QUAD)
     low, high = blocks[:, :, 0], blocks[:, :, 1]
     return (low | (high << 4)).permute(0, 3, 1, 2, 4).reshape(panels, k // QUAD, QUAD_BYTES).contiguous()
+
+
+def padded_to_panels(rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``rows [N, ...]`` (in ``dtype``, default its own) with zero rows appended up to whole panels of
+    ``PANEL_WIDTH`` (what every panel-major packing starts from)."""
+    panels = -(-rows.shape[0] // PANEL_WIDTH)
+    padded = torch.zeros(panels * PANEL_WIDTH, *rows.shape[1:], dtype=dtype or rows.dtype)
+    padded[: rows.shape[0]] = rows
+    return padded
 
 
 def unpack_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
