@@ -78,6 +78,8 @@ class ModelSpec:
     # The Qwen MoEs' dense layers: those listed, and those off the every-``decoder_sparse_step``th.
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    # Gemma 3's softmax scale is query_pre_attn_scalar**-0.5 (None: head_dim's, as the Llamas')
+    query_pre_attn_scalar: float | None = None
 
     @classmethod
     def from_config(cls, config: dict | str | Path, any_activation: bool = False) -> ModelSpec:
@@ -173,9 +175,10 @@ class ModelSpec:
 
     @property
     def sm_scale(self) -> float:
-        """The attention's softmax scale, as transformers' Llama-family attentions set it (an MLA
-        model's also has YaRN's mscale: the integration reads that one from the module)."""
-        return float(self.head_dim**-0.5)
+        """The attention's softmax scale, as transformers' Llama-family attentions set it (Gemma 3's
+        ``query_pre_attn_scalar**-0.5``; an MLA model's also has YaRN's mscale: the integration reads
+        that one from the module)."""
+        return float((self.query_pre_attn_scalar or self.head_dim) ** -0.5)
 
     def window_left(self, layer: int) -> int:
         """FlashInfer's window_left (keys kept besides the query's own) of ``layer``; -1: none."""
@@ -263,10 +266,11 @@ def _runtime_fields(config: dict) -> dict:
     layers = layers if isinstance(layers, int) and layers > 0 else 0
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     clip_qkv = config.get("clip_qkv")
+    scalar = config.get("query_pre_attn_scalar")
     return {
         "num_hidden_layers": layers,
         "sliding_windows": _sliding_windows(config, layers),
-        "rope_type": str(rope.get("rope_type", rope.get("type", "default"))),
+        "rope_type": _rope_type(rope),
         "clip_qkv": None if clip_qkv is None else float(clip_qkv),
         "rms_norm_eps": float(config.get("rms_norm_eps") or 1e-6),
         "norm_topk_prob": bool(config.get("norm_topk_prob")),
@@ -274,7 +278,18 @@ def _runtime_fields(config: dict) -> dict:
         "rope_interleave": bool(config.get("rope_interleave", True)),
         "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+        "query_pre_attn_scalar": None if scalar is None else float(scalar),
     }
+
+
+def _rope_type(rope: dict) -> str:
+    """The RoPE type; of RoPE parameters per layer type (Gemma 3's ``{"full_attention": {...},
+    "sliding_attention": {...}}``), the first that is not "default" (the one a length-dependent
+    type would show in)."""
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        kinds = [_rope_type(value) for value in rope.values()]
+        return next((kind for kind in kinds if kind != "default"), "default")
+    return str(rope.get("rope_type", rope.get("type", "default")))
 
 
 def _sliding_windows(config: dict, layers: int) -> tuple[int | None, ...]:

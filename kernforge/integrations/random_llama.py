@@ -393,6 +393,19 @@ def _rewrite_checkpoint(
 
 
 _GGUF_FLOATS = {"F32": "float32", "F16": "float16"}
+_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe"}  # general.architecture by model_type (Llama and Mixtral: llama)
+
+
+def _add_expert_metadata(writer, config) -> None:
+    """A mixture of experts' keys, as convert_hf_to_gguf writes them (Mixtral's experts are
+    ``feed_forward_length`` wide, Qwen3-MoE's ``expert_feed_forward_length``)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def _llama_cpp_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -403,7 +416,11 @@ def _llama_cpp_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callable[..., Any] | None = None) -> Path:
     """Write a ``LlamaForCausalLM`` as llama.cpp's ``convert_hf_to_gguf.py`` writes one (the ``gguf``
     package's writer; tensor names ``token_embd``, ``blk.N.attn_q`` ...; q/k rows permuted to llama.cpp's
-    RoPE layout; norms F32; no tokenizer: ``tokenizer.ggml.model = "none"``). The 2-D weights are
+    RoPE layout; norms F32; no tokenizer: ``tokenizer.ggml.model = "none"``). A ``MixtralForCausalLM``
+    is written the same way (architecture ``llama``, ``llama.expert_count``), a ``Qwen3MoeForCausalLM``
+    as architecture ``qwen3moe`` (q/k rows as they are, the q/k norms, ``expert_feed_forward_length``):
+    each layer's router ``ffn_gate_inp`` F32 and its experts stacked, ``ffn_gate_exps`` /
+    ``ffn_up_exps`` / ``ffn_down_exps`` ``[experts, out, in]`` (``encode`` gets them 3-D). The 2-D weights are
     ``tensor_type``: F16, F32, or a type ``gguf.quants`` quantizes (Q4_0, Q4_1, Q8_0; llama.cpp's
     ``llama-quantize`` writes the others from an F16 file). ``encode(name, weight fp32 ndarray)`` may
     return ``(block bytes uint8 [rows, row bytes], type name)`` for a tensor instead (tests write K-quant
@@ -412,7 +429,8 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     import numpy as np
 
     config, path = model.config, Path(path)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = _GGUF_ARCHITECTURES.get(config.model_type, "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(config.name_or_path or "kernforge-random-llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -425,9 +443,13 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("none")
+    _add_expert_metadata(writer, config)
+    if arch == "qwen3moe":  # convert_hf_to_gguf writes the config's head_dim
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
 
     def add(name: str, t: torch.Tensor, norm: bool = False) -> None:
-        values = t.detach().float().numpy()
+        values = t.detach().float().contiguous().numpy()
         encoded = None if norm or encode is None else encode(name, values)
         if encoded is not None:
             blocks, kind = encoded
@@ -444,14 +466,30 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, norm=True)
-        add(f"blk.{i}.attn_q.weight", _llama_cpp_rope_rows(attn.q_proj.weight, config.num_attention_heads))
-        add(f"blk.{i}.attn_k.weight", _llama_cpp_rope_rows(attn.k_proj.weight, config.num_key_value_heads))
+        q, k = attn.q_proj.weight, attn.k_proj.weight
+        if arch == "llama":  # convert_hf_to_gguf permutes a Llama's (and Mixtral's) q/k rows, not Qwen's
+            q, k = (
+                _llama_cpp_rope_rows(q, config.num_attention_heads),
+                _llama_cpp_rope_rows(k, config.num_key_value_heads),
+            )
+        add(f"blk.{i}.attn_q.weight", q)
+        add(f"blk.{i}.attn_k.weight", k)
         add(f"blk.{i}.attn_v.weight", attn.v_proj.weight)
         add(f"blk.{i}.attn_output.weight", attn.o_proj.weight)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head q/k norms
+            add(f"blk.{i}.attn_q_norm.weight", attn.q_norm.weight, norm=True)
+            add(f"blk.{i}.attn_k_norm.weight", attn.k_norm.weight, norm=True)
         add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, norm=True)
-        add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
-        add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
-        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
+        if hasattr(mlp, "experts"):
+            add(f"blk.{i}.ffn_gate_inp.weight", mlp.gate.weight, norm=True)  # the converter keeps routers F32
+            gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
+            add(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, : gate_up.shape[1] // 2])
+            add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, gate_up.shape[1] // 2 :])
+            add(f"blk.{i}.ffn_down_exps.weight", down)
+        else:
+            add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
+            add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
+            add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
     add("output_norm.weight", model.model.norm.weight, norm=True)
     if not config.tie_word_embeddings:
         add("output.weight", model.lm_head.weight)
@@ -460,6 +498,83 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gemma3_gguf(
+    model, path: str | Path, tensor_type: str = "F16", encode: Callable[..., Any] | None = None
+) -> Path:
+    """Write a ``Gemma3ForCausalLM`` as llama.cpp's ``convert_hf_to_gguf.py`` (its ``Gemma3Model``)
+    writes one: architecture ``gemma3``; ``key_length`` / ``value_length`` (head_dim),
+    ``sliding_window``, the global layers' ``rope.freq_base`` and linear ``rope.scaling`` (the
+    local layers' base and the every-6th-layer-global pattern are llama.cpp's constants, so the file
+    holds neither); every norm weight plus 1 (llama.cpp's Gemma norms scale by the stored weight, the
+    four of each layer, the per-head q/k norms and the final one); q/k rows as they are (no
+    permutation); the embedding tied (no ``output.weight``). Tensor names, types, ``encode`` and the
+    tokenizer ("none") as :func:`write_gguf`'s."""
+    import gguf
+
+    config, path = model.config, Path(path)
+    full, local = config.rope_parameters["full_attention"], config.rope_parameters["sliding_attention"]
+    if local.get("rope_theta") != 10_000.0 or local.get("rope_type", "default") != "default":
+        raise ValueError(f"llama.cpp runs Gemma 3's sliding layers at RoPE base 10000 unscaled, not {local}")
+    pattern = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(config.num_hidden_layers)]
+    if list(config.layer_types) != pattern:  # llama.cpp's (and transformers' default): every 6th layer global
+        raise ValueError(f"a Gemma 3 file cannot hold layer_types {config.layer_types}; llama.cpp runs {pattern}")
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name(config.name_or_path or "kernforge-random-gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(full["rope_theta"]))
+    if full.get("rope_type", "default") == "linear":  # the global layers' only, as the converter writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("none")
+    add = _gguf_tensor_writer(writer, tensor_type, encode)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    for hf_name, weight in model.named_parameters():  # a tied lm_head is the embedding: not listed again
+        module_name, _, suffix = hf_name.rpartition(".")
+        name = f"{names.get_name(module_name)}.{suffix}"
+        if hf_name.endswith("norm.weight"):
+            add(name, weight.detach().float() + 1, norm=True)
+        else:
+            add(name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensor_writer(writer, tensor_type: str, encode: Callable[..., Any] | None) -> Callable[..., None]:
+    """``add(name, tensor, norm=False)``: the tensor into ``writer`` as :func:`write_gguf` writes it (norms
+    F32; weights ``tensor_type``, or the blocks ``encode`` returns)."""
+    import gguf
+    import numpy as np
+
+    def add(name: str, t: torch.Tensor, norm: bool = False) -> None:
+        values = t.detach().float().contiguous().numpy()
+        encoded = None if norm or encode is None else encode(name, values)
+        if encoded is not None:
+            blocks, kind = encoded
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif norm or tensor_type in _GGUF_FLOATS:
+            writer.add_tensor(name, values.astype(np.float32 if norm else _GGUF_FLOATS[tensor_type]))
+        else:
+            raw_type = gguf.GGMLQuantizationType[tensor_type]
+            blocks = gguf.quants.quantize(values, raw_type)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=raw_type)
+
+    return add
 
 
 def _tokenizer(vocab_size: int):

@@ -30,6 +30,7 @@ from torch import nn
 
 from kernforge import torch_library
 from kernforge.nn.gguf import GGUFLinear
+from kernforge.ops._common import BoundCall
 from kernforge.ops._registry import DTYPE_NAMES
 from kernforge.ops.gemm import bf16, fp8, int4, int8
 
@@ -166,6 +167,15 @@ class Linear(nn.Module):
             self.weight_packed, self.weight_compensation, self.weight_scale, self.out_features, self.in_features
         )
         return torch_library.int8_scaled_mm_with_quant(x, packed, self.bias)
+
+    def bound(self, x: torch.Tensor, out: torch.Tensor) -> BoundCall:
+        """``out = self(x)`` checked once, as a call of no arguments (a prepared decode step's): the bf16
+        GEMM bound (``bf16.bound_weight_packed_linear``); a quantized weight runs its forward into ``out``."""
+        if self.quant is None:
+            packed = bf16.PackedWeight(self.weight_packed, self.out_features, self.in_features)
+            return bf16.bound_weight_packed_linear(x, packed, self.bias, out)
+        forward = self.forward
+        return BoundCall(lambda: out.copy_(forward(x)), x, out)
 
     def get_extra_state(self) -> dict:
         """What the buffers' shapes do not pin down (K and N pad to whole pairs/groups and panels)."""

@@ -8,6 +8,7 @@ for the warm path: a few attribute reads per tensor, no new tensors.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -240,3 +241,21 @@ def set_num_threads(n: int | None) -> None:
 
 def num_threads(_torch_threads=torch.get_num_threads) -> int:
     return _threads_override or _torch_threads()
+
+
+def no_op() -> None:
+    """A bound call with nothing to compute (an op's ``bound_*`` form over empty rows)."""
+
+
+class BoundCall:
+    """A kernel call with its arguments fixed (an op's ``bound_*`` form: checked once, run many
+    times, as a prepared decode step runs its layers), or all but a layer's index. It holds the
+    tensors whose addresses the arguments carry, so they live as long as the call can run."""
+
+    __slots__ = ("_call", "_tensors")
+
+    def __init__(self, call: Callable[..., object], *tensors: object):
+        self._call, self._tensors = call, tensors
+
+    def __call__(self, *layer: int) -> None:
+        self._call(*layer)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernforge.jit.module import DType, Entry, Enum, Module
-from kernforge.ops._common import checked_out, num_threads, readable_rows, row_geometry, rows_view, variant_for_input
+from kernforge.ops._common import (
+    BoundCall,
+    checked_out,
+    no_op,
+    num_threads,
+    readable_rows,
+    row_geometry,
+    rows_view,
+    variant_for_input,
+)
 from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 # out[i0, i1, :d] = act(input[i0, i1, :d]) * input[i0, i1, d:2d] over n0 x n1 rows at 2-D strides.
@@ -49,6 +60,23 @@ def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 def _gated(input, out, kernels):
+    out, call = _gated_call(input, out, kernels)
+    if call is not None:
+        call()
+    return out
+
+
+def bound_gated(op: str, input: torch.Tensor, out: torch.Tensor) -> BoundCall:
+    """``op(input, out=out)`` (``op``: "silu_and_mul", "gelu_and_mul" or "gelu_tanh_and_mul") checked
+    once, as a call of no arguments that runs the kernel on the same tensors."""
+    ops = {f.__name__: f for f in (silu_and_mul, gelu_and_mul, gelu_tanh_and_mul)}
+    if op not in ops:
+        raise ValueError(f"op must be one of {', '.join(ops)}, got {op!r}")
+    return _gated_call(input, out, ops[op].kernels)[1] or BoundCall(no_op)
+
+
+def _gated_call(input, out, kernels) -> tuple[torch.Tensor, BoundCall | None]:
+    """The output and the kernel call that fills it (None: nothing to compute)."""
     variant = variant_for_input(kernels, input, "input")
     shape = input.shape
     if not shape or shape[-1] % 2:
@@ -65,11 +93,22 @@ def _gated(input, out, kernels):
     rows_in, in_strides = readable_rows(input, input.shape, input.stride())
     n0, n1, in_s0, in_s1 = row_geometry(rows_in.shape, in_strides)
     _, _, out_s0, out_s1 = row_geometry(rows_out.shape, rows_out.stride())
-    if n0 * n1 * d:
-        variant.kernel().run(
-            rows_out.data_ptr(), out_s0, out_s1, rows_in.data_ptr(), in_s0, in_s1, n0, n1, d, num_threads()
-        )
-    return out
+    if not n0 * n1 * d:
+        return out, None
+    call = functools.partial(
+        variant.kernel().run,
+        rows_out.data_ptr(),
+        out_s0,
+        out_s1,
+        rows_in.data_ptr(),
+        in_s0,
+        in_s1,
+        n0,
+        n1,
+        d,
+        num_threads(),
+    )
+    return out, BoundCall(call, rows_in, rows_out)  # the rows read may be a copy: held while the call can run
 
 
 @model_kernels

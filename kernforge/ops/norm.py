@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernforge.jit.core import Variant
 from kernforge.jit.module import Bool, DType, Entry, Module
 from kernforge.ops._common import (
+    BoundCall,
     checked_out,
+    no_op,
     num_threads,
     readable_rows,
     row_geometry,
@@ -94,6 +98,20 @@ def _checked_weight(weight: torch.Tensor, input: torch.Tensor, hidden: int) -> t
 
 
 def _normalize(input, weight, eps, out, kernels):
+    out, call = _normalize_call(input, weight, eps, out, kernels)
+    if call is not None:
+        call()
+    return out
+
+
+def bound_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> BoundCall:
+    """``rmsnorm(input, weight, eps, out=out)`` checked once, as a call of no arguments that runs the
+    kernel on the same tensors (a prepared decode step's; the tensors must keep their shapes)."""
+    return _normalize_call(input, weight, eps, out, rmsnorm.kernels)[1] or BoundCall(no_op)
+
+
+def _normalize_call(input, weight, eps, out, kernels) -> tuple[torch.Tensor, BoundCall | None]:
+    """The output and the kernel call that fills it (None: no rows)."""
     variant, shape = _variant_and_shape(kernels, input)
     weight = _checked_weight(weight, input, shape[-1])
     input, strides = readable_rows(input, shape, input.stride())
@@ -105,8 +123,9 @@ def _normalize(input, weight, eps, out, kernels):
     n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
     _, _, out_s0, out_s1 = row_geometry(shape, out_strides)
     if n0 * n1 * shape[-1] == 0:
-        return out
-    variant.kernel().run(
+        return out, None
+    call = functools.partial(  # held with the tensors its addresses point into (input, weight may be copies)
+        variant.kernel().run,
         out.data_ptr(),
         out_s0,
         out_s1,
@@ -123,7 +142,7 @@ def _normalize(input, weight, eps, out, kernels):
         float(eps),
         num_threads(),
     )
-    return out
+    return out, BoundCall(call, input, weight, out)
 
 
 def _fused_add(input, residual, weight, eps, kernels):

@@ -27,13 +27,15 @@ the positions alone) and :func:`rotate_heads` runs the kernel on ``[nnz, heads, 
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernforge.jit.module import DType, Entry, Module, Struct
-from kernforge.ops._common import _overlaps, num_threads, same_dtype, variant_for_input
+from kernforge.ops._common import BoundCall, _overlaps, num_threads, same_dtype, variant_for_input
 from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 _I = "int64_t"
@@ -404,6 +406,30 @@ def _output_heads(out, name: str, geometry, q):
 
 
 def _with_cos_sin_cache(kernels, positions, query, key, head_size, cos_sin_cache, is_neox, in_place):
+    call, outputs = _cos_sin_cache_call(kernels, positions, query, key, head_size, cos_sin_cache, is_neox, in_place)
+    call()
+    return None if in_place else (outputs[0], outputs[2])
+
+
+def bound_rope_with_cos_sin_cache_inplace(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> BoundCall:
+    """``apply_rope_with_cos_sin_cache_inplace(...)`` checked once, as a call of no arguments that
+    rotates the same tensors by the values ``positions`` holds when it runs (a prepared decode step
+    writes each step's positions into it)."""
+    if isinstance(positions, torch.Tensor) and not positions.is_contiguous():
+        raise ValueError("positions must be contiguous: the bound call reads the values it holds when it runs")
+    kernels = apply_rope_with_cos_sin_cache_inplace.kernels
+    return _cos_sin_cache_call(kernels, positions, query, key, head_size, cos_sin_cache, is_neox, True)[0]
+
+
+def _cos_sin_cache_call(kernels, positions, query, key, head_size, cos_sin_cache, is_neox, in_place):
+    """(the checked kernel call, raising on a bad position; the outputs and their geometries)."""
     cache, rotary_dim, cache_rows, cache_stride = _checked_cache(cos_sin_cache)  # FlashInfer checks it first
     variant = variant_for_input(kernels, query, "query")
     same_dtype(key, "key", query, "query")
@@ -420,10 +446,15 @@ def _with_cos_sin_cache(kernels, positions, query, key, head_size, cos_sin_cache
         query, qg, key, kg, in_place, ("query", "key"), lambda t, name: _packed_heads(t, head_size, name)
     )
     angles = _cache_fields(cache, cache_rows, cache_stride, positions, positions_64)
-    status = _run(variant, query, qg, key, kg, outputs, rotary_dim, not is_neox, angles)
-    if status:
-        _raise_kernel_error(status, positions=positions, cache_rows=cache_rows)
-    return None if in_place else (outputs[0], outputs[2])
+    run = _call(variant, query, qg, key, kg, outputs, rotary_dim, not is_neox, angles)
+
+    def call() -> None:
+        status = run()
+        if status:
+            _raise_kernel_error(status, positions=positions, cache_rows=cache_rows)
+
+    # held with the tensors its addresses point into (the cache and positions may be copies)
+    return BoundCall(call, cache, positions, query, key, outputs[0], outputs[2]), outputs
 
 
 def _with_pos_ids(kernels, q, k, pos_ids, rotary_dim, interleave, frequencies, in_place):
@@ -454,9 +485,15 @@ def _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, source: dict) -
     """One kernel call; returns its status (0, or an error for _raise_kernel_error). ``source``: the
     fields of ROPE_ARGS that say where the positions and the angles come from (the others are q's and
     k's, set here; a field left out is 0)."""
+    return _call(variant, q, qg, k, kg, outputs, rotary_dim, interleave, source)()
+
+
+def _call(variant, q, qg, k, kg, outputs, rotary_dim, interleave, source: dict) -> Callable[[], int]:
+    """:func:`_run`'s kernel call, its argument struct filled, not yet made."""
     q_out, qog, k_out, kog = outputs
     kernel = variant.kernel()
-    return kernel.run(
+    return functools.partial(
+        kernel.run,
         kernel.new(
             "kf_rope_args",
             {
@@ -481,7 +518,7 @@ def _run(variant, q, qg, k, kg, outputs, rotary_dim, interleave, source: dict) -
                 "num_threads": num_threads(),
                 **source,
             },
-        )
+        ),
     )
 
 

@@ -17,9 +17,12 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0")
 import test_transformers_deepseek as deepseek_tests  # noqa: E402
+import test_transformers_gemma3 as gemma3_tests  # noqa: E402
 import test_transformers_integration as llama_tests  # noqa: E402
 import test_transformers_moe as moe_tests  # noqa: E402
 from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -41,6 +44,7 @@ DENSE = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),  # biased q/k/v
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, {}),  # per-head q/k norms
     "mistral": (MistralForCausalLM, MistralConfig, {"sliding_window": 16}),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, gemma3_tests.OVERRIDES),  # Gemma norms, RoPE per layer type
 }
 FAMILIES = [*DENSE, *moe_tests.MODELS, *deepseek_tests.MODELS]
 ROW_BUCKETS = [1 << i for i in range(11)]  # weight_packed_linear's M buckets (1 ... 1024)
@@ -128,7 +132,7 @@ def test_modules_take_their_shapes_from_the_model_spec(kind):
                 spec.num_attention_heads,
                 spec.num_key_value_heads,
                 spec.head_dim,
-                spec.head_dim**-0.5,
+                spec.sm_scale,  # head_dim**-0.5, Gemma 3's query_pre_attn_scalar**-0.5
             )
             assert runtime.window_lefts[index] == spec.window_left(index)
     for layer in layers:

@@ -1,9 +1,9 @@
 """Hugging Face transformers on kernforge: ``optimize(model)`` makes a Llama-family causal LM
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) or a
-sparse mixture of experts (``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``, ``MixtralForCausalLM``,
-``OlmoeForCausalLM``), or DeepSeek's multi-head latent attention models (``DeepseekV2ForCausalLM``,
-``DeepseekV3ForCausalLM``) run its decoder on kernforge's kernels, without forking transformers' model
-code::
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM``) or a sparse mixture of experts (``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
+``MixtralForCausalLM``, ``OlmoeForCausalLM``), or DeepSeek's multi-head latent attention models
+(``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) run its decoder on kernforge's kernels, without
+forking transformers' model code::
 
     from kernforge.integrations import transformers as kft
 
@@ -25,7 +25,8 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
   they would have made a ``DynamicCache``; a ``use_cache=False`` forward gets one whose pages return
   to the pool when it ends, and returns none. Attention weights are not computed:
   ``output_attentions=True`` warns, and gets an empty ``attentions``;
-* RMSNorms: kernforge's ``rmsnorm`` (the decoder layers' residual adds are transformers');
+* RMSNorms: kernforge's ``rmsnorm`` (Gemma 3's, which scale by ``1 + weight``: ``gemma_rmsnorm``, the
+  four of each layer and the q/k norms; the decoder layers' residual adds are transformers');
 * MLP: one packed gate|up linear, ``silu_and_mul`` (or the GELU gated kernel the config names)
   and the down linear;
 * sparse MoE blocks (the layers that have one; Qwen2/3-MoE's ``mlp_only_layers`` and
@@ -36,8 +37,10 @@ What changes (in place; the model's and the decoder layers' ``forward`` stay tra
   linears are); Qwen2-MoE's shared expert runs as an MLP above, scaled by the sigmoid of its gate.
   Experts gated by another activation than SiLU keep the stock block;
 * attention variants: biased q/k/v (Qwen2, Qwen2-MoE), sliding windows (per layer as the model
-  sets them), Qwen3's per-head q/k RMSNorms, OLMoE's q/k RMSNorms over the whole projection and
-  its ``clip_qkv`` clamp;
+  sets them), Qwen3's and Gemma 3's per-head q/k RMSNorms, Gemma 3's softmax scale
+  (``query_pre_attn_scalar``) and RoPE per layer type (a cos/sin cache for its global layers, one for
+  its sliding ones; its scaled embedding and soft-capped final logits, if set, stay transformers'),
+  OLMoE's q/k RMSNorms over the whole projection and its ``clip_qkv`` clamp;
 * every ``nn.Linear``, ``lm_head`` included, becomes a :class:`kernforge.nn.Linear` (bf16 prepacked,
   or w8a8 with ``quant="int8"``; ``lm_head`` stays bf16 unless ``quant_lm_head=True``);
 * DeepSeek-V2/V3 (:class:`~kernforge.integrations.transformers._modules.MLAttention`): q_a (or q)
@@ -89,7 +92,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from kernforge.integrations.transformers import _compat, _kernels, _modules, _saving, _tensor_parallel
+from kernforge.integrations.transformers import _compat, _decode, _kernels, _modules, _saving, _tensor_parallel
 from kernforge.integrations.transformers._cache import (
     AttentionSpec,
     KVCacheFullError,
@@ -106,7 +109,7 @@ from kernforge.jit import KernelNotCachedError
 from kernforge.memory import trim_heap
 from kernforge.model_spec import ModelSpec
 from kernforge.nn import Linear
-from kernforge.nn.gguf import GGUFLinear
+from kernforge.nn.gguf import GGUFExperts, GGUFLinear
 from kernforge.nn.linear import Int4LinearWeights
 from kernforge.ops._common import MAX_HEAD_DIM
 
@@ -132,6 +135,7 @@ SUPPORTED_MODELS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -216,6 +220,7 @@ def optimize(
     if getattr(model, "_kernforge", None) is not None:
         raise ValueError("this model is already optimized by kernforge")
     config, decoder = _checked_model(model, materialize_layer is not None)
+    _check_attention_variant(config)
     dtype = model.dtype
     if dtype not in _MODEL_DTYPES:
         raise UnsupportedModelError(f"model dtype {dtype} is not supported; kernforge runs bf16, fp16 and fp32 models")
@@ -239,7 +244,7 @@ def optimize(
     with torch.no_grad():
         # RoPE for every position the pool can hold (capped by the model's context length)
         positions = min(pool.num_pages * pool.page_size, getattr(config, "max_position_embeddings", None) or 1 << 30)
-        decoder.rotary_emb = _modules.RotaryEmbedding(decoder.rotary_emb, positions)
+        decoder.rotary_emb = _modules.rotary_embedding(decoder.rotary_emb, positions)
         for index, layer in enumerate(decoder.layers):
             _materialized(layer, index, materialize_layer)
             _check_mlp_kind(layer, index, model_spec)
@@ -266,6 +271,8 @@ def optimize(
         _paged_cache_hook(runtime, _compat.cache_argument(decoder.forward)), with_kwargs=True
     )
     decoder.register_forward_hook(_uncached_forward_hook(runtime))
+    if not mla:  # decode steps as prepared kernel calls (_decode); anything else runs transformers' forward
+        decoder.forward = _decode.DecodeSteps(decoder, decoder.forward, _compat.cache_argument(decoder.forward))
     _saving.install(model)
     _warn_stock_modules(model, stock)
     return model
@@ -314,12 +321,26 @@ def _check_rope(model_spec: ModelSpec, rotary: nn.Module, rotary_dim: int) -> No
             f"RoPE type {model_spec.rope_type!r} recomputes its frequencies with the sequence length; "
             f"kernforge's cos/sin cache supports {', '.join(STATIC_ROPE_TYPES)}"
         )
-    covered = 2 * rotary.get_buffer("inv_freq").numel()
-    if covered != rotary_dim:
-        what = "qk_rope_head_dim" if model_spec.is_mla else "head_dim"
+    for inv_freq in _modules.rope_frequencies(rotary).values():  # one, or one per layer type (Gemma 3)
+        covered = 2 * inv_freq.numel()
+        if covered != rotary_dim:
+            what = "qk_rope_head_dim" if model_spec.is_mla else "head_dim"
+            raise UnsupportedModelError(
+                f"partial rotary embedding (rotary dim {covered} of {what} {rotary_dim}) is not supported"
+            )
+
+
+def _check_attention_variant(config) -> None:
+    """What kernforge's attention plan does not compute: Gemma's tanh soft-capping of the attention
+    logits (Gemma 2's; Gemma 3 has none) and bidirectional attention (EmbeddingGemma's). The final
+    logits' soft-capping is the causal LM's own forward, which stays transformers'."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModelError(
-            f"partial rotary embedding (rotary dim {covered} of {what} {rotary_dim}) is not supported"
+            f"attn_logit_softcapping {config.attn_logit_softcapping}: kernforge's attention does not soft-cap "
+            "the attention logits"
         )
+    if getattr(config, "use_bidirectional_attention", None):
+        raise UnsupportedModelError("use_bidirectional_attention=True: kernforge's attention is causal")
 
 
 def _tp_communicator(tp_group, config, decoder, mla: bool):
@@ -450,7 +471,8 @@ def _replace_layer(layer, model_spec: ModelSpec, spec: AttentionSpec, dtype, qua
             raise UnsupportedModelError(f"{type(attn).__name__} has no nn.Linear {name}: not a Llama-family attention")
     _check_attention_widths(attn, spec)
     _check_qk_norms(attn, spec)
-    layer.self_attn = _modules.Attention(attn, dtype, quant, spec, model_spec.clip_qkv)
+    norm = _modules.GemmaRMSNorm if model_spec.gemma_norms else _modules.RMSNorm
+    layer.self_attn = _modules.Attention(attn, dtype, quant, spec, model_spec.clip_qkv, norm)
     if _is_sparse_moe(layer.mlp):
         layer.mlp = _replaced_moe(layer.mlp, model_spec, dtype, quant, stock)
     else:
@@ -468,19 +490,31 @@ def _check_mlp_kind(layer: nn.Module, index: int, model_spec: ModelSpec) -> None
         )
 
 
+# A decoder layer's norms: the Llamas' two, and Gemma 3's around the attention's and the MLP's outputs too.
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
 def _replace_norms(layer: nn.Module, model_spec: ModelSpec, dtype: torch.dtype) -> None:
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, _norm(getattr(layer, name), model_spec, dtype))
+    for name in _LAYER_NORMS:
+        if getattr(layer, name, None) is not None:
+            setattr(layer, name, _norm(getattr(layer, name), model_spec, dtype))
 
 
 def _norm(norm: nn.Module, model_spec: ModelSpec, dtype: torch.dtype) -> _modules.RMSNorm:
-    """A decoder norm (the layers' two, the final one): hidden_size wide, the config's epsilon."""
+    """A decoder norm (the layers' two or four, the final one): hidden_size wide, the config's epsilon,
+    Gemma's ``1 + weight`` scaling for a Gemma model."""
     width = getattr(getattr(norm, "weight", None), "shape", None)
     if width is not None and tuple(width) != (model_spec.hidden_size,):
         raise UnsupportedModelError(
             f"{type(norm).__name__} normalizes {tuple(width)}, not the config's hidden_size {model_spec.hidden_size}"
         )
-    return _modules.RMSNorm.from_module(norm, dtype, eps=model_spec.rms_norm_eps)
+    kind = _modules.GemmaRMSNorm if model_spec.gemma_norms else _modules.RMSNorm
+    return kind.from_module(norm, dtype, eps=model_spec.rms_norm_eps)
 
 
 def _check_attention_widths(attn, spec: AttentionSpec) -> None:
@@ -598,7 +632,10 @@ def _check_moe_block(block) -> None:
     """The layout SparseMoE reads: a top-k router with a bare weight and stacked expert weights."""
     router, experts = block.gate, block.experts
     laid_out = (
-        all(_stacked(getattr(experts, name, None)) for name in ("gate_up_proj", "down_proj"))
+        (
+            isinstance(experts, GGUFExperts)  # from_gguf's, packed per expert
+            or all(_stacked(getattr(experts, name, None)) for name in ("gate_up_proj", "down_proj"))
+        )
         and isinstance(getattr(router, "weight", None), torch.Tensor)
         and hasattr(router, "top_k")
         and getattr(router, "bias", None) is None

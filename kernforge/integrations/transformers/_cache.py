@@ -298,6 +298,29 @@ class PagedCache(Cache):
         full = out.new_zeros(query.shape)
         return full.index_copy_(0, step.gather, out)
 
+    def bound_decode_calls(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, out: torch.Tensor):
+        """For a prepared decode step (``_decode``), after ``start_forward`` planned it: the step's append
+        of ``keys``/``values`` (``[batch, num_kv_heads, head_dim]`` rows) and its attention of ``queries``
+        into ``out`` (``[batch, num_qo_heads, head_dim]``), each as a call of the layer's index."""
+        step = self._current_step()
+        if step.gather is not None or step.q_len != 1:
+            raise ValueError("bound_decode_calls() is for a decode step: one new token for every sequence")
+        layers = list(self.pool.kv)
+        append = kf.bound_append_paged_kv_cache(
+            keys,
+            values,
+            step.batch_indices,
+            step.positions,
+            layers,
+            step.kv_indices,
+            step.kv_indptr,
+            step.last_page_len,
+            kv_layout=KV_LAYOUT,
+        )
+        by_window = {window: wrapper.bound_run(queries, layers, out) for window, wrapper in step.wrappers.items()}
+        windows = self.spec.window_lefts
+        return append, [by_window[windows[layer]] for layer in range(len(layers))]
+
     def _current_step(self) -> _Step:
         step = self._step
         if step is None:

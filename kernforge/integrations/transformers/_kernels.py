@@ -12,10 +12,13 @@ breaks there.)
 from __future__ import annotations
 
 from kernforge.model_spec import GATED_OP_BY_ACTIVATION
-from kernforge.ops.attention.page import get_batch_indices_positions
+from kernforge.ops.activation import bound_gated
+from kernforge.ops.attention.page import bound_append_paged_kv_cache, get_batch_indices_positions
 from kernforge.ops.gemm.bmm import bmm
 from kernforge.ops.mla.attention import append_paged_mla_kv_cache
 from kernforge.ops.mla.projections import absorb_kv_b_proj, mla_output_proj
+from kernforge.ops.norm import bound_rmsnorm
+from kernforge.ops.rope import bound_rope_with_cos_sin_cache_inplace
 from kernforge.torch_library import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchMLAPagedAttentionWrapper,
@@ -27,6 +30,7 @@ from kernforge.torch_library import (
     fused_experts,
     gelu_and_mul,
     gelu_tanh_and_mul,
+    gemma_rmsnorm,
     grouped_topk,
     rmsnorm,
     shared_expert,
@@ -62,7 +66,12 @@ __all__ = [
     "absorb_kv_b_proj",
     "biased_grouped_topk",
     "bmm",
+    "bound_append_paged_kv_cache",
+    "bound_gated",
+    "bound_rmsnorm",
+    "bound_rope_with_cos_sin_cache_inplace",
     "fused_experts",
+    "gemma_rmsnorm",
     "get_batch_indices_positions",
     "grouped_topk",
     "mla_output_proj",

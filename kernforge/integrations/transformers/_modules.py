@@ -4,8 +4,8 @@ the attention and mask functions registered with transformers' ``AttentionInterf
 
 The decoder layers' own ``forward`` (residual adds included) and the model's loop stay
 transformers' code: only their submodules change. The rotary embedding module runs once per
-forward and hands every layer the same :class:`RopeInputs` (the cos/sin cache and the flat
-positions) in place of ``(cos, sin)``.
+forward (Gemma 3's once per attention layer type) and hands every layer the same :class:`RopeInputs`
+(the cos/sin cache and the flat positions; its layer type's) in place of ``(cos, sin)``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kernforge.integrations.transformers import _kernels as kf
 from kernforge.integrations.transformers._cache import AttentionSpec, MLAPagedCache, MLASpec, PagedCache
 from kernforge.model_spec import PACKED_LINEARS, ModelSpec
 from kernforge.nn import Linear, quantize_weight_fp8_block, quantize_weight_int8
-from kernforge.nn.gguf import GGUFLinear
+from kernforge.nn.gguf import GGUFExperts, GGUFLinear
 from kernforge.nn.linear import FP8_BLOCK, Int4LinearWeights
 from kernforge.ops.moe.experts import (
     CPUQuantMethod,
@@ -61,6 +61,16 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm on kernforge's ``gemma_rmsnorm``: scales by ``1 + weight`` (formed in fp32, as
+    transformers' Gemma norms form it); the weight is the stock module's, not ``1 + weight``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() in (2, 3):
+            return kf.gemma_rmsnorm(x, self.weight, self.eps)
+        return kf.gemma_rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` as one packed gate+up linear, the gated kernel, and down."""
 
@@ -84,7 +94,8 @@ class SparseMoE(nn.Module):
     ``fused_experts`` call on weights packed once here: bf16, or quantized as ``quant`` quantizes
     the linears (int8 w8a8 per channel, fp8 per 128 x 128 block), each expert apart. Qwen2-MoE's
     shared expert, a :class:`GatedMLP` scaled per token by the sigmoid of its own one-output gate,
-    is added to the result."""
+    is added to the result. A GGUF file's experts (``from_gguf``: a :class:`GGUFExperts`, packed at
+    the file's types) are routed the same way and run per expert on the GGUF GEMM, not fused."""
 
     def __init__(self, block: nn.Module, spec: ModelSpec, dtype: torch.dtype, quant: str | None):
         super().__init__()
@@ -93,16 +104,22 @@ class SparseMoE(nn.Module):
         # The router and the shared expert's gate stay unquantized (quantized MoE checkpoints keep
         # them so too): their outputs choose and weigh the experts, for a sliver of the weights.
         self.gate = Linear.from_linear(_linear(router.weight), dtype=dtype)
-        # Packed weights (dataclasses of tensors, as fused_experts takes them), not parameters.
-        self.w1 = _packed_experts(experts.gate_up_proj, quant, gated=True)
-        self.w2 = _packed_experts(experts.down_proj, quant)
+        self.gguf_experts = experts if isinstance(experts, GGUFExperts) else None
+        if self.gguf_experts is None:
+            # Packed weights (dataclasses of tensors, as fused_experts takes them), not parameters.
+            self.w1 = _packed_experts(experts.gate_up_proj, quant, gated=True)
+            self.w2 = _packed_experts(experts.down_proj, quant)
         shared = getattr(block, "shared_expert", None)
         self.shared_expert = None if shared is None else GatedMLP(shared, activation, dtype, quant)
         self.shared_expert_gate = None if shared is None else Linear.from_linear(block.shared_expert_gate, dtype=dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out = kf.fused_experts(x, self.w1, self.w2, *self.route(x), **self._quant_flags())
+        if self.gguf_experts is not None:
+            weights, ids = self.route(x)
+            out = self.gguf_experts(x, ids, weights)
+        else:
+            out = kf.fused_experts(x, self.w1, self.w2, *self.route(x), **self._quant_flags())
         if self.shared_expert is not None:
             out.addcmul_(torch.sigmoid(self.shared_expert_gate(x)), self.shared_expert(x))
         return out.view(hidden_states.shape)
@@ -117,6 +134,8 @@ class SparseMoE(nn.Module):
         return {"use_int8_w8a8": self.quant == "int8", "use_fp8_w8a16": self.quant == "fp8_block"}
 
     def extra_repr(self) -> str:
+        if self.gguf_experts is not None:  # its own repr says the sizes and types
+            return f"top_k={self.top_k}, renormalize={self.renormalize}"
         return (
             f"experts={self.w2.experts}, top_k={self.top_k}, hidden={self.w2.n}, intermediate={self.w2.k}, "
             f"renormalize={self.renormalize}, quant={self.quant}"
@@ -220,10 +239,12 @@ class RotaryEmbedding(nn.Module):
     compiled forward never resizes it; eagerly it still grows, by doubling, past a larger position.
     """
 
-    def __init__(self, rotary: nn.Module, positions: int = 4096):
+    def __init__(self, rotary: nn.Module, positions: int = 4096, layer_type: str | None = None):
         super().__init__()
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        inv_freq = rope_frequencies(rotary)[layer_type]  # a layer type's: Gemma 3's ``{layer_type}_inv_freq``
+        self.register_buffer("inv_freq", inv_freq.detach().float().clone(), persistent=False)
+        scaling = "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling"
+        self.attention_scaling = float(getattr(rotary, scaling, 1.0))
         self.cos_sin_cache = self._build(positions)
 
     @property
@@ -246,24 +267,63 @@ class RotaryEmbedding(nn.Module):
         return RopeInputs(self.cos_sin_cache, positions)
 
 
+class LayerTypeRotaryEmbedding(nn.Module):
+    """A :class:`RotaryEmbedding` per attention layer type, for a model whose rotary module takes the
+    layer type (Gemma 3: RoPE parameters per type, the global layers' at ``rope_theta`` and maybe
+    linearly scaled, the sliding layers' at the local base frequency). Called as the stock module is,
+    ``(x, position_ids, layer_type)``, once per type and forward: that type's :class:`RopeInputs`."""
+
+    def __init__(self, rotary: nn.Module, positions: int = 4096):
+        super().__init__()
+        kinds = rope_frequencies(rotary)
+        self.by_type = nn.ModuleDict({kind: RotaryEmbedding(rotary, positions, kind) for kind in kinds})
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> RopeInputs:
+        return self.by_type[layer_type](x, position_ids)
+
+
+def rope_frequencies(rotary: nn.Module) -> dict:
+    """The stock rotary module's ``inv_freq``: ``{None: inv_freq}``, or one per attention layer type
+    (``{layer_type: inv_freq}``) for a module that keeps them so (Gemma 3's ``{layer_type}_inv_freq``;
+    a type without RoPE parameters has none)."""
+    if isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) or not hasattr(rotary, "layer_types"):
+        return {None: rotary.get_buffer("inv_freq")}
+    kinds = [kind for kind in rotary.layer_types if isinstance(getattr(rotary, f"{kind}_inv_freq", None), torch.Tensor)]
+    return {kind: rotary.get_buffer(f"{kind}_inv_freq") for kind in kinds}
+
+
+def rotary_embedding(rotary: nn.Module, positions: int) -> RotaryEmbedding | LayerTypeRotaryEmbedding:
+    """What replaces the stock rotary module: one cos/sin cache, or one per layer type."""
+    if None in rope_frequencies(rotary):
+        return RotaryEmbedding(rotary, positions)
+    return LayerTypeRotaryEmbedding(rotary, positions)
+
+
 class Attention(nn.Module):
     """A Llama-family attention block on kernforge: one packed q|k|v linear, the optional q/k
-    RMSNorms (per head as Qwen3's, or over the whole projection as OLMoE's: each norm's width says
-    which), OLMoE's optional clamp of q, k and v to ``[-clip_qkv, clip_qkv]`` after them, RoPE in
-    place on the packed output, the paged cache's append, attention through the registered
-    ``"kernforge"`` attention function, and the output linear."""
+    RMSNorms (per head as Qwen3's and Gemma 3's, or over the whole projection as OLMoE's: each norm's
+    width says which; ``norm`` their kind), OLMoE's optional clamp of q, k and v to
+    ``[-clip_qkv, clip_qkv]`` after them, RoPE in place on the packed output, the paged cache's
+    append, attention through the registered ``"kernforge"`` attention function, and the output
+    linear."""
 
     def __init__(
-        self, attn: nn.Module, dtype: torch.dtype, quant: str | None, spec: AttentionSpec, clip_qkv: float | None = None
+        self,
+        attn: nn.Module,
+        dtype: torch.dtype,
+        quant: str | None,
+        spec: AttentionSpec,
+        clip_qkv: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
     ):
         super().__init__()
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, spec.head_dim, spec.sm_scale
         self.num_qo_heads, self.num_kv_heads = spec.num_qo_heads, spec.num_kv_heads
         self.qkv_proj = Linear.from_linear(_packed(attn, "qkv_proj"), dtype=dtype, quant=quant)
         self.o_proj = Linear.from_linear(attn.o_proj, dtype=dtype, quant=quant)
-        has_qk_norm = getattr(attn, "q_norm", None) is not None
-        self.q_norm = RMSNorm.from_module(attn.q_norm, dtype) if has_qk_norm else None
-        self.k_norm = RMSNorm.from_module(attn.k_norm, dtype) if has_qk_norm else None
+        has_qk_norm = getattr(attn, "q_norm", None) is not None  # norm: the model's kind (GemmaRMSNorm for Gemma 3)
+        self.q_norm = norm.from_module(attn.q_norm, dtype) if has_qk_norm else None
+        self.k_norm = norm.from_module(attn.k_norm, dtype) if has_qk_norm else None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
 
     def forward(

@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from kernforge.jit.module import Codes, DType, Entry, Int, Kernel, Module, Struct
-from kernforge.ops._common import TORCH_DTYPES, check_head_dim, dtype_name, index_vector, kv_cache_dtype, num_threads
+from kernforge.ops._common import (
+    TORCH_DTYPES,
+    BoundCall,
+    check_head_dim,
+    dtype_name,
+    index_vector,
+    kv_cache_dtype,
+    num_threads,
+)
 from kernforge.ops._registry import export, model_kernels
 from kernforge.ops.attention._wrapper import (
     KV_DTYPE_NAMES,
@@ -493,6 +502,39 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def bound_run(self, q: torch.Tensor, paged_kv_caches: Sequence[torch.Tensor], out: torch.Tensor) -> BoundCall:
+        """``run(q, paged_kv_caches[i], out=out)`` with this plan, checked once for every cache of the
+        list (a model's layers: tensors of one shape, strides and dtype), as a call of the cache's index:
+        a prepared decode step's attention, bound once per step after ``plan()``."""
+        plan = self._plan
+        if plan is None:
+            raise PlanStateError("bound_run() called before plan(): plan the batch first")
+        caches = list(paged_kv_caches)
+        if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
+            raise TypeError("paged_kv_caches must be a non-empty sequence of cache tensors")
+        first = caches[0]
+        for index, t in enumerate(caches):
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype is not first.dtype:
+                raise ValueError(f"paged_kv_caches[{index}] differs from paged_kv_caches[0] in shape, strides or dtype")
+        cache = unpack_paged_kv_cache(first, self._kv_layout)
+        check_q(q, plan, plan.q_shape, "[batch, num_qo_heads, head_dim]")
+        check_paged_cache(cache, plan, plan.head_dim, "indices")
+        out, _ = attention_outputs(out, None, plan.q_shape, plan.out_dtype, False)
+        qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, None, None)
+        k_offset, v_offset = cache.k_ptr - first.data_ptr(), cache.v_ptr - first.data_ptr()
+        layers = []
+        for t in caches:  # one struct per layer: its K and V planes
+            io = plan.kernel.new("kf_decode_layer")
+            k, v = t.data_ptr() + k_offset, t.data_ptr() + v_offset
+            fill_layer(io, q, k, cache.k_strides, v, cache.v_strides, out, None, qk_scale, None)
+            layers.append(io)
+        run, args = plan.kernel.run, plan.args
+
+        def attend(layer: int) -> None:
+            run(args, layers[layer])
+
+        return BoundCall(attend, q, out, caches, plan.keep)
 
     def forward(
         self,

@@ -21,13 +21,14 @@ per step, so it reads attributes only: no views, no tensors are made.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
 from kernforge.jit.module import DType, Entry, Module, Struct
-from kernforge.ops._common import index_vector, num_threads
+from kernforge.ops._common import BoundCall, index_vector, num_threads
 from kernforge.ops._registry import FP8_DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -417,6 +418,62 @@ def append_paged_kv_cache(
         kv_indptr,
         kv_last_page_len,
     )
+
+
+def bound_append_paged_kv_cache(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_caches: Sequence[torch.Tensor],
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_layout: str = "NHD",
+) -> BoundCall:
+    """:func:`append_paged_kv_cache` into any of ``paged_kv_caches`` (a model's layers: tensors of one
+    shape, strides and dtype), checked once, as a call of the cache's index (a prepared decode step's
+    append, planned once per step). The call writes whatever ``append_key``/``append_value`` hold."""
+    caches = list(paged_kv_caches)
+    if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
+        raise TypeError("paged_kv_caches must be a non-empty sequence of cache tensors")
+    first = caches[0]
+    for index, t in enumerate(caches):
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype is not first.dtype:
+            raise ValueError(f"paged_kv_caches[{index}] differs from paged_kv_caches[0] in shape, strides or dtype")
+    cache = unpack_paged_kv_cache(first, kv_layout)
+    key = _token_rows(append_key, "append_key", cache)
+    value = _token_rows(append_value, "append_value", cache)
+    if value[3] != key[3]:
+        raise ValueError(f"append_value has {value[3]} tokens but append_key has {key[3]}; they must match")
+    if key[0] is not append_key or value[0] is not append_value:
+        raise ValueError("append_key and append_value need a contiguous head_dim: the bound call reads them in place")
+    batch_size = _batch_size(kv_last_page_len)
+    tokens_name = "append_key's tokens"
+    batch_indices = index_vector(batch_indices, "batch_indices", key[3], tokens_name)
+    positions = index_vector(positions, "positions", key[3], tokens_name)
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", batch_size + 1, "len(kv_last_page_len) + 1")
+    kv_indices = index_vector(kv_indices, "kv_indices", None, None)
+    planes = (cache.k_ptr, *cache.k_strides), (cache.v_ptr, *cache.v_strides)
+    shape = CacheShape(cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, cache.head_dim)
+    kernel = (_APPEND_VARIANTS.get(cache.dtype) or _first_append_variant(cache.dtype)).kernel()
+    args = kernel.new(
+        "kf_append_args",
+        _append_args(key, value, batch_indices, positions, planes, kv_indices, kv_indptr, batch_size, shape),
+    )
+    # every layer's planes lie where the first's do, from its own base
+    offsets = cache.k_ptr - first.data_ptr(), cache.v_ptr - first.data_ptr()
+    addresses = [(t.data_ptr() + offsets[0], t.data_ptr() + offsets[1]) for t in caches]
+
+    def append(layer: int) -> None:
+        if not key[3]:
+            return
+        args.k_cache, args.v_cache = addresses[layer]
+        status = kernel.append(args)
+        if status:
+            _raise_append_error(status, batch_indices, positions, kv_indices, kv_indptr, shape)
+
+    return BoundCall(append, append_key, append_value, batch_indices, positions, kv_indices, kv_indptr, caches)
 
 
 @dataclass(frozen=True)

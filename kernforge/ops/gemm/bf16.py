@@ -30,7 +30,16 @@ from kernforge.jit import isa
 from kernforge.jit.core import Variant
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Int, IntTuple, Module
 from kernforge.jit.tuning import Candidate, Candidates
-from kernforge.ops._common import TORCH_DTYPES, checked_out, dtype_name, num_threads, same_dtype, variant_for_input
+from kernforge.ops._common import (
+    TORCH_DTYPES,
+    BoundCall,
+    checked_out,
+    dtype_name,
+    no_op,
+    num_threads,
+    same_dtype,
+    variant_for_input,
+)
 from kernforge.ops._registry import DTYPE_NAMES, Traced, export, kernel_op, model_kernels
 from kernforge.ops.gemm._common import (
     check_layout_version,
@@ -255,7 +264,27 @@ def linear_with_tile(
     return linear_with_config(x, packed, {"tile": tile}, bias, out)
 
 
+def bound_weight_packed_linear(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor
+) -> BoundCall:
+    """``weight_packed_linear(x, packed, bias, out=out)`` checked once, as a call of no arguments that
+    multiplies whatever ``x`` holds when it runs (a prepared decode step's). ``x`` must be rows the
+    kernel reads in place (``[M, K]`` with a unit last stride)."""
+    out, call = _linear_call(x, packed, bias, out, None)
+    if call is not None and (x.dim() != 2 or x.stride(-1) != 1):
+        raise ValueError(f"x must be [M, K] rows with a unit last stride, got shape {tuple(x.shape)}")
+    return call or BoundCall(no_op)
+
+
 def _linear(x, packed, bias, out, config):
+    out, call = _linear_call(x, packed, bias, out, config)
+    if call is not None:
+        call()
+    return out
+
+
+def _linear_call(x, packed, bias, out, config):
+    """The output and the checked kernel call that fills it (None: nothing to compute)."""
     variant_for_input(weight_packed_linear.kernels, x, "x")  # the dtype and device checks
     n, k = _checked_packed(packed)
     shape = x.shape
@@ -273,25 +302,19 @@ def _linear(x, packed, bias, out, config):
         checked_out(out, out_shape, x)
         out2 = _rows_of_out(out, m, n)
     if m == 0 or n == 0:
-        return out
+        return out, None
     variant = (
         _chosen_variant(x.dtype, m, n, k) if config is None else GEMM.variant(dtype=DTYPE_NAMES[x.dtype], **config)
     )
-    status = variant.kernel().linear(
-        out2.data_ptr(),
-        out2.stride(0),
-        x2.data_ptr(),
-        ldx,
-        packed.packed.data_ptr(),
-        packed.panel_width,
-        0 if bias is None else bias.data_ptr(),
-        m,
-        n,
-        k,
-        num_threads(),
-    )
-    raise_for_status(status, "weight_packed_linear")
-    return out
+    weight, bias_address = packed.packed.data_ptr(), 0 if bias is None else bias.data_ptr()
+    out_rows, panel_width, threads = out2.stride(0), packed.panel_width, num_threads()
+    kernel_args = (out2.data_ptr(), out_rows, x2.data_ptr(), ldx, weight, panel_width, bias_address, m, n, k, threads)
+    linear = variant.kernel().linear
+
+    def call() -> None:
+        raise_for_status(linear(*kernel_args), "weight_packed_linear")
+
+    return out, BoundCall(call, x2, out2, packed.packed, bias)  # x2 and bias may be copies: held with the call
 
 
 def packed_shape(n: int, k: int, panel_width: int = PANEL_WIDTH) -> tuple[int, int, int, int]:

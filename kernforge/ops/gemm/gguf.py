@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module, Struct
-from kernforge.ops._common import num_threads
+from kernforge.ops._common import BoundCall, num_threads
 from kernforge.ops._registry import DTYPE_NAMES, export, kernel_op
 from kernforge.ops.gemm import int4
 from kernforge.ops.gemm._common import check_cpu_tensor, checked_fp32_bias, matrix_rows, packed_weight
@@ -557,6 +557,41 @@ class GGUFLinearRunner:
             status = entry(args)
             if status:
                 raise ValueError(STATUS.get(status, f"GGUF GEMM failed with status {status}"))
+
+    def bound(self, x: torch.Tensor, out: torch.Tensor) -> BoundCall:
+        """``out = self(x)`` checked once, as a call of no arguments that multiplies whatever ``x`` holds
+        when it runs (a prepared decode step's). ``x [M, K]`` and ``out [M, N]`` contiguous, one dtype.
+        The call has scratch of its own: a later, larger call on this thread may move the shared one."""
+        check_cpu_tensor(x, "x")
+        check_cpu_tensor(out, "out")
+        if x.dtype not in DTYPE_NAMES or out.dtype is not x.dtype:
+            raise TypeError(f"x and out must share a dtype of bf16, fp16 or fp32, got {x.dtype} and {out.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.k or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous [M, {self.k}], got shape {tuple(x.shape)}")
+        m = x.shape[0]
+        if out.shape != (m, self.n) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{m}, {self.n}], got shape {tuple(out.shape)}")
+        scratch = (
+            torch.empty(m * self.k, dtype=torch.uint8),
+            torch.empty(m * self.k // ACTIVATION_BLOCK, dtype=torch.float32),
+            torch.empty(m * self.k // SUM_BLOCK, dtype=torch.int32),
+        )
+        q, q_scale, q_sums = (t.data_ptr() for t in scratch)
+        fixed = {"x": x.data_ptr(), "ldx": self.k, "m": m, "q": q, "q_scale": q_scale, "q_sums": q_sums}
+        self._calls(x.dtype)  # the variants for x's dtype
+        calls = []
+        for variant, part, column in zip(self._variants[x.dtype], self.parts, self._columns):
+            kernel, out_address = variant.kernel(), out.data_ptr() + column * out.element_size()
+            fields = {**self._weight_fields(part, column), **fixed, "out": out_address, "num_threads": num_threads()}
+            calls.append((kernel.linear, kernel.new("kf_gguf_gemm", fields)))
+
+        def call() -> None:
+            for entry, args in calls:
+                status = entry(args)
+                if status:
+                    raise ValueError(STATUS.get(status, f"GGUF GEMM failed with status {status}"))
+
+        return BoundCall(call, x, out, *scratch)
 
     def _calls(self, dtype: torch.dtype) -> list[tuple[Any, Any]]:
         """This thread's (entry, argument struct) per part for ``dtype``, the weight's fields set; built
