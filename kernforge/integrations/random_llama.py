@@ -426,18 +426,10 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     return ``(block bytes uint8 [rows, row bytes], type name)`` for a tensor instead (tests write K-quant
     blocks that way), or None. Tied embeddings write no ``output.weight``."""
     import gguf
-    import numpy as np
 
     config, path = model.config, Path(path)
     arch = _GGUF_ARCHITECTURES.get(config.model_type, "llama")
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(config.name_or_path or "kernforge-random-llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _gguf_writer(path, arch, config, "kernforge-random-llama")
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -448,19 +440,7 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
 
-    def add(name: str, t: torch.Tensor, norm: bool = False) -> None:
-        values = t.detach().float().contiguous().numpy()
-        encoded = None if norm or encode is None else encode(name, values)
-        if encoded is not None:
-            blocks, kind = encoded
-            raw_type = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=raw_type)
-        elif norm or tensor_type in _GGUF_FLOATS:
-            writer.add_tensor(name, values.astype(np.float32 if norm else _GGUF_FLOATS[tensor_type]))
-        else:
-            raw_type = gguf.GGMLQuantizationType[tensor_type]
-            blocks = gguf.quants.quantize(values, raw_type)
-            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=raw_type)
+    add = _gguf_tensor_writer(writer, tensor_type, encode)
 
     add("token_embd.weight", model.model.embed_tokens.weight)
     for i, layer in enumerate(model.model.layers):
@@ -493,11 +473,7 @@ def write_gguf(model, path: str | Path, tensor_type: str = "F16", encode: Callab
     add("output_norm.weight", model.model.norm.weight, norm=True)
     if not config.tie_word_embeddings:
         add("output.weight", model.lm_head.weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _written(writer, path)
 
 
 def write_gemma3_gguf(
@@ -520,14 +496,7 @@ def write_gemma3_gguf(
     pattern = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(config.num_hidden_layers)]
     if list(config.layer_types) != pattern:  # llama.cpp's (and transformers' default): every 6th layer global
         raise ValueError(f"a Gemma 3 file cannot hold layer_types {config.layer_types}; llama.cpp runs {pattern}")
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_name(config.name_or_path or "kernforge-random-gemma3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _gguf_writer(path, "gemma3", config, "kernforge-random-gemma3")
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(float(full["rope_theta"]))
@@ -548,6 +517,26 @@ def write_gemma3_gguf(
             add(name, weight.detach().float() + 1, norm=True)
         else:
             add(name, weight)
+    return _written(writer, path)
+
+
+def _gguf_writer(path: Path, arch: str, config, name: str):
+    """A GGUFWriter for ``arch`` with the metadata every architecture's file has from ``config``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(config.name_or_path or name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
+
+
+def _written(writer, path: Path) -> Path:
+    """``writer``'s header, metadata and tensors, to ``path``."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -60,7 +60,7 @@ from kernforge.ops.attention._wrapper import (
     reject_gpu_options,
     single_request_wrapper,
 )
-from kernforge.ops.attention.page import check_kv_layout, unpack_paged_kv_cache
+from kernforge.ops.attention.page import check_kv_layout, layer_caches, unpack_paged_kv_cache
 
 _I64 = "int64_t"
 # The planner's input (the batch's int32 page table, its shape, the window) and where it writes the
@@ -510,13 +510,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         plan = self._plan
         if plan is None:
             raise PlanStateError("bound_run() called before plan(): plan the batch first")
-        caches = list(paged_kv_caches)
-        if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
-            raise TypeError("paged_kv_caches must be a non-empty sequence of cache tensors")
+        caches = layer_caches(paged_kv_caches)
         first = caches[0]
-        for index, t in enumerate(caches):
-            if t.shape != first.shape or t.stride() != first.stride() or t.dtype is not first.dtype:
-                raise ValueError(f"paged_kv_caches[{index}] differs from paged_kv_caches[0] in shape, strides or dtype")
         cache = unpack_paged_kv_cache(first, self._kv_layout)
         check_q(q, plan, plan.q_shape, "[batch, num_qo_heads, head_dim]")
         check_paged_cache(cache, plan, plan.head_dim, "indices")

@@ -420,6 +420,19 @@ def append_paged_kv_cache(
     )
 
 
+def layer_caches(paged_kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A model's per-layer cache tensors, checked to share one shape, strides and dtype: a bound call
+    over them checks the first and reaches each at the first's offsets from its own base."""
+    caches = list(paged_kv_caches)
+    if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
+        raise TypeError("paged_kv_caches must be a non-empty sequence of cache tensors")
+    first = caches[0]
+    for index, t in enumerate(caches):
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype is not first.dtype:
+            raise ValueError(f"paged_kv_caches[{index}] differs from paged_kv_caches[0] in shape, strides or dtype")
+    return caches
+
+
 def bound_append_paged_kv_cache(
     append_key: torch.Tensor,
     append_value: torch.Tensor,
@@ -434,13 +447,8 @@ def bound_append_paged_kv_cache(
     """:func:`append_paged_kv_cache` into any of ``paged_kv_caches`` (a model's layers: tensors of one
     shape, strides and dtype), checked once, as a call of the cache's index (a prepared decode step's
     append, planned once per step). The call writes whatever ``append_key``/``append_value`` hold."""
-    caches = list(paged_kv_caches)
-    if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
-        raise TypeError("paged_kv_caches must be a non-empty sequence of cache tensors")
+    caches = layer_caches(paged_kv_caches)
     first = caches[0]
-    for index, t in enumerate(caches):
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype is not first.dtype:
-            raise ValueError(f"paged_kv_caches[{index}] differs from paged_kv_caches[0] in shape, strides or dtype")
     cache = unpack_paged_kv_cache(first, kv_layout)
     key = _token_rows(append_key, "append_key", cache)
     value = _token_rows(append_value, "append_value", cache)
