@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -305,13 +305,11 @@ def plain_linears(file: GGUFFile, spec: ModelSpec) -> list[str]:
 
 
 def _plain_gemm_kernels(file: GGUFFile, spec: ModelSpec) -> list[dict[str, Any]]:
-    """The bf16 GEMM variants of the linears the file stores unquantized: the bf16 GEMM's own manifest
-    hook, handed the spec with only those linears' shapes."""
+    """The bf16 GEMM variants of the linears the file stores unquantized (those linears' shapes only)."""
     from kernforge.ops.gemm import bf16
 
     shapes = {name: shape for name, shape in spec.linear_shapes().items() if name in plain_linears(file, spec)}
-    view = SimpleNamespace(dtype=spec.dtype, router_dtype=spec.router_dtype, linear_shapes=lambda: shapes)
-    return bf16._for_model(view, (), None) if shapes else []
+    return bf16.linear_kernels(shapes, spec.dtype, spec.router_dtype) if shapes else []
 
 
 def gguf_tokenizer(path: str | Path) -> Any:

@@ -370,11 +370,16 @@ def _rows_of_out(out: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 @model_kernels
 def _for_model(spec, kv_cache_dtypes, quant) -> list[dict]:
-    """The GEMM variants dispatch picks for the model's linear shapes at every row bucket (tuned or
-    default), in the model's dtype (the router in ``spec.router_dtype``: fp32 for DeepSeek's)."""
+    return linear_kernels(spec.linear_shapes(), spec.dtype, spec.router_dtype)
+
+
+def linear_kernels(linear_shapes: Mapping, dtype, router_dtype) -> list[dict]:
+    """The GEMM variants dispatch picks for ``linear_shapes`` (name -> ``(n, k)``) at every row bucket
+    (tuned or default), as pre-warm manifest entries: in ``dtype``, the ``"router"`` in ``router_dtype``
+    (fp32 for DeepSeek's)."""
     tier, configs = isa.selected_tier(), {}
-    for name, (n, k) in spec.linear_shapes().items():
-        x_dtype = TORCH_DTYPES[dtype_name(spec.router_dtype if name == "router" else spec.dtype)]
+    for name, (n, k) in linear_shapes.items():
+        x_dtype = TORCH_DTYPES[dtype_name(router_dtype if name == "router" else dtype)]
         for m in sorted({m_bucket(1 << i) for i in range(11)}):
             params = dict(TILE_CANDIDATES.choose(tile_shape(x_dtype, m, n, k), tier=tier).params)
             params = {
