@@ -20,7 +20,7 @@ VLLM_CONSTRAINTS := constraints-vllm.txt
 # transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
+.PHONY: demo test test-fast test-sanitize test-sanitize-ci bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
@@ -56,6 +56,58 @@ format: $(STAMP)
 # private cache (--reuse-cache). CI runs `make test`, which runs everything.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/vllm -m "not slow" --reuse-cache
+
+# The kernels under AddressSanitizer and UBSan (docs/development.md#sanitizers): `python -m kernforge.sanitize`
+# sets KERNFORGE_SANITIZE=address,undefined (kernels compile at -O0 with -fsanitize into keys of their own) and
+# preloads the ASan runtime; any report aborts the run. SANITIZE_CI_TESTS (CI, `make test-sanitize-ci`): every op
+# family's tests of tails, odd head dims, strided, ragged and empty inputs, and the vector layer; SANITIZE_TESTS
+# (`make test-sanitize`) adds the costlier ones. --cover keeps, on every tier this CPU runs, a slice of each test
+# in which every parameter value (shape, dtype, layout) appears at least once.
+SANITIZE_CI_TESTS := \
+	tests/ops/test_norm.py::test_norm_layouts \
+	tests/ops/test_activation.py::test_act_tails \
+	tests/ops/test_rope.py::test_any_head_dim \
+	tests/ops/test_rope.py::test_ragged \
+	tests/ops/test_sampling.py::test_renorm_probs \
+	tests/ops/test_sampling.py::test_top_k_mask_logits \
+	tests/ops/test_sampling.py::test_softmax \
+	tests/attention/test_page.py::test_append_strided_inputs \
+	tests/attention/test_decode.py::test_decode_scenarios \
+	tests/attention/test_decode.py::test_workspace_exact_size \
+	tests/attention/test_decode.py::test_single_decode \
+	tests/attention/test_prefill.py::test_ragged_geometries \
+	tests/attention/test_prefill.py::test_single_prefill \
+	tests/attention/test_cascade.py::test_merge_states_split_kv \
+	tests/gemm/test_gemm.py::test_leading_dims_and_strided_rows_never_touch_outside \
+	tests/gemm/test_gemm.py::test_linear_matches_fp32_matmul \
+	tests/gemm/test_gemm_int8.py::test_leading_dims_and_strided_rows_never_read_outside \
+	tests/gemm/test_gemm_int8.py::test_scaled_mm_matches_dequantized_fp32 \
+	tests/gemm/test_gemm_int4.py::test_leading_dims_strided_rows_and_empty \
+	tests/gemm/test_gemm_int4.py::test_w4a8_and_w4a16_match_references \
+	tests/gemm/test_gemm_gguf.py::test_leading_dims_strided_rows_and_empty \
+	tests/gemm/test_gemm_gguf.py::test_linear_matches_reference \
+	tests/gemm/test_gemm_fp8.py::test_leading_dims_and_strided_rows \
+	tests/moe/test_fused_experts.py::test_bf16_matches_float32_loop \
+	tests/moe/test_fused_experts.py::test_inplace_out_strided_rows_int64_ids_and_thread_counts_agree \
+	tests/moe/test_moe_routing.py::test_routing_matches_the_reference \
+	tests/moe/test_moe_routing.py::test_strided_gating_output \
+	tests/mla/test_mla_attention.py::test_page_table_buffers_longer_than_the_batch \
+	tests/mla/test_mla_projections.py::test_every_tier \
+	tests/mla/test_mla_projections.py::test_strided_rows_int32_positions_and_bf16_cache \
+	tests/core/test_vec_conformance.py
+SANITIZE_TESTS ?= $(SANITIZE_CI_TESTS) \
+	tests/ops/test_norm.py::test_fused_values \
+	tests/ops/test_activation.py::test_act_layouts \
+	tests/ops/test_sampling.py::test_samples_in_kept_set_big_vocab \
+	tests/attention/test_page.py::test_append_head_dims \
+	tests/attention/test_prefill.py::test_causal_rows_without_keys \
+	tests/moe/test_moe_int4.py::test_matches_the_dequantized_float64_reference \
+	tests/mla/test_mla_attention.py::test_matches_expanded_reference
+test-sanitize: $(STAMP)
+	$(PY) -m kernforge.sanitize -m pytest -q --cover -m "not slow" $(SANITIZE_TESTS)
+
+test-sanitize-ci: SANITIZE_TESTS = $(SANITIZE_CI_TESTS)
+test-sanitize-ci: test-sanitize
 
 # Every benchmark routine through the driver (benchmarks/README.md, `benchmarks/run.py list`), the
 # figures appended as JSON lines to BENCH_JSONL: by default benchmarks/results/<machine kind>-<date>.jsonl,

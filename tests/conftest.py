@@ -17,8 +17,9 @@
   that tier for the duration of the test. The best tier runs the full matrix;
   on the lower tiers each parametrized test keeps a deterministic representative
   slice (see ``pytest_collection_modifyitems``); ``--all-tiers`` keeps everything,
-  ``@pytest.mark.all_tiers`` keeps one test everywhere. The vector layer itself is
-  checked on every tier by its own conformance test.
+  ``@pytest.mark.all_tiers`` keeps one test everywhere; ``--cover`` keeps only the covering part
+  of that slice, on every tier the best one included (the sanitizer runs, ``make test-sanitize``).
+  The vector layer itself is checked on every tier by its own conformance test.
 * ``slow`` marks the multi-process tests and the long ones; ``make test`` (CI)
   runs everything, ``make test-fast`` deselects them.
 * ``assert_close_ref``: compares a kernel result against a float32 PyTorch
@@ -76,6 +77,12 @@ def pytest_addoption(parser):
         "--all-tiers",
         action="store_true",
         help="run the full parametrized matrix on every runnable tier, not only the best one",
+    )
+    group.addoption(
+        "--cover",
+        action="store_true",
+        help="on every runnable tier, only a covering slice of each parametrized test (every value of every "
+        "parameter at least once): the sanitizer slice (`make test-sanitize`)",
     )
 
 
@@ -184,17 +191,17 @@ def _variant(item) -> tuple:
     return tuple(sorted((name, value) for name, value in _values(item) if name in _VARIANT_PARAMS))
 
 
-def _lower_tier_slice(groups: list[list]) -> set:
+def _lower_tier_slice(groups: list[list], extra: bool = True) -> set:
     """The items that still run on one lower tier; ``groups`` holds each test function's items there.
 
     Deterministic: per test, a greedy cover in which every value of every parameter (each op,
     dtype, shape, layout ...) appears at least once, preferring kernel variants the tier already
     uses (each variant compiled is ~1 s on a cold run); then about one item in ``_EXTRA_ONE_IN``
-    more, by a stable hash, among the variants already in use. The order depends on the tier, so
-    the lower tiers between them cover more combinations. A test whose only parameter is the tier
-    keeps its one item.
+    more, by a stable hash, among the variants already in use (unless not ``extra``: ``--cover``).
+    The order depends on the tier, so the lower tiers between them cover more combinations. A test
+    whose only parameter is the tier keeps its one item.
     """
-    tier = groups[0][0].callspec.params["tier"]
+    tier = groups[0][0].callspec.params.get("tier")
     keep, used = set(), set()
     for items in groups:
         ordered = sorted(items, key=lambda item: _stable_hash(tier, sorted(_values(item))))
@@ -206,7 +213,7 @@ def _lower_tier_slice(groups: list[list]) -> set:
             used.add(_variant(best))
             missing -= _values(best)
         keep |= kept
-    for items in groups:
+    for items in groups if extra else ():
         keep |= {
             item
             for item in items
@@ -217,19 +224,26 @@ def _lower_tier_slice(groups: list[list]) -> set:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Full matrix on the best tier; a representative slice of each test on the lower tiers."""
-    if config.getoption("all_tiers") or len(_tiers) < 2:
+    """Full matrix on the best tier; a representative slice of each test on the lower tiers
+    (``--cover``: on every tier, the covering slice alone)."""
+    cover = config.getoption("cover")
+    if not cover and (config.getoption("all_tiers") or len(_tiers) < 2):
         return
     best = _tiers[0]
-    groups = defaultdict(lambda: defaultdict(list))  # lower tier -> test function -> its items
+    groups = defaultdict(lambda: defaultdict(list))  # tier -> test function -> its items
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is None or callspec.params.get("tier", best) == best or item.get_closest_marker("all_tiers"):
+        if callspec is None:
+            continue
+        if cover:
+            groups[callspec.params.get("tier")][(item.path, item.cls, item.originalname)].append(item)
+            continue
+        if callspec.params.get("tier", best) == best or item.get_closest_marker("all_tiers"):
             continue
         groups[callspec.params["tier"]][(item.path, item.cls, item.originalname)].append(item)
     keep = set()
     for by_test in groups.values():
-        keep |= _lower_tier_slice(list(by_test.values()))
+        keep |= _lower_tier_slice(list(by_test.values()), extra=not cover)
     dropped = {item for by_test in groups.values() for group in by_test.values() for item in group} - keep
     if dropped:
         config.hook.pytest_deselected(items=[item for item in items if item in dropped])
@@ -251,6 +265,9 @@ _JIT_ENV_VARS = (
     "CXX",
     "KERNFORGE_CFFI_MODE",
     "KERNFORGE_LOCK_TIMEOUT",
+    "KERNFORGE_JIT_DEBUG",
+    "KERNFORGE_SANITIZE",
+    "KERNFORGE_EXTRA_CFLAGS",
 )
 
 

@@ -53,3 +53,16 @@ AMX_TILE_MATMUL = Module(
     entries=_MATMUL,
     tiers={"amx": "amx"},
 )
+
+# Two deliberate bugs, reached only when asked: `sum` reads one int32 past the end when
+# past_end=1 (ASan), `shift` shifts 1 by s (UBSan for s >= 32). The sanitizer tests' proof that a
+# report fails a run (tests/jit/test_build_modes.py).
+SANITIZER_BUGS = Module(
+    "sanitizer_bugs",
+    "sanitizer_bugs.cpp.jinja",
+    params={},
+    entries=[
+        Entry("sum", "int64_t x, int64_t n, int64_t past_end", returns="int64_t"),
+        Entry("shift", "int32_t s", returns="int64_t"),
+    ],
+)

@@ -38,6 +38,22 @@ class CacheSecurityError(PermissionError):
     would run their code."""
 
 
+class CacheWriteError(OSError):
+    """The cache cannot take a new kernel (full disk, read-only directory, ...). What was
+    there is unchanged; a half-written entry is never trusted."""
+
+
+def write_error(root: Path, what: str, exc: OSError) -> CacheWriteError:
+    """A CacheWriteError for ``exc`` (keeps its errno), saying what to do about it."""
+    error = CacheWriteError(
+        f"kernforge: cannot write {what} to the kernel cache {root}: {exc}. Free space there or point "
+        "KERNFORGE_CACHE_DIR at a writable directory; a read-only cache serves only the kernels already in it "
+        "(build them first with `python -m kernforge prewarm`)"
+    )
+    error.errno = exc.errno
+    return error
+
+
 def cache_root() -> Path:
     """``KERNFORGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernforge/<version>``,
     else ``~/.cache/kernforge/<version>``; created 0700 and verified private."""
@@ -52,7 +68,10 @@ def cache_root() -> Path:
     root = root.absolute()
     if root not in _checked_roots:
         with _checked_lock:
-            _make_private_dirs(private_from.absolute(), root)
+            try:
+                _make_private_dirs(private_from.absolute(), root)
+            except OSError as exc:
+                raise write_error(root, "the cache directory itself", exc) from exc
             check_private(root)
             _checked_roots.add(root)
     return root
@@ -92,9 +111,13 @@ def file_digest(path: Path) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # e.g. a full disk: leave no partial file behind
+        raise
 
 
 @dataclass(frozen=True)
@@ -147,14 +170,18 @@ class Entry:
 
     def commit(self, built_so: Path, meta: dict[str, Any]) -> dict[str, Any]:
         os.replace(built_so, self.so)
-        meta = {
-            **meta,
-            "key": self.key,
-            "kernforge_version": __version__,
-            "so_size": self.so.stat().st_size,
-            "so_sha256": file_digest(self.so),
-        }
-        _write_atomic(self.meta_path, json.dumps(meta, indent=1, sort_keys=True))
+        try:
+            meta = {
+                **meta,
+                "key": self.key,
+                "kernforge_version": __version__,
+                "so_size": self.so.stat().st_size,
+                "so_sha256": file_digest(self.so),
+            }
+            _write_atomic(self.meta_path, json.dumps(meta, indent=1, sort_keys=True))
+        except BaseException:
+            self.so.unlink(missing_ok=True)  # untrusted without its metadata anyway: leave no stray kernel
+            raise
         return meta
 
     def discard(self) -> None:

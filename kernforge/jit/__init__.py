@@ -1,6 +1,7 @@
 """The JIT pipeline: ISA detection, module declarations, render, compile, load."""
 
-from kernforge.jit.compiler import CompilerNotFoundError, KernelCompileError
+from kernforge.cache.disk import CacheWriteError
+from kernforge.jit.compiler import BuildModeError, CompilerNotFoundError, KernelCompileError
 from kernforge.jit.core import KernelNotCachedError, KernelSpec, Variant, build, load_kernel
 from kernforge.jit.isa import IsaError, cpu_info, runnable_tiers, selected_tier, set_isa, use_isa
 from kernforge.jit.module import (
@@ -23,6 +24,8 @@ from kernforge.jit.render import register_template_dir
 __all__ = [
     "ALL_TIERS",
     "Bool",
+    "BuildModeError",
+    "CacheWriteError",
     "CompilerNotFoundError",
     "DeclarationError",
     "DType",

@@ -3,8 +3,10 @@
 ``KernelSpec`` names a variant: a declared :class:`~kernforge.jit.module.Module`,
 its checked parameters and the tier it is built for. Its key is a readable
 prefix plus a hash of everything that decides the binary: rendered source, the
-headers it includes (exactly those), full compiler command, compiler version,
-kernforge version and cffi mode. ``build`` compiles on first use (once across
+headers it includes (exactly those), full compiler command (with the build
+mode's flags: ``KERNFORGE_JIT_DEBUG``, ``KERNFORGE_SANITIZE``,
+``KERNFORGE_EXTRA_CFLAGS``; the mode's tag also ends the prefix), compiler
+version, kernforge version and cffi mode. ``build`` compiles on first use (once across
 processes: per-key file lock, checked before and after taking it) and loads a
 :class:`~kernforge.jit.module.Kernel`. ``Variant`` is what ops hold: after the
 first call, getting the kernel is one integer compare, with no hashing,
@@ -83,6 +85,8 @@ class _Plan:
     spec: KernelSpec
     source: str
     mode: str
+    build_mode: compiler.BuildMode
+    prefix: str  # the spec's readable prefix and the build mode's tag
     requires: tuple[str, ...]
     runnable: bool
     content_digest: str  # what the binary is made of, whatever compiler builds it
@@ -103,6 +107,8 @@ def _plan(spec: KernelSpec) -> _Plan:
             f"{spec.module.name!r}; write `{{{{ decl.{missing[0]} }}}} {{ ... }}` in it"
         )
     mode = loader.cffi_mode()
+    build_mode = compiler.build_mode()
+    prefix = spec.prefix() + build_mode.tag
     # The headers this source includes (by content) and the Python ABI stand in for include
     # paths, so a cache copied to another install location or machine still matches, and an
     # edited header rebuilds only the variants that include it.
@@ -115,6 +121,8 @@ def _plan(spec: KernelSpec) -> _Plan:
         mode,
         loader.python_abi(mode),
     ]
+    if build_mode != compiler.BuildMode():  # (the default adds nothing: release keys stay as they were)
+        content.append([*build_mode.flags(), *build_mode.extra])
     content_digest = _sha(content)
     try:
         argv = compiler.compiler_argv()
@@ -122,12 +130,19 @@ def _plan(spec: KernelSpec) -> _Plan:
         if jit_enabled():
             raise
         # KERNFORGE_JIT=0 on a machine without a compiler: serve a prewarmed entry.
-        return _Plan(spec, source, mode, tier.used_features(flags), runnable, content_digest, None, None)
+        return _Plan(
+            spec, source, mode, build_mode, prefix, tier.used_features(flags), runnable, content_digest, None, None
+        )
     includes = render.include_dirs() + ([loader.python_include()] if mode == "api" else [])
-    command = compiler.build_command(argv, flags, includes, "<source>", "<output>")
-    compiler_identity = [compiler.build_command(argv, flags, [], "", ""), compiler.compiler_version(tuple(argv))]
-    key = f"{spec.prefix()}-{_sha([content_digest, compiler_identity])[:20]}"
-    return _Plan(spec, source, mode, tier.used_features(flags), runnable, content_digest, command, key)
+    command = compiler.build_command(argv, flags, includes, "<source>", "<output>", build_mode)
+    compiler_identity = [
+        compiler.build_command(argv, flags, [], "", "", build_mode),
+        compiler.compiler_version(tuple(argv)),
+    ]
+    key = f"{prefix}-{_sha([content_digest, compiler_identity])[:20]}"
+    return _Plan(
+        spec, source, mode, build_mode, prefix, tier.used_features(flags), runnable, content_digest, command, key
+    )
 
 
 def _sha(parts: list) -> str:
@@ -194,6 +209,7 @@ def _compile(plan: _Plan, entry: disk.Entry) -> float:
             "requires": list(plan.requires),
             "command": command,
             "cffi_mode": plan.mode,
+            "build_mode": plan.build_mode.describe(),
             "content_digest": plan.content_digest,
             "extension": _module_name(plan.key),
             "cdef": plan.spec.module.cdef,
@@ -218,13 +234,15 @@ def build(
     spec: KernelSpec, load: bool | None = True, allow_compile: bool | None = None
 ) -> tuple[BuildResult, Kernel | None]:
     """Make sure ``spec`` is in the cache (compiling it if needed); load it if
-    asked (``load=None``: load only if this CPU can run the tier).
+    asked (``load=None``: load only if this CPU can run the tier and this process the build mode).
     ``allow_compile`` defaults to ``KERNFORGE_JIT``; prewarm passes True."""
     plan = _plan(spec)
-    if load is None:
-        load = plan.runnable
+    if load is None:  # (prewarm: a sanitized build outside the sanitizer's launcher is built, not loaded)
+        load = plan.runnable and compiler.can_load(plan.build_mode)
     if load and not plan.runnable:
         isa.validate(spec.tier)  # raises with the missing features
+    if load:
+        compiler.check_runtime(plan.build_mode)  # before compiling: a sanitized kernel must be loadable
     root = disk.cache_root()
     if plan.key is None:
         return _build_without_compiler(plan, root, load)
@@ -234,11 +252,16 @@ def build(
     if not found:
         if not (jit_enabled() if allow_compile is None else allow_compile):
             raise _not_cached(spec, plan.key, root)
-        with entry.lock():
-            found = _ready(plan, entry, load)  # another process may have built it while we waited
-            if not found:
-                seconds, compiled = _compile(plan, entry), True
-                found = _ready(plan, entry, load)
+        try:
+            with entry.lock():
+                found = _ready(plan, entry, load)  # another process may have built it while we waited
+                if not found:
+                    seconds, compiled = _compile(plan, entry), True
+                    found = _ready(plan, entry, load)
+        except (TimeoutError, disk.CacheWriteError):
+            raise  # a lock held too long (KERNFORGE_LOCK_TIMEOUT); already explained
+        except OSError as exc:  # a full disk, a read-only cache: nothing trusted was written
+            raise disk.write_error(root, f"kernel {plan.key}", exc) from exc
         if not found:
             raise RuntimeError(f"kernforge: {plan.key} was just built but does not load; see {entry.log}")
     result = BuildResult(spec, plan.key, compiled, seconds, entry.dir)
@@ -247,11 +270,11 @@ def build(
 
 def _build_without_compiler(plan: _Plan, root: Path, load: bool) -> tuple[BuildResult, Kernel | None]:
     """No compiler and KERNFORGE_JIT=0: use a prewarmed entry with the same content."""
-    for entry in disk.entries_with_prefix(root, plan.spec.prefix()):
+    for entry in disk.entries_with_prefix(root, plan.prefix):
         found = _ready(plan, entry, load)
         if found:
             return BuildResult(plan.spec, entry.key, False, 0.0, entry.dir), (found if load else None)
-    raise _not_cached(plan.spec, f"{plan.spec.prefix()}-*", root)
+    raise _not_cached(plan.spec, f"{plan.prefix}-*", root)
 
 
 def _not_cached(spec: KernelSpec, key: str, root: Path) -> KernelNotCachedError:

@@ -16,7 +16,14 @@ LAYERS = (
     ("kernforge._version", "kernforge.cache", "kernforge.jit", "kernforge.bench.timing"),
     ("kernforge.ops", "kernforge.distributed", "kernforge.memory"),
     ("kernforge.model_spec", "kernforge.prewarm", "kernforge.tune", "kernforge.torch_library", "kernforge.bench"),
-    ("kernforge.nn", "kernforge.cli", "kernforge.__main__", "kernforge.integrations", "kernforge._docs"),
+    (
+        "kernforge.nn",
+        "kernforge.cli",
+        "kernforge.__main__",
+        "kernforge.sanitize",
+        "kernforge.integrations",
+        "kernforge._docs",
+    ),
 )
 
 
