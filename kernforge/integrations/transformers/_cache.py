@@ -70,6 +70,7 @@ class PagePool:
         # pool costs address space only; in 2 MiB huge pages where Linux allows, which spare decode
         # most of its TLB misses over the scattered pages (kernforge.memory).
         self.kv = empty_kv_cache(spec.num_layers, num_pages, *spec.page_shape(page_size), dtype=spec.dtype)
+        self.layers = list(self.kv)  # each layer's pages, as views made once (a prepared step binds to them)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first
 
     @property
@@ -305,7 +306,7 @@ class PagedCache(Cache):
         step = self._current_step()
         if step.gather is not None or step.q_len != 1:
             raise ValueError("bound_decode_calls() is for a decode step: one new token for every sequence")
-        layers = list(self.pool.kv)
+        layers = self.pool.layers
         append = kf.bound_append_paged_kv_cache(
             keys,
             values,
