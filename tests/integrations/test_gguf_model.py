@@ -4,6 +4,8 @@ tensor type kernforge reads, loaded by kernforge (blocks packed as they are) and
 activations are quantized per block of 32, as llama.cpp quantizes them), the weights are the file's
 exactly, and damaged or unsupported files are refused before anything is built."""
 
+import zlib
+
 import gguf
 import numpy as np
 import pytest
@@ -43,7 +45,7 @@ def _k_blocks(name: str, weight: np.ndarray):
     *lead, k = weight.shape  # [rows, k], or a MoE's stacked [experts, rows, k]
     rows = int(np.prod(lead))
     bt = G.BLOCK_TYPES[kind]
-    rng = np.random.default_rng(abs(hash(name)) % (1 << 32))
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # not hash(): salted per process
     blocks = rng.integers(0, 256, (rows, k // bt.block, bt.size), dtype=np.uint8)
     for start in _HALF_FIELDS[kind]:
         half = (rng.random((rows, k // bt.block)) * 2e-4 + 1e-5).astype(np.float16)
