@@ -21,6 +21,8 @@ names with sgl-kernel's schemas), so a compiled model keeps one graph.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -45,7 +47,7 @@ __all__ = [
     "shm_reduce_scatter_tensor",
 ]
 
-_BY_GROUP: dict = {}  # process group -> its communicator
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its communicator
 
 
 def communicator_for(group=None) -> Communicator:

@@ -62,8 +62,12 @@ class Communicator:
             raise ValueError(f"slot_bytes must be a positive multiple of 4096, got {slot_bytes!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        group = group if group is not None else dist.group.WORLD
+        # Held weakly: a group kept alive past destroy_process_group() is torn down at interpreter
+        # exit, where gloo's worker threads abort the process (they cannot take the GIL to free a
+        # finished collective's tensors).
+        self._group = weakref.ref(group)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.slot_bytes, self.timeout = slot_bytes, float(timeout)
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = weakref.ref(self)
@@ -75,6 +79,14 @@ class Communicator:
         self._gather = None
         if self.world_size > 1:
             self._segment = _connect(self)
+
+    @property
+    def group(self):
+        """The process group (raises once ``torch.distributed.destroy_process_group`` dropped it)."""
+        group = self._group()
+        if group is None:
+            raise dist.DistBackendError("kernforge.distributed: this communicator's process group was destroyed")
+        return group
 
     @property
     def uses_shared_memory(self) -> bool:

@@ -5,7 +5,9 @@ argument errors in this process."""
 
 from __future__ import annotations
 
+import gc
 import glob
+import weakref
 
 import comm_workers
 import pytest
@@ -183,6 +185,22 @@ def test_bad_arguments(single_rank_group):
         Communicator(timeout=0)
     with pytest.raises(ValueError, match="does not match the world group"):
         kd.initialize(2, 0)
+
+
+def test_communicators_do_not_keep_a_destroyed_group_alive():
+    # A group alive past destroy_process_group() is freed at interpreter exit, where gloo's threads
+    # abort the process (SIGABRT, 'terminate called without an active exception').
+    if dist.is_initialized():
+        pytest.skip("a group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm, shared = Communicator(), kd.communicator_for()
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    assert group() is None
+    for communicator in (comm, shared):
+        with pytest.raises(dist.DistBackendError, match="process group was destroyed"):
+            _ = communicator.group
 
 
 def test_needs_an_initialized_group():
