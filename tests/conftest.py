@@ -84,6 +84,17 @@ def pytest_addoption(parser):
         help="on every runnable tier, only a covering slice of each parametrized test (every value of every "
         "parameter at least once): the sanitizer slice (`make test-sanitize`)",
     )
+    group.addoption(
+        "--fuzz-seconds",
+        type=float,
+        default=150.0,
+        help="the differential fuzzer's budget (tests/fuzz), shared by its targets; `make fuzz`: 3600",
+    )
+    group.addoption(
+        "--fuzz-seed", type=int, default=0, help="the fuzzer's master seed (every case's seed derives from it)"
+    )
+    group.addoption("--fuzz-case", type=int, help="replay one fuzz case by the seed a failure printed")
+    group.addoption("--fuzz-report", help="append the fuzzer's cases per target (JSON lines) to this file")
 
 
 def _reused_cache_dir() -> Path:
