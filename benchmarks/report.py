@@ -43,7 +43,7 @@ KINDS = {
 }
 ROUTINES = (
     "gemm", "decode", "prefill", "mla", "moe", "page", "ops", "sampling",
-    "jit", "comm", "e2e", "vllm", "llamacpp", "gguf", "quality", "gguf_quality",
+    "jit", "comm", "e2e", "vllm", "llamacpp", "gguf", "quality", "gguf_quality", "soak", "fuzz",
 )  # fmt: skip
 # The implementation a kernforge figure is set against, by routine: the first of these measured.
 PEERS = {

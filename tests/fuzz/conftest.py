@@ -1,8 +1,14 @@
-"""The fuzzer's tally: cases tried per target, printed after the run and appended to --fuzz-report."""
+"""The fuzzer's tally: cases tried per target, printed after the run and, with --fuzz-report, appended
+to that file as the benchmarks' JSON lines (routine "fuzz": the performance page's fuzz table)."""
 
 from __future__ import annotations
 
-import json
+import shlex
+import sys
+
+from fuzzing import tiers
+
+from kernforge.bench import records
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -10,11 +16,18 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if not TALLIES:
         return
-    terminalreporter.section(f"fuzz (master seed {config.option.fuzz_seed})")
+    seed = config.option.fuzz_seed
+    terminalreporter.section(f"fuzz (master seed {seed}, tiers {', '.join(tiers())})")
     for tally in sorted(TALLIES, key=lambda t: t.target):
-        terminalreporter.write_line(f"{tally.target:40s} {tally.cases:7d} cases  {tally.seconds:7.1f} s")
+        terminalreporter.write_line(f"{tally.target:44s} {tally.cases:7d} cases  {tally.seconds:7.1f} s")
     if config.option.fuzz_report:
-        with open(config.option.fuzz_report, "a") as report:
-            for tally in TALLIES:
-                record = {"target": tally.target, "cases": tally.cases, "seconds": round(tally.seconds, 1)}
-                report.write(json.dumps({**record, "master_seed": config.option.fuzz_seed}) + "\n")
+        params = {"master_seed": seed, "tiers": tiers()}
+        found = [
+            {
+                **{"case": tally.target, "impl": "kernforge", "metric": "cases", "value": tally.cases},
+                **{"unit": "cases", "bound": None, "params": {**params, "seconds": round(tally.seconds)}},
+            }
+            for tally in TALLIES
+        ]
+        command = shlex.join(["pytest", *sys.argv[1:]])
+        records.write_jsonl(config.option.fuzz_report, found, routine="fuzz", command=command, quick=False)
