@@ -81,32 +81,41 @@ class Soak:
             with self.lock:
                 self.outcomes[f"{kind}: {outcome}"] += 1
 
-    def _stream(self, prompt: str, max_tokens: int, **sampling) -> str:
-        """The streamed text, checked: ``max_tokens`` words, or fewer ending at the end-of-sequence token."""
+    def _stream(self, prompt: str, max_tokens: int, **sampling) -> tuple[str, int]:
+        """The streamed text and its token count, checked: ``max_tokens`` tokens, or fewer ending at the
+        end-of-sequence token; a word per token (special tokens, skipped in the text, aside)."""
         stream = self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, stream=True, **sampling
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
         )
-        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
-        text, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason if chunks else None
-        words = len(text.split())
-        if not ((finish == "length" and words == max_tokens) or (finish == "stop" and words < max_tokens)):
-            raise AssertionError(f"{max_tokens} tokens asked, {words} words streamed, finish reason {finish!r}")
-        return text
+        chunks = list(stream)
+        choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+        text, finish = "".join(c.text for c in choices), choices[-1].finish_reason if choices else None
+        tokens, words = chunks[-1].usage.completion_tokens if chunks[-1].usage else -1, len(text.split())
+        if not ((finish == "length" and tokens == max_tokens) or (finish == "stop" and tokens < max_tokens)):
+            raise AssertionError(f"{max_tokens} tokens asked, {tokens} generated, finish reason {finish!r}")
+        if words > tokens:
+            raise AssertionError(f"{tokens} tokens generated, {words} words streamed")
+        return text, tokens
 
     def greedy(self, rng: random.Random) -> str:
         prompt, max_tokens = prompt_of(rng, rng.randint(1, self.context * 3 // 4)), rng.randint(1, 48)
-        text = self._stream(prompt, max_tokens, temperature=0)
+        text, tokens = self._stream(prompt, max_tokens, temperature=0)
         with self.lock:
             self.answered_greedy.append((prompt, max_tokens, text))
-            self.tokens += len(text.split())
+            self.tokens += tokens
         return "answered"
 
     def sampled(self, rng: random.Random) -> str:
         prompt, max_tokens = prompt_of(rng, rng.randint(1, 256)), rng.randint(1, 32)
         sampling = {"temperature": 0.8, "top_p": 0.9, "extra_body": {"top_k": 20}}
-        text = self._stream(prompt, max_tokens, **sampling)
+        _, tokens = self._stream(prompt, max_tokens, **sampling)
         with self.lock:
-            self.tokens += len(text.split())
+            self.tokens += tokens
         return "answered"
 
     def disconnect(self, rng: random.Random) -> str:
