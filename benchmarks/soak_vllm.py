@@ -82,8 +82,8 @@ class Soak:
                 self.outcomes[f"{kind}: {outcome}"] += 1
 
     def _stream(self, prompt: str, max_tokens: int, **sampling) -> tuple[str, int]:
-        """The streamed text and its token count, checked: ``max_tokens`` tokens, or fewer ending at the
-        end-of-sequence token; a word per token (special tokens, skipped in the text, aside)."""
+        """The streamed text and its token count, checked: ``max_tokens`` tokens, or up to that many
+        ending at the end-of-sequence token; a word per token (special tokens, skipped in the text, aside)."""
         stream = self.client.completions.create(
             model=self.model,
             prompt=prompt,
@@ -96,7 +96,7 @@ class Soak:
         choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
         text, finish = "".join(c.text for c in choices), choices[-1].finish_reason if choices else None
         tokens, words = chunks[-1].usage.completion_tokens if chunks[-1].usage else -1, len(text.split())
-        if not ((finish == "length" and tokens == max_tokens) or (finish == "stop" and tokens < max_tokens)):
+        if not ((finish == "length" and tokens == max_tokens) or (finish == "stop" and tokens <= max_tokens)):
             raise AssertionError(f"{max_tokens} tokens asked, {tokens} generated, finish reason {finish!r}")
         if words > tokens:
             raise AssertionError(f"{tokens} tokens generated, {words} words streamed")
