@@ -11,7 +11,9 @@ the loopback, ``--clients`` concurrent clients for ``--minutes``, each sending, 
     bad params a negative temperature, top_p > 1, or max_tokens < 1 (HTTP 400)
 
 Checked: every request is answered, or refused with HTTP 400 where it should be; after the load, a
-sample of the greedy requests is sent again one at a time and must give the same text; the server's
+sample of the greedy requests is sent again one at a time and must give the same text, or leave it
+first at a near tie (alone, the batched run's token within NEAR_TIE of the chosen one's log-probability:
+batching changes the rounding); the server's
 resident memory (every process of it) is sampled every few seconds and must be flat after
 --warm-up minutes (the later half's median within --rss-slack of the earlier half's); its log must
 hold no traceback and no kernforge error. Prints a JSON report (``--json`` writes it to a file too) and exits 1 if any
@@ -47,6 +49,9 @@ from kernforge.integrations.random_llama import make_model_dir
 from kernforge.integrations.vllm.server import openai_server
 from kernforge.jit.isa import cpu_model
 
+# Greedy texts that differ alone and batched pass where, alone, the batched run's token was within this
+# much log-probability of the chosen one: bf16 logits of a few units carry rounding errors of ~0.01-0.05.
+NEAR_TIE = 0.1
 KINDS = {"greedy": 6, "sampled": 2, "disconnect": 2, "too long": 1, "bad params": 1}
 BAD_PARAMS = [{"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 0}, {"max_tokens": -3}]
 VOCAB_WORDS = range(3, 1000)  # the tiny tokenizer's words w3 .. w999 (0-2 are <unk>, <s>, </s>)
@@ -144,16 +149,31 @@ class Soak:
             return "refused (400)"
         raise AssertionError(f"accepted a request it must refuse: {request}")
 
-    def replay_alone(self, count: int, rng: random.Random) -> list[str]:
-        """Sends a sample of the greedy requests again, one at a time: the texts must be the same."""
+    def replay_alone(self, count: int, rng: random.Random) -> list[dict]:
+        """Sends a sample of the greedy requests again, one at a time; returns those whose text
+        differs, each with the first differing token and how far apart, alone, the two candidates'
+        log-probabilities were there (batching changes the rounding, which can flip a near tie)."""
         differing = []
         for prompt, max_tokens, text in rng.sample(self.answered_greedy, min(count, len(self.answered_greedy))):
             alone = self.client.completions.create(
-                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0
-            )
-            if alone.choices[0].text != text:
-                differing.append(f"prompt of {len(prompt.split())} words, {max_tokens} tokens")
+                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2
+            ).choices[0]
+            if alone.text != text:
+                differing.append({"prompt_words": len(prompt.split()), **first_difference(alone, text.split())})
         return differing
+
+
+def first_difference(alone, batched_words: list[str]) -> dict:
+    """Where the text sent alone leaves the batched one, and the log-probability gap, alone, between
+    its token and the batched run's there (None where the two do not align word for word)."""
+    tokens, top = alone.logprobs.tokens, alone.logprobs.top_logprobs
+    position = next((i for i, (a, b) in enumerate(zip(tokens, batched_words)) if a.strip() != b), None)
+    if position is None:
+        return {"token": min(len(tokens), len(batched_words)), "gap": None}
+    candidates = {word.strip(): logprob for word, logprob in top[position].items()}
+    batched = candidates.get(batched_words[position])
+    gap = None if batched is None else candidates[tokens[position].strip()] - batched
+    return {"token": position, "gap": gap}
 
 
 class RssSampler(threading.Thread):
@@ -214,13 +234,15 @@ def emit_records(report: dict, shape: str) -> None:
     """The soak's figures as the benchmarks' JSON lines (the performance page's soak table)."""
     case = f"{shape} llama, {report['clients']} clients, {report['minutes']:g} min"
     params = {"clients": report["clients"], "minutes": report["minutes"], "context": report["context"]}
+    near_ties = sum(1 for d in report["differing_alone"] if d["gap"] is not None and d["gap"] <= NEAR_TIE)
     failed = len(report["failures"]) + sum(n for outcome, n in report["outcomes"].items() if "failed" in outcome)
     figures = [
         ("requests", report["requests"], "requests"),
         ("requests failed", failed, "requests"),
         ("generated tokens", report["generated_tokens"], "tokens"),
         ("greedy replayed alone", report["replayed_alone"], "requests"),
-        ("replayed alone, differing", len(report["differing_alone"]), "requests"),
+        ("replayed alone, differing at a near tie", near_ties, "requests"),
+        ("replayed alone, differing otherwise", len(report["differing_alone"]) - near_ties, "requests"),
         ("kernforge or traceback lines in the log", len(report["log_problems"]), "lines"),
     ]
     rss = report["rss"]
@@ -290,7 +312,8 @@ def main() -> int:
         "log_problems": log_problems(log)[:20],
         "plugin_parts": [line.strip() for line in log.splitlines() if "kernforge" in line and "runs" in line][:10],
     }
-    report["passed"] = not (report["failures"] or differing or report["log_problems"] or rss["flat"] is False)
+    clear = [d for d in differing if d["gap"] is None or d["gap"] > NEAR_TIE]
+    report["passed"] = not (report["failures"] or clear or report["log_problems"] or rss["flat"] is False)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -1,6 +1,7 @@
 """benchmarks/soak_vllm.py's smoke: a minute of concurrent streaming clients against vLLM's server
 with kernforge's plugin, with disconnects, prompts past the context and bad sampling parameters;
-every request answered or refused with HTTP 400, greedy texts equal to the same requests sent alone,
+every request answered or refused with HTTP 400, greedy texts equal to the same requests sent alone
+(or leaving them at a near tie),
 a clean log. (RSS flatness needs the long run: `benchmarks/RESULTS.md`.)"""
 
 import json
@@ -24,5 +25,6 @@ def test_a_minute_of_load_and_faults(tmp_path):
     report = json.loads(report_path.read_text())
     kinds = {outcome.split(":")[0] for outcome in report["outcomes"]}
     assert kinds == {"greedy", "sampled", "disconnect", "too long", "bad params"}, report["outcomes"]
-    assert report["failures"] == [] and report["differing_alone"] == [] and report["log_problems"] == []
+    assert report["failures"] == [] and report["log_problems"] == []
+    assert all(d["gap"] is not None and d["gap"] <= 0.1 for d in report["differing_alone"]), report["differing_alone"]
     assert report["replayed_alone"] == 10 and report["generated_tokens"] > 0
