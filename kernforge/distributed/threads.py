@@ -11,11 +11,15 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import threading
 from typing import Any
 
 import torch
 
+from kernforge.ops import _openmp
+
 _BINDING: dict[str, Any] | None = None  # what bind_threads last did, for kernforge.info
+_PINNED_THREAD: int | None = None  # the thread whose OpenMP pool bind_threads pinned
 
 _SYS_SET_MEMPOLICY = 238  # x86-64
 _MPOL_BIND = 2
@@ -52,7 +56,7 @@ def bind_threads(cpus: list[int] | str | None = None) -> str:
     """Runs this process's threads on ``cpus`` (a list or ``"0-3,8"``; default: this rank's share of
     the allowed CPUs, by ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` as torchrun sets them), one torch and
     kernforge thread per CPU, memory on their NUMA nodes. Returns what it did, as a line."""
-    global _BINDING
+    global _BINDING, _PINNED_THREAD
     if cpus is None:
         cpus = rank_cpus(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     elif isinstance(cpus, str):
@@ -68,6 +72,7 @@ def bind_threads(cpus: list[int] | str | None = None) -> str:
             pass  # a thread that just ended
     torch.set_num_threads(len(cpus))
     pinned = _pin_kernforge_pool(cpus)
+    _PINNED_THREAD = threading.get_ident()
     nodes = _bind_memory(cpus)
     _BINDING = {"cpus": cpus, "threads": len(cpus), "pinned": pinned, "numa_nodes": nodes}
     return describe(_BINDING)
@@ -101,6 +106,16 @@ def _pin_kernforge_pool(cpus: list[int]) -> int:
     if pinned < 0:
         raise OSError(-pinned, f"cannot pin kernforge's threads to CPUs {_compact(cpus)}: {os.strerror(-pinned)}")
     return pinned
+
+
+def _pin_again_after_fork() -> None:
+    """os.fork() released the forking thread's OpenMP pool (kernforge.ops._openmp); the workers of the
+    next one would inherit that thread's own one-CPU mask, so pin a new pool one thread per CPU again."""
+    if _BINDING is not None and _BINDING["pinned"] and _PINNED_THREAD == threading.get_ident():
+        _pin_kernforge_pool(_BINDING["cpus"])
+
+
+_openmp.on_pool_released(_pin_again_after_fork)
 
 
 def _numa_nodes() -> dict[int, set[int]]:

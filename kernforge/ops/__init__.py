@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from kernforge.ops import _openmp  # noqa: F401  (releases the OpenMP thread pool before os.fork(): see there)
 from kernforge.ops._common import num_threads, set_num_threads
 from kernforge.ops._registry import OPS, PUBLIC, OpKernels  # noqa: F401  (kernforge.ops.OPS: what pre-warm builds)
 
