@@ -156,7 +156,7 @@ class Soak:
         differing = []
         for prompt, max_tokens, text in rng.sample(self.answered_greedy, min(count, len(self.answered_greedy))):
             alone = self.client.completions.create(
-                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2
+                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=5
             ).choices[0]
             if alone.text != text:
                 differing.append({"prompt_words": len(prompt.split()), **first_difference(alone, text.split())})
@@ -173,7 +173,8 @@ def first_difference(alone, batched_words: list[str]) -> dict:
     candidates = {word.strip(): logprob for word, logprob in top[position].items()}
     batched = candidates.get(batched_words[position])
     gap = None if batched is None else candidates[tokens[position].strip()] - batched
-    return {"token": position, "gap": gap}
+    seen = {"alone": tokens[position], "batched": batched_words[position], "top": candidates}
+    return {"token": position, "gap": gap, **seen}
 
 
 class RssSampler(threading.Thread):
