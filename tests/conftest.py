@@ -347,3 +347,11 @@ def _assert_close_ref(actual, expected, dtype, msg=None):
 def assert_close_ref():
     """The tolerance helper: ``assert_close_ref(actual, expected_fp32, dtype, msg=None)``."""
     return _assert_close_ref
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    fuzz = sys.modules.get("test_fuzz")  # tests/fuzz ran: its cases per target
+    if fuzz is not None:
+        from fuzz_report import summarize
+
+        summarize(terminalreporter, config, fuzz.TALLIES)

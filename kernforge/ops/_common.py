@@ -7,8 +7,9 @@ for the warm path: a few attribute reads per tensor, no new tensors.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -110,6 +111,100 @@ def _overlaps(shape: torch.Size, strides: tuple[int, ...]) -> bool:
     return False
 
 
+def check_no_overlap(
+    written: torch.Tensor, written_name: str, other: torch.Tensor, other_name: str, same_ok: bool = False
+) -> None:
+    """ValueError when ``written`` (a tensor the op writes) shares memory with ``other`` (one it reads
+    or writes too): rows computed in parallel would read what another thread already overwrote, and
+    the result would depend on the order. With ``same_ok``, ``written`` may be ``other`` itself (same
+    address, shape, strides and dtype: an op that works in place). FlashInfer does not check this.
+
+    Cheap on the warm path: tensors whose byte ranges do not meet return after a few attribute
+    reads, and so do slices of one buffer that interleave token by token (q and k of a packed qkv, x
+    and out side by side); other layouts whose ranges meet are checked element by element."""
+    a_start, a_end = _byte_range(written)
+    b_start, b_end = _byte_range(other)
+    if a_end <= b_start or b_end <= a_start or a_start == a_end or b_start == b_end:
+        return  # the byte ranges do not meet (or one is empty)
+    a_shape, b_shape = written.shape, other.shape
+    a_strides, b_strides = written.stride(), other.stride()
+    if (
+        same_ok
+        and a_start == b_start
+        and a_shape == b_shape
+        and a_strides == b_strides
+        and written.dtype == other.dtype
+    ):
+        return
+    size = written.element_size()
+    if (
+        size == other.element_size()
+        and (b_start - a_start) % size == 0
+        and not _share_elements((b_start - a_start) // size, a_shape, a_strides, b_shape, b_strides)
+    ):
+        return
+    raise ValueError(
+        f"{written_name} overlaps {other_name} in memory ({written_name} shape {tuple(a_shape)} strides "
+        f"{a_strides} at {a_start:#x}, {other_name} shape {tuple(b_shape)} strides {b_strides} at "
+        f"{b_start:#x}): {written_name} is written while {other_name} is "
+        + (
+            "read; pass a separate tensor, or the very same one to work in place"
+            if same_ok
+            else "used; pass a separate tensor"
+        )
+    )
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a tensor's first byte and one past its last (equal when it is empty)."""
+    start = t.data_ptr()
+    elements = t.numel() if t.is_contiguous() else _span(t.shape, t.stride())
+    return start, start + elements * t.element_size()
+
+
+def _span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a tensor's first to its last element, plus one (0 when empty)."""
+    span = 1
+    for size, stride in zip(shape, strides):
+        if size == 0:
+            return 0
+        span += (size - 1) * stride
+    return span
+
+
+_MAX_EXACT_OVERLAP = 1 << 26  # elements spanned by two tensors checked element by element, at most
+
+
+def _share_elements(
+    delta: int, a_shape: Sequence[int], a_strides: Sequence[int], b_shape: Sequence[int], b_strides: Sequence[int]
+) -> bool:
+    """Whether two tensors of one element size, ``b`` starting ``delta`` elements after ``a``, share an
+    element. Slices of one buffer interleaved along a common leading dimension (each one's rest
+    within that dimension's stride, the other sitting in the gap) are told apart in O(1); anything
+    else is checked exactly over the elements (the rare layouts whose byte ranges meet)."""
+    if len(a_shape) > 1 and len(b_shape) > 1 and a_shape[0] == b_shape[0] and a_strides[0] == b_strides[0]:
+        stride = a_strides[0]
+        rest_a, rest_b = _span(a_shape[1:], a_strides[1:]), _span(b_shape[1:], b_strides[1:])
+        if stride > 0 and rest_a <= stride and rest_b <= stride:
+            shift = delta % stride
+            if rest_a <= shift and shift + rest_b <= stride:
+                return False
+    low = min(0, delta)
+    count = max(_span(a_shape, a_strides), delta + _span(b_shape, b_strides)) - low
+    if count > _MAX_EXACT_OVERLAP:  # a mask this large for a layout no engine uses: call it shared
+        return True
+    used = torch.zeros(count, dtype=torch.bool)
+    used[_offsets(a_shape, a_strides, -low)] = True
+    return bool(used[_offsets(b_shape, b_strides, delta - low)].any())
+
+
+def _offsets(shape: Sequence[int], strides: Sequence[int], start: int) -> torch.Tensor:
+    offsets = torch.tensor([start], dtype=torch.int64)
+    for size, stride in zip(shape, strides):
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return offsets
+
+
 def readable_rows(t: torch.Tensor, shape: torch.Size, strides: tuple[int, ...]):
     """Inputs only read may have any layout: copy when the last dim is strided.
     Returns the tensor to read and its strides."""
@@ -147,15 +242,16 @@ def rows_view(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     """``t`` as a tensor of rank <= 3 over the same memory (ops with ``[..., D]`` inputs)."""
     if t.dim() <= 3:
         return t
+    shape = (math.prod(t.shape[:-2]), *t.shape[-2:])  # not -1: ambiguous when the last two hold 0 elements
     try:
-        return t.view(-1, *t.shape[-2:])
+        return t.view(shape)
     except RuntimeError:
         if writable:
             raise ValueError(
                 f"{name} of shape {tuple(t.shape)} and strides {tuple(t.stride())}: its leading dimensions "
                 "cannot be merged into one without a copy"
             ) from None
-        return t.reshape(-1, *t.shape[-2:])
+        return t.reshape(shape)
 
 
 _threads_override: int | None = None

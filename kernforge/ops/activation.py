@@ -9,6 +9,7 @@ import torch
 from kernforge.jit.module import DType, Entry, Enum, Module
 from kernforge.ops._common import (
     BoundCall,
+    check_no_overlap,
     checked_out,
     no_op,
     num_threads,
@@ -87,6 +88,7 @@ def _gated_call(input, out, kernels) -> tuple[torch.Tensor, BoundCall | None]:
         out = torch.empty(out_shape, dtype=input.dtype)
     else:
         checked_out(out, out_shape, input)
+        check_no_overlap(out, "out", input, "input")
     rows_out = out
     if len(shape) > 3:  # kernels see at most 3 dims: merge the leading ones (a view where possible)
         input, rows_out = rows_view(input, "input", writable=False), rows_view(out, "out", writable=True)

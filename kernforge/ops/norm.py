@@ -10,6 +10,7 @@ from kernforge.jit.core import Variant
 from kernforge.jit.module import Bool, DType, Entry, Module
 from kernforge.ops._common import (
     BoundCall,
+    check_no_overlap,
     checked_out,
     no_op,
     num_threads,
@@ -114,12 +115,14 @@ def _normalize_call(input, weight, eps, out, kernels) -> tuple[torch.Tensor, Bou
     """The output and the kernel call that fills it (None: no rows)."""
     variant, shape = _variant_and_shape(kernels, input)
     weight = _checked_weight(weight, input, shape[-1])
+    if out is not None:
+        out_strides = checked_out(out, shape, input)
+        check_no_overlap(out, "out", input, "input", same_ok=True)  # in place works: each row is read, then written
+        check_no_overlap(out, "out", weight, "weight")
     input, strides = readable_rows(input, shape, input.stride())
     if out is None:
         out = torch.empty_like(input)  # as FlashInfer; keeps a dense input's layout
         out_strides = out.stride()
-    else:
-        out_strides = checked_out(out, shape, input)
     n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
     _, _, out_s0, out_s1 = row_geometry(shape, out_strides)
     if n0 * n1 * shape[-1] == 0:
@@ -154,6 +157,10 @@ def _fused_add(input, residual, weight, eps, kernels):
     writable_rows(shape, strides, "input")
     writable_rows(shape, res_strides, "residual")
     weight = _checked_weight(weight, input, shape[-1])
+    # both are written: aliased, what each holds would depend on the order of the writes
+    check_no_overlap(residual, "residual", input, "input")
+    check_no_overlap(input, "input", weight, "weight")
+    check_no_overlap(residual, "residual", weight, "weight")
     n0, n1, in_s0, in_s1 = row_geometry(shape, strides)
     _, _, res_s0, res_s1 = row_geometry(shape, res_strides)
     if n0 * n1 * shape[-1] == 0:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kernforge.jit.module import DType, Entry, Module, Struct
-from kernforge.ops._common import BoundCall, _overlaps, num_threads, same_dtype, variant_for_input
+from kernforge.ops._common import BoundCall, _overlaps, check_no_overlap, num_threads, same_dtype, variant_for_input
 from kernforge.ops._registry import Traced, kernel_op, model_kernels
 
 _I = "int64_t"
@@ -657,6 +657,7 @@ def _outputs(q, qg, k, kg, in_place, names, geometry):
     if in_place:
         _check_writable(qg, names[0])
         _check_writable(kg, names[1])
+        check_no_overlap(k, names[1], q, names[0])  # an element of both would turn twice
         return q, qg, k, kg
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     return q_out, geometry(q_out, names[0]), k_out, geometry(k_out, names[1])

@@ -46,7 +46,7 @@ from numbers import Integral, Real
 import torch
 
 from kernforge.jit.module import Codes, DType, Entry, Module, Struct
-from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
+from kernforge.ops._common import check_no_overlap, num_threads, readable_rows, variant_for_input, writable_rows
 from kernforge.ops._registry import ALL_DTYPES, Traced, export, kernel_op, model_kernels
 
 _I64 = "int64_t"
@@ -371,7 +371,10 @@ def _rows_out(x, name, kernels, action, out, out_dtype=None, **per_row):
     call = _Call(x, name, None)
     for param, value in per_row.items():
         call.per_row(param, value, integral=param == "top_k")
+    given = out is not None
     out = _checked_out(out, x.shape, out_dtype or x.dtype)
+    if given:
+        check_no_overlap(out, "out", x, name, same_ok=True)  # in place works: each row is read, then written
     call.args.update(out=out.data_ptr(), out_stride=out.stride(0))
     call.run(variant, action, from_logits=action == _SOFTMAX)
     return out

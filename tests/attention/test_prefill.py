@@ -583,6 +583,25 @@ def test_any_head_dim(tier, workspace, head_dim_qk, head_dim_vo, q_dtype, kv_dty
             check(out, lse, *attention_reference(q[rq], k[rk], v[rk], causal=causal), dtype, f"single {what}")
 
 
+def test_head_dim_one_q_of_any_last_stride(workspace):
+    """A head_dim of one element is contiguous whatever its stride: run() takes such a q (torch gives an
+    empty [0, 1, 1] tensor strides (1, 0, 0) after arithmetic; the fuzzer's single_prefill_with_kv_cache
+    case, refused as "q must be contiguous in head_dim" before)."""
+    g = seeded("head_dim 1 strides")
+    k, v = rand((9, 1, 1), torch.bfloat16, g), rand((9, 1, 1), torch.bfloat16, g)
+    q = rand((4, 2, 2), torch.bfloat16, g)[..., ::2]  # [4, 2, 1], last stride 2
+    out, lse = kernforge.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+    check(out, lse, *attention_reference(q, k, v, causal=True), torch.bfloat16)
+    empty = torch.empty(0, dtype=torch.bfloat16).as_strided((0, 1, 1), (1, 0, 0))
+    out, lse = kernforge.single_prefill_with_kv_cache(empty, k, v, return_lse=True)
+    assert out.shape == (0, 1, 1) and lse.shape == (0, 1)
+    wrapper = kernforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(indptr_of([4]), indptr_of([9]), torch.arange(9, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                 2, 1, 1, 1, causal=True, q_data_type=torch.bfloat16)  # fmt: skip
+    out = wrapper.run(q, torch.stack([k, v], 1))  # pages of one token: [9, 2, 1, 1, 1]
+    check(out, None, attention_reference(q, k, v, causal=True)[0], None, torch.bfloat16)
+
+
 @pytest.mark.parametrize("tile", prefill.TILES)
 def test_every_tile(tier, workspace, tile):
     """Each tile the tuner may pick, on a batch with partial tiles and blocks."""

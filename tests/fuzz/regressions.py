@@ -1,4 +1,17 @@
 """Cases the fuzzer once failed on, kept after their fix: (target, case seed), replayed on every tier
 by test_fuzz.py. Each line says what the case found."""
 
-REGRESSIONS: list[tuple[str, int]] = []
+REGRESSIONS: list[tuple[str, int]] = [
+    # a 4-D input [0, 5, 0, 2d]: merging its leading dims as view(-1, 0, 2d) raised RuntimeError (-1 is
+    # ambiguous for 0 elements) instead of returning the empty output (kernforge/ops/_common.py rows_view)
+    ("silu_and_mul", 3180115128),
+    # an empty row selection: read_blocks reshaped the decoded fields of 0 rows with a -1, a RuntimeError
+    # instead of fp32 [0, K] (kernforge/ops/gemm/gguf.py read_blocks)
+    ("dequantize_rows", 3145955721),
+    # ids of shape [0]: _values viewed the codes of 0 rows as [0, -1, group], a RuntimeError instead of
+    # [0, K] (kernforge/ops/gemm/gguf.py _values)
+    ("embedding_rows", 404014343),
+    # q [0, 1, 1] (head_dim 1) with strides (1, 0, 0), as torch arithmetic leaves an empty tensor: run()
+    # refused it as "q must be contiguous in head_dim" (kernforge/ops/attention/_wrapper.py check_q)
+    ("single_prefill_with_kv_cache", 1634108189),
+]

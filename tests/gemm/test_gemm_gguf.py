@@ -188,3 +188,16 @@ def test_large_tensors_pack_in_runs_of_rows_to_the_same_weight(monkeypatch):
     runs = G.pack_gguf(raw, "Q6_K", 300, 256)
     for a, b in zip(whole.tensors(), runs.tensors()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_no_rows_and_no_ids(qtype):
+    """An empty row selection (and a tensor of no rows) dequantizes to [0, K], and empty ids look up
+    [*ids.shape, K]: not the RuntimeError of reshaping 0 elements with a -1 (found by the fuzzer)."""
+    k = G.BLOCK_TYPES[qtype].block * 2
+    raw = random_blocks(qtype, 5, k)
+    assert G.dequantize_rows(raw, qtype, k, torch.zeros(0, dtype=torch.int64)).shape == (0, k)
+    assert G.dequantize_rows(raw[:0], qtype, k).shape == (0, k)
+    packed = G.pack_gguf(raw, qtype, 5, k)
+    assert G.embedding_rows(packed, torch.zeros(0, dtype=torch.int64)).shape == (0, k)
+    assert G.embedding_rows(packed, torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0, k)

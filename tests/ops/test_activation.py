@@ -160,3 +160,20 @@ def test_silu_and_mul_64bit_row_offsets(tier, assert_close_ref):
     assert y is out
     assert_close_ref(out, expected, dtype, f"silu_and_mul 64-bit input+out offsets tier={tier}")
     assert torch.equal(x, vals), "input rows were modified"
+
+
+# --------------------------------------------------------------------------- empty 4-D inputs
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 0, 22), (5, 5, 0, 22), (2, 3, 4, 0)], ids=["0x5x0", "5x5x0", "d0"])
+@pytest.mark.parametrize("op", OPS)
+def test_act_empty_4d(op, shape):
+    """4-D inputs whose last two dims hold no element: an empty result (also into out=), not the
+    RuntimeError of merging the leading dims as view(-1, ...), which is ambiguous for 0 elements
+    (found by the fuzzer)."""
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    expected_shape = (*shape[:-1], shape[-1] // 2)
+    y = _op(op)(x)
+    assert y.shape == expected_shape and y.dtype == torch.bfloat16
+    out = torch.empty(expected_shape, dtype=torch.bfloat16)
+    assert _op(op)(x, out=out) is out

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernforge
+import kernforge.nn
 from kernforge.ops.activation import bound_gated
 from kernforge.ops.attention._wrapper import PlanStateError
 from kernforge.ops.attention.page import bound_append_paged_kv_cache

@@ -21,7 +21,7 @@ from numbers import Real
 import torch
 
 from kernforge.jit.module import Codes
-from kernforge.ops._common import num_threads, writable_rows
+from kernforge.ops._common import check_no_overlap, num_threads, writable_rows
 from kernforge.ops._registry import DTYPE_NAMES, FP8_DTYPE_NAMES
 from kernforge.ops.attention.page import PagedKVCache, check_kv_layout, paged_kv_from_halves, paged_kv_halves
 
@@ -256,6 +256,19 @@ def scalar(value, name: str) -> float:
     raise TypeError(f"{name} must be a float or a one-element tensor, got {type(value).__name__}")
 
 
+def check_request_tensor(t, name: str, query: bool) -> None:
+    """A single-request op's ``q`` (``query``), ``k`` or ``v``: on the CPU, q in a float dtype, k and v
+    in a KV-cache dtype; TypeError or ValueError naming it (checked before plan(), whose messages
+    would name its own arguments, q_data_type or paged_kv_cache)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    allowed = DTYPE_NAMES if query else _KV_TORCH_NAMES
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in allowed)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+
+
 def check_heads(num_qo_heads, num_kv_heads) -> int:
     """The GQA group size, after checking both head counts."""
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
@@ -296,6 +309,8 @@ def check_q(q, plan: AttentionPlan, shape: torch.Size, layout: str, rows_name: s
         )
     if q.shape != shape:
         raise ValueError(f"q must have shape {layout} = {tuple(shape)} as planned, got {tuple(q.shape)}")
+    if shape[-1] == 1:  # a head_dim of one element is contiguous whatever its stride (torch gives [0, 1, 1] (1, 0, 0))
+        return
     raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
 
 
@@ -317,19 +332,30 @@ def check_paged_cache(cache: PagedKVCache, plan: AttentionPlan, head_dim: int, i
         raise ValueError(f"{indices_name} holds page {plan.max_page}, beyond paged_kv_cache's {cache.num_pages} pages")
 
 
-def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_lse: bool):
+def attention_outputs(out, lse, shape: torch.Size, dtype: torch.dtype, return_lse: bool, reads: tuple = ()):
     """``out`` of ``shape`` (checked, or allocated) and ``lse`` of its first two dimensions in fp32:
     the tensors an attention run() writes. A given ``lse`` is written whether or not ``return_lse``
-    is set, as FlashInfer does; one is allocated only for ``return_lse``."""
+    is set, as FlashInfer does; one is allocated only for ``return_lse``. A given ``out`` or ``lse``
+    must not share memory with each other or with what the run reads: ``reads``, ``(name, tensor)``
+    pairs, a tensor possibly a (K, V) pair (kernforge's check: FlashInfer makes none)."""
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     else:
         _check_out(out, shape, dtype, "out")
+        _check_apart(out, "out", reads)
     if lse is not None:
         _check_out(lse, shape[:2], torch.float32, "lse")
+        _check_apart(lse, "lse", reads)
+        check_no_overlap(lse, "lse", out, "out")
     elif return_lse:
         lse = torch.empty(shape[:2], dtype=torch.float32)
     return out, lse
+
+
+def _check_apart(written: torch.Tensor, name: str, reads: tuple) -> None:
+    for read_name, value in reads:
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            check_no_overlap(written, name, t, read_name)
 
 
 def logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernforge.jit.module import DType, Entry, Module, Struct
-from kernforge.ops._common import num_threads, readable_rows, variant_for_input, writable_rows
+from kernforge.ops._common import check_no_overlap, num_threads, readable_rows, variant_for_input, writable_rows
 from kernforge.ops._registry import kernel_op
 
 
@@ -95,6 +95,11 @@ def merge_state_in_place(
     _pair_shapes(v, s, v_other, s_other, ("v", "s", "v_other", "s_other"))
     writable_rows(v.shape, v.stride(), "v")
     writable_rows(s.shape, s.stride(), "s")
+    # v and s are written as the other state is read: the very same state merges with itself (each
+    # element read, then written), a shifted one would be read after it was overwritten
+    check_no_overlap(v, "v", v_other, "v_other", same_ok=True)
+    check_no_overlap(s, "s", s_other, "s_other", same_ok=True)
+    check_no_overlap(s, "s", v, "v")
     if mask is not None:
         _check_mask(mask, v.shape[0])
     _merge_pairs(kernel, v, s, v, s, v_other, s_other, mask)

@@ -49,6 +49,7 @@ from kernforge.ops.attention._wrapper import (
     check_pos_encoding_mode,
     check_positive,
     check_q,
+    check_request_tensor,
     checked_soft_cap,
     checked_window,
     dtype_param,
@@ -362,8 +363,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
     ``float_workspace_buffer`` is a CPU tensor (any dtype) that holds the split
     requests' partial states and each thread's scratch; ``plan()`` says how many
     bytes it needs when it is too small. ``use_tensor_cores`` chooses among GPU
-    kernels in FlashInfer and changes nothing here. Like FlashInfer's, a wrapper
-    serves one caller at a time: its workspace holds the running call's scratch.
+    kernels in FlashInfer and changes nothing here.
+
+    A wrapper serves one caller at a time, as FlashInfer's does: ``run()`` fills the plan's
+    argument struct and its threads' scratch in the workspace, so Python threads that run at once
+    need a wrapper (and workspace buffer) each; a wrapper planned on one thread may run on others,
+    one ``run()`` at a time.
     """
 
     def __init__(
@@ -495,7 +500,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_q(q, plan, plan.q_shape, "[batch, num_qo_heads, head_dim]")
         check_paged_cache(cache, plan, plan.head_dim, "indices")
-        out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse)
+        reads = (("q", q), ("paged_kv_cache", cache.source))
+        out, lse = attention_outputs(out, lse, plan.q_shape, plan.out_dtype, return_lse, reads)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         fill_layer(plan.io, q, cache.k_ptr, cache.k_strides, cache.v_ptr, cache.v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
@@ -515,7 +521,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceWrapper):
         cache = unpack_paged_kv_cache(first, self._kv_layout)
         check_q(q, plan, plan.q_shape, "[batch, num_qo_heads, head_dim]")
         check_paged_cache(cache, plan, plan.head_dim, "indices")
-        out, _ = attention_outputs(out, None, plan.q_shape, plan.out_dtype, False)
+        reads = (("q", q), ("paged_kv_caches", caches))
+        out, _ = attention_outputs(out, None, plan.q_shape, plan.out_dtype, False, reads)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, None, None)
         k_offset, v_offset = cache.k_ptr - first.data_ptr(), cache.v_ptr - first.data_ptr()
         layers = []
@@ -584,8 +591,7 @@ def single_decode_with_kv_cache(
     check_pos_encoding_mode(pos_encoding_mode)
     check_kv_layout(kv_layout)
     for name, t, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_request_tensor(t, name, query=name == "q")
         if t.dim() != dims:
             raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if k.shape != v.shape:

@@ -657,8 +657,44 @@ def _raise_append_error(status: int, batch_indices, positions, kv_indices, kv_in
 
 def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
     """Sequence lengths from the page table, FlashInfer's formula:
-    ``clamp(pages - 1, min=0) * page_size + kv_last_page_len`` per request."""
-    return torch.clamp(kv_indptr[1:] - kv_indptr[:-1] - 1, min=0) * page_size + kv_last_page_len
+    ``clamp(pages - 1, min=0) * page_size + kv_last_page_len`` per request.
+
+    The table is checked first, as the planners check it (FlashInfer's is bare torch arithmetic: a
+    length mismatch raises torch's RuntimeError there, a bad value gives a wrong length):
+    ``kv_indptr`` [batch + 1] and ``kv_last_page_len`` [batch] integer CPU tensors, ``kv_indptr``
+    non-decreasing, ``kv_last_page_len`` in [1, page_size] for a request with pages and >= 0 else."""
+    _check_index_tensor(kv_indptr, "kv_indptr")
+    _check_index_tensor(kv_last_page_len, "kv_last_page_len")
+    if kv_last_page_len.numel() + 1 != kv_indptr.numel():
+        raise ValueError(
+            f"kv_last_page_len must have one entry per request, len(kv_indptr) - 1 = {kv_indptr.numel() - 1}, "
+            f"got {kv_last_page_len.numel()}"
+        )
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    if bool((pages < 0).any()):
+        raise ValueError(f"kv_indptr must be non-decreasing, got {kv_indptr.tolist()}")
+    bad = (kv_last_page_len < 0) | (kv_last_page_len > page_size) | ((pages > 0) & (kv_last_page_len < 1))
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(
+            f"kv_last_page_len[{b}] = {int(kv_last_page_len[b])} must be in [1, page_size = {page_size}] for a "
+            "request with pages (0 for one without)"
+        )
+    return torch.clamp(pages - 1, min=0) * page_size + kv_last_page_len
+
+
+def _check_index_tensor(t, name: str) -> None:
+    """A 1-D integer CPU tensor (TypeError or ValueError naming ``name``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected an integer tensor (int32)")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on device {t.device}; kernforge kernels run on the CPU")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
 
 
 export("get_seq_lens", get_seq_lens)
@@ -668,7 +704,12 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     """For each of the ``nnz`` appended tokens (ragged by ``append_indptr``), its request and its
     position in the request's sequence, where ``seq_lens`` already counts the appended tokens:
     token ``j`` of request ``b`` (``append_indptr[b] <= j < append_indptr[b + 1]``) is at
-    ``seq_lens[b] - append_indptr[b + 1] + j``. Both int32, as in FlashInfer."""
+    ``seq_lens[b] - append_indptr[b + 1] + j``. Both int32, as in FlashInfer.
+
+    Unlike FlashInfer's, a sequence shorter than its appended tokens (which would give negative
+    positions) raises ValueError, and the arguments must be 1-D integer CPU tensors."""
+    _check_index_tensor(append_indptr, "append_indptr")
+    _check_index_tensor(seq_lens, "seq_lens")
     batch_size = len(append_indptr) - 1
     if len(seq_lens) != batch_size:
         raise ValueError(
@@ -682,6 +723,13 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
         raise ValueError(f"nnz = {nnz} must equal append_indptr[-1] = {total}, with append_indptr[0] = 0")
     if batch_size and bool((appended < 0).any()):
         raise ValueError("append_indptr must be non-decreasing")
+    short = seq_lens.to(torch.int64) < appended
+    if bool(short.any()):
+        b = int(short.nonzero()[0])
+        raise ValueError(
+            f"seq_lens[{b}] = {int(seq_lens[b])} is less than request {b}'s {int(appended[b])} appended tokens "
+            "(seq_lens counts them)"
+        )
     batch_indices = torch.repeat_interleave(torch.arange(batch_size, dtype=torch.int64), appended, output_size=nnz)
     shift = seq_lens.to(torch.int64) - append_indptr[1:]  # position - token index, per request
     positions = torch.arange(nnz, dtype=torch.int64) + shift[batch_indices]

@@ -35,6 +35,7 @@ from kernforge.ops.attention._wrapper import (
     PlanStateError,
     check_paged_cache,
     check_pos_encoding_mode,
+    check_request_tensor,
     checked_window,
     keep_workspace,
     reject_gpu_options,
@@ -71,7 +72,13 @@ __all__ = [
 
 
 class BatchPrefillWithPagedKVCacheWrapper(PrefillCore):
-    """FlashInfer's batch prefill over a paged KV cache: ``plan()`` once per batch, ``run()`` per layer."""
+    """FlashInfer's batch prefill over a paged KV cache: ``plan()`` once per batch, ``run()`` per layer.
+
+    A wrapper serves one caller at a time, as FlashInfer's does: ``run()`` fills the plan's
+    argument struct and its threads' scratch in the workspace, so Python threads that run at once
+    need a wrapper (and workspace buffer) each; a wrapper planned on one thread may run on others,
+    one ``run()`` at a time.
+    """
 
     def __init__(
         self,
@@ -216,6 +223,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PrefillCore):
             q_scale,
             k_scale,
             v_scale,
+            (("paged_kv_cache", cache.source),),
         )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
@@ -244,7 +252,13 @@ class BatchPrefillWithPagedKVCacheWrapper(PrefillCore):
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(PrefillCore):
-    """FlashInfer's batch prefill over ragged K/V tensors: ``plan()`` once per batch, ``run()`` per layer."""
+    """FlashInfer's batch prefill over ragged K/V tensors: ``plan()`` once per batch, ``run()`` per layer.
+
+    A wrapper serves one caller at a time, as FlashInfer's does: ``run()`` fills the plan's
+    argument struct and its threads' scratch in the workspace, so Python threads that run at once
+    need a wrapper (and workspace buffer) each; a wrapper planned on one thread may run on others,
+    one ``run()`` at a time.
+    """
 
     _ragged = True
 
@@ -384,7 +398,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(PrefillCore):
         k_strides = _ragged_strides(k, "k", plan, plan.head_dim_qk, self._kv_layout)
         v_strides = _ragged_strides(v, "v", plan, plan.head_dim_vo, self._kv_layout)
         return self._launch(
-            q, k.data_ptr(), k_strides, v.data_ptr(), v_strides, out, lse, return_lse, q_scale, k_scale, v_scale
+            q,
+            k.data_ptr(),
+            k_strides,
+            v.data_ptr(),
+            v_strides,
+            out,
+            lse,
+            return_lse,
+            q_scale,
+            k_scale,
+            v_scale,
+            (("k", k), ("v", v)),
         )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
@@ -494,8 +519,7 @@ def single_prefill_with_kv_cache(
     reject_gpu_options("prefill", scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, kv_cache_sf=kv_cache_sf)
     check_kv_layout(kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_request_tensor(t, name, query=name == "q")
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
     if v.dtype != k.dtype:

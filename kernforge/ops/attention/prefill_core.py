@@ -332,7 +332,9 @@ class PrefillCore(WorkspaceWrapper):
         workspace = self._workspace(layout.total_bytes)
         self._plan = _attention_plan(kernel, problem, table, work, mask, layout, workspace)
 
-    def _launch(self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale):
+    def _launch(self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale, reads=()):
+        """``reads``: ``(name, tensor)`` of what the run reads besides q (the K and V tensors), which a
+        given out or lse must not overlap."""
         plan = self._plan
         q_shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_qk))
         check_q(q, plan, q_shape, "[qo_indptr[-1], num_qo_heads, head_dim_qk]", rows_name="qo_indptr[-1]")
@@ -342,16 +344,18 @@ class PrefillCore(WorkspaceWrapper):
                 "specified in plan function."
             )
         return self._launch_layer(
-            q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale
+            q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale, (("q", q), *reads)
         )
 
-    def _launch_layer(self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale):
+    def _launch_layer(
+        self, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, return_lse, q_scale, k_scale, v_scale, reads=()
+    ):
         """One layer on the plan, ``q`` checked by the caller: ``out`` (and ``lse``) checked or
-        allocated, the layer struct filled (its PE_FIELDS as the caller left them), one kernel call."""
+        allocated (apart from ``reads``, ``(name, tensor)`` of what the run reads), the layer struct
+        filled (its PE_FIELDS as the caller left them), one kernel call."""
         plan = self._plan
-        out, lse = attention_outputs(
-            out, lse, torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo)), plan.out_dtype, return_lse
-        )
+        shape = torch.Size((plan.total_q, plan.num_qo_heads, plan.head_dim_vo))
+        out, lse = attention_outputs(out, lse, shape, plan.out_dtype, return_lse, reads)
         qk_scale = logit_scale(plan.sm_scale, plan.soft_cap, q_scale, k_scale)
         fill_layer(plan.io, q, k_ptr, k_strides, v_ptr, v_strides, out, lse, qk_scale, v_scale)
         plan.kernel.run(plan.args, plan.io)
@@ -621,6 +625,8 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens):
     if packed_custom_mask is not None:
         if not isinstance(packed_custom_mask, torch.Tensor):
             raise TypeError(f"packed_custom_mask must be a torch.Tensor, got {type(packed_custom_mask).__name__}")
+        if packed_custom_mask.device.type != "cpu":
+            raise ValueError(f"packed_custom_mask is on device {packed_custom_mask.device}; kernforge runs on the CPU")
         if packed_custom_mask.dtype != torch.uint8 or packed_custom_mask.dim() != 1:
             raise ValueError(
                 f"packed_custom_mask must be a 1-D uint8 tensor, got {packed_custom_mask.dtype} "
@@ -634,6 +640,8 @@ def _packed_mask(custom_mask, packed_custom_mask, qo_indptr, kv_lens):
         return packed_custom_mask.cpu().contiguous().clone(), byte_offsets * 8
     if not isinstance(custom_mask, torch.Tensor):
         raise TypeError(f"custom_mask must be a torch.Tensor, got {type(custom_mask).__name__}")
+    if custom_mask.device.type != "cpu":
+        raise ValueError(f"custom_mask is on device {custom_mask.device}; kernforge runs on the CPU")
     flat = custom_mask.reshape(-1)
     if flat.numel() != int(lengths.sum()):
         raise ValueError(

@@ -33,6 +33,7 @@ from kernforge.jit.tuning import Candidate, Candidates
 from kernforge.ops._common import (
     TORCH_DTYPES,
     BoundCall,
+    check_no_overlap,
     checked_out,
     dtype_name,
     no_op,
@@ -300,6 +301,8 @@ def _linear_call(x, packed, bias, out, config):
         out2 = out.view(m, n)
     else:
         checked_out(out, out_shape, x)
+        check_no_overlap(out, "out", x, "x")  # rows of x are read across K while out's are written
+        check_no_overlap(out, "out", packed.packed, "packed")
         out2 = _rows_of_out(out, m, n)
     if m == 0 or n == 0:
         return out, None

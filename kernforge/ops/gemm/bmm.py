@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernforge.ops._common import checked_out, variant_for_input
+from kernforge.ops._common import _overlaps, check_no_overlap, checked_out, variant_for_input
 from kernforge.ops._registry import export
 from kernforge.ops.gemm._common import check_cpu_tensor
 from kernforge.ops.gemm.bf16 import PackedWeight, convert_weight_packed, weight_packed_linear
@@ -64,6 +64,9 @@ def bmm(
     if n is None:  # an empty list for an empty batch: N is out's to say
         n = out.shape[-1] if isinstance(out, torch.Tensor) and out.dim() == 3 else 0
     checked_out(out, (batch, m, n), a)
+    check_no_overlap(out, "out", a, "a")
+    for weights in [b] if isinstance(b, torch.Tensor) else [p.packed for p in packed]:
+        check_no_overlap(out, "out", weights, "b")
     if scale is None:
         _products(out, a, packed)
     else:
@@ -179,6 +182,8 @@ def bmm_fp8(
     n = B.shape[2]
     scale = _per_tensor_scale(A_scale, "A_scale") * _per_tensor_scale(B_scale, "B_scale")
     out = _checked_fp8_out(out, (batch, m, n), dtype)
+    check_no_overlap(out, "out", A, "A")
+    check_no_overlap(out, "out", B, "B")
     _scaled_products(A, _pack_tensor(B.transpose(1, 2), batch, k), scale, out)  # B as [b, n, k]
     return out
 
@@ -203,4 +208,8 @@ def _checked_fp8_out(out: object, shape: tuple[int, int, int], dtype: torch.dtyp
         raise TypeError(f"out has dtype {out.dtype} but dtype is {dtype}; they must match")
     if tuple(out.shape) != shape:
         raise ValueError(f"out must have shape {shape} ([b, m, n] of A and B), got {tuple(out.shape)}")
+    if _overlaps(out.shape, out.stride()):  # an expanded out: torch's copy into it would refuse it late
+        raise ValueError(
+            f"out's elements overlap (shape {tuple(out.shape)}, strides {out.stride()}): each needs memory of its own"
+        )
     return out

@@ -209,7 +209,7 @@ def block_type(qtype: object) -> BlockType:
     """The :class:`BlockType` of ``qtype`` (a name such as ``"Q4_K"`` or a ``gguf.GGMLQuantizationType``)."""
     name = getattr(qtype, "name", qtype)
     if name not in BLOCK_TYPES:
-        raise ValueError(f"GGUF tensor type {name!r} is not taken; kernforge reads {', '.join(TYPES)}")
+        raise ValueError(f"qtype: GGUF tensor type {name!r} is not taken; kernforge reads {', '.join(TYPES)}")
     return BLOCK_TYPES[name]
 
 
@@ -221,15 +221,16 @@ def read_blocks(data: torch.Tensor, qtype: object, k: int) -> Blocks:
     if data.dtype is not torch.uint8:
         raise TypeError(f"data has dtype {data.dtype}; expected torch.uint8 (a GGUF tensor's bytes)")
     if k % bt.block:
-        raise ValueError(f"a {bt.name} row holds whole blocks of {bt.block} elements; K = {k} does not split")
+        raise ValueError(f"k = {k}: a {bt.name} row holds whole blocks of {bt.block} elements; {k} does not split")
     rows = data.shape[0] if data.dim() else 0
     row_bytes = k // bt.block * bt.size
     if data.dim() != 2 or data.shape[1] != row_bytes:
         raise ValueError(
             f"data must be [rows, {row_bytes}] ({k // bt.block} {bt.name} blocks a row), got {tuple(data.shape)}"
         )
-    decoded = _DECODERS[bt.name](data.contiguous().view(rows * (k // bt.block), bt.size))
-    return Blocks.of(None if t is None else t.reshape(rows, -1) for t in decoded)
+    blocks = k // bt.block  # a row's
+    decoded = _DECODERS[bt.name](data.contiguous().view(rows * blocks, bt.size))
+    return Blocks.of(None if t is None else t.reshape(rows, blocks * t.shape[1]) for t in decoded)  # no rows: no -1
 
 
 def decode_blocks(data: torch.Tensor, qtype: object, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -305,13 +306,18 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K":
 def _values(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor:
     """``scale * code + offset`` per group, exact in float64, rounded once to fp32 (llama.cpp's values)."""
     rows, k = codes.shape
-    values = codes.view(rows, -1, group).double() * scales[..., None].double() + offsets[..., None].double()
+    values = codes.view(rows, k // group, group).double() * scales[..., None].double() + offsets[..., None].double()
     return values.reshape(rows, k).to(torch.float32)
 
 
 def dequantize_rows(data: torch.Tensor, qtype: object, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``rows`` (int64 indices; all if None) of a ``qtype`` tensor ``data [n, row bytes]`` as fp32
-    ``[len(rows), k]``: ``scale * code + offset``, exactly llama.cpp's values."""
+    ``[len(rows), k]``: ``scale * code + offset``, exactly llama.cpp's values.
+
+    A row index outside ``[0, n)`` raises ValueError (torch's indexing would wrap a negative one)."""
+    if rows is not None:
+        check_cpu_tensor(data, "data")
+        _check_row_ids(rows, "rows", data.shape[0] if data.dim() else 0)
     codes, scales, offsets = decode_blocks(data if rows is None else data[rows], qtype, k)
     return _values(codes, scales, offsets, block_type(qtype).group)
 
@@ -402,8 +408,13 @@ def concatenated(weights: list[PackedGGUFWeight]) -> PackedGGUFWeight:
 
 def embedding_rows(w: PackedGGUFWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (int64, any shape) of the weight, fp32 ``[*ids.shape, K]``, read from the packed
-    layout (a tied embedding and lm_head share one packed copy; only the looked-up rows are decoded)."""
-    flat = ids.reshape(-1)
+    layout (a tied embedding and lm_head share one packed copy; only the looked-up rows are decoded).
+
+    An id outside ``[0, n)`` raises ValueError (the packed panels' padding rows and torch's wrapping
+    of negative indices would read rows the weight does not have)."""
+    (w,) = _checked_parts(w)
+    _check_row_ids(ids, "ids", w.n)
+    flat = ids.reshape(-1).long()
     panel, column = flat // PANEL_WIDTH, flat % PANEL_WIDTH
     quads = torch.arange(w.k // QUAD)[None, :, None]
     if w.block_type.storage_bits == 8:
@@ -640,9 +651,56 @@ def _checked_parts(w: object) -> list[PackedGGUFWeight]:
             raise ValueError(
                 f"w has layout version {part.layout_version}; this kernforge reads {LAYOUT_VERSION}: pack it again"
             )
+        _check_layout(part)
     if not parts or len({part.k for part in parts}) != 1:
         raise ValueError(f"w's parts must share K, got {[part.k for part in parts]}")
     return parts
+
+
+def _check_layout(w: PackedGGUFWeight) -> None:
+    """The tensors of a packed weight as :func:`pack_blocks` makes them for its ``qtype``, ``n`` and
+    ``k``: contiguous CPU tensors of the layout's dtypes and shapes (a hand-made or truncated one
+    would have the kernel read past them)."""
+    bt = block_type(w.qtype)
+    if w.n < 1 or w.k < 1 or w.k % bt.block:
+        raise ValueError(f"w is a [{w.n}, {w.k}] {bt.name} weight: n and k must be positive, k whole blocks")
+    panels = -(-w.n // PANEL_WIDTH)
+    sub = {"u8": torch.uint8, "s8": torch.int8}.get(bt.sub_scales)
+    expected = {
+        "packed": (torch.uint8, (panels, w.k // QUAD, (2 if bt.storage_bits == 8 else 1) * PANEL_WIDTH * QUAD // 2)),
+        "high": (torch.uint8, (panels, w.k // QUAD, PANEL_WIDTH)) if bt.storage_bits == 6 else None,
+        "scales": (torch.float16, (panels, w.k // (bt.group * bt.super_groups), PANEL_WIDTH)),
+        "offsets": None,
+        "sub_scales": None if sub is None else (sub, (panels, w.k // bt.group, PANEL_WIDTH)),
+        "sub_offsets": (torch.uint8, (panels, w.k // bt.group, PANEL_WIDTH)) if bt.sub_offsets else None,
+    }
+    if bt.zero == FLOAT_OFFSETS:
+        expected["offsets"] = expected["scales"]
+    for field, layout in expected.items():
+        t = getattr(w, field)
+        if layout is None:
+            if t is not None:
+                raise ValueError(f"w.{field} must be None for a {bt.name} weight")
+            continue
+        dtype, shape = layout
+        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or not t.is_cpu or t.shape != shape:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"w.{field} must be a CPU {dtype} tensor of shape {shape} for a [{w.n}, {w.k}] {bt.name} weight, "
+                f"got {got}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"w.{field} must be contiguous (as pack_gguf makes it)")
+
+
+def _check_row_ids(ids: torch.Tensor, name: str, n: int) -> None:
+    """Row indices of a weight of ``n`` rows: an integer CPU tensor with every value in [0, n)."""
+    check_cpu_tensor(ids, name)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype is torch.bool:
+        raise TypeError(f"{name} has dtype {ids.dtype}; expected an integer tensor (int64 row indices)")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"{name} holds {bad}, outside the weight's rows [0, {n})")
 
 
 _SCRATCH = threading.local()  # per thread: the quantized activations' buffers, grown to the largest call

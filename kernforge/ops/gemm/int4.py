@@ -294,6 +294,8 @@ def quantize_int4(
     n, k = weight.shape
     group_size = checked_group_size(k, group_size)
     groups = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    if not bool(torch.isfinite(groups).all()):  # a NaN scale or zero would be cast to an arbitrary code
+        raise ValueError("weight holds NaN or Inf: 4-bit codes cannot represent them")
     if symmetric:
         amax = groups.abs().amax(-1)
         scale = torch.where(amax > 0, amax * (2 / 15), torch.ones_like(amax))

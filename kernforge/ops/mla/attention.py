@@ -92,6 +92,11 @@ class BatchMLAPagedAttentionWrapper(PrefillCore):
     ``float_workspace_buffer`` is a CPU tensor holding each thread's scratch and split requests'
     partial states; ``plan()`` says how many bytes it needs when it is too small. CUDA graphs and
     other backends are GPU options and raise ``NotImplementedError``.
+
+    A wrapper serves one caller at a time, as FlashInfer's does: ``run()`` fills the plan's
+    argument struct and its threads' scratch in the workspace, so Python threads that run at once
+    need a wrapper (and workspace buffer) each; a wrapper planned on one thread may run on others,
+    one ``run()`` at a time.
     """
 
     def __init__(
@@ -228,8 +233,9 @@ class BatchMLAPagedAttentionWrapper(PrefillCore):
             io.q_pe, (io.q_pe_stride_token, io.q_pe_stride_head, _) = q_pe.data_ptr(), q_pe.stride()
             io.k_pe, (io.k_pe_stride_page, io.k_pe_stride_token) = cache.kpe, cache.kpe_strides
             io.pe_dim = head_dim_kpe
+        reads = (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache))
         return self._launch_layer(
-            q, cache.ckv, ckv_strides, cache.ckv, ckv_strides, out, lse, return_lse, q_scale, k_scale, v_scale
+            q, cache.ckv, ckv_strides, cache.ckv, ckv_strides, out, lse, return_lse, q_scale, k_scale, v_scale, reads
         )
 
     run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernforge.ops._common import checked_out, num_threads, variant_for_input
+from kernforge.ops._common import check_no_overlap, checked_out, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, export
 from kernforge.ops.gemm import check_cpu_tensor, raise_for_status
 from kernforge.ops.gemm.bf16 import (
@@ -215,6 +215,7 @@ def mla_output_proj(
             raise TypeError(f"out has dtype {out.dtype} but attn_latent has {attn_latent.dtype}; they must match")
         if tuple(out.shape) != shape or (out.stride(-1) != 1 and shape[-1] > 1):
             raise ValueError(f"out must be {shape} with a contiguous last dimension, got shape {tuple(out.shape)}")
+        check_no_overlap(out, "out", attn_latent, "attn_latent")
     if out.numel():
         heads_out = out.unflatten(1, (heads, absorbed.n)).transpose(0, 1)
         _per_head_products(heads_out, attn_latent.transpose(0, 1), absorbed)

@@ -54,7 +54,7 @@ import enum
 import torch
 
 from kernforge.jit.module import ALL_TIERS, DType, Entry, Enum, Module, Struct
-from kernforge.ops._common import checked_out, dtype_name, num_threads, variant_for_input
+from kernforge.ops._common import check_no_overlap, checked_out, dtype_name, num_threads, variant_for_input
 from kernforge.ops._registry import DTYPE_NAMES, Traced, kernel_op, model_kernels
 from kernforge.ops.gemm import check_cpu_tensor, check_layout_version, packed_weight
 from kernforge.ops.gemm import fp8 as gemm_fp8
@@ -536,6 +536,11 @@ def _checked_routing(topk_weights, topk_ids, tokens: int, experts: int) -> tuple
         )
     if topk_ids.shape[1] > experts:
         raise ValueError(f"topk_ids has k = {topk_ids.shape[1]} experts per token; there are only {experts} experts")
+    if topk_ids.dtype is torch.int64 and topk_ids.numel():  # the kernel checks int32 ids; .to(int32) would wrap these
+        low, high = torch.aminmax(topk_ids)
+        if not -(2**31) <= int(low) <= int(high) < 2**31:
+            bad = int(low) if int(low) < -(2**31) else int(high)
+            raise ValueError(f"topk_ids holds {bad}, not an expert id in [0, {experts}); nothing was written")
     return topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous()
 
 
@@ -804,6 +809,10 @@ def _experts(op, hidden_states, w1, w2, weights, topk_weights, topk_ids, inplace
         out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
     else:
         checked_out(out, hidden_states.shape, hidden_states)
+        # in place (out is hidden_states, or fused_experts_out) works; other sharing reads rows overwritten
+        check_no_overlap(out, "out", hidden_states, "hidden_states", same_ok=True)
+        if residual is not None:
+            check_no_overlap(out, "out", residual, "fused_experts_out", same_ok=True)
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     status = run_kernel(variant.kernel(), out, x, w1, w2, topk_weights, topk_ids, residual, residual_scale)
     if status:
@@ -901,6 +910,7 @@ def shared_expert(
     weights), ``inplace`` and ``out`` as for :func:`fused_experts`."""
     if (fused_experts_out is None) != (routed_scaling_factor is None):
         raise ValueError("give fused_experts_out and routed_scaling_factor together (the output adds their product)")
+    variant_for_input(shared_expert.kernels, hidden_states, "hidden_states")  # its dtype before fused_experts_out's
     if fused_experts_out is not None:
         check_cpu_tensor(fused_experts_out, "fused_experts_out")
         if fused_experts_out.dtype is not hidden_states.dtype or fused_experts_out.shape != hidden_states.shape:

@@ -752,14 +752,19 @@ class PrefillKernel {
       Compute* probabilities = s.p + r * kBlockN;
       if (m_new == kMinusInf) {  // nothing visible yet: p = 0, state unchanged
         for (int64_t j = 0; j < kBlockN; j += kWidth) VecF::zero().store(probabilities + j);
+        // unless a visible logit is NaN (max skips NaN): the row's result is NaN, as in FlashInfer
+        for (int64_t j = 0; j < kBlockN; ++j) {
+          if (row[j] != row[j]) s.l[r] = std::numeric_limits<float>::quiet_NaN();
+        }
         continue;
       }
       const VecF shift = VecF::broadcast(-m_new);
       VecF sum = VecF::zero();
       for (int64_t j = 0; j < kBlockN; j += kWidth) {
         const VecF x = VecF::load(row + j);
-        // exp of -inf is not exactly 0 in vec_math's exp: masked keys must weigh nothing.
-        const VecF p = select(x >= lowest, exp(fma(x, multiplier, shift)), VecF::zero());
+        // exp of -inf is not exactly 0 in vec_math's exp: masked keys must weigh nothing. A NaN
+        // logit is not masked (x < lowest is false for it): its NaN reaches the row's sum and output.
+        const VecF p = select(x < lowest, VecF::zero(), exp(fma(x, multiplier, shift)));
         sum += p;
         p.store(probabilities + j);
       }
@@ -802,7 +807,7 @@ class PrefillKernel {
       const int64_t token = t.qo_begin + t.query_begin + r / p_.group;
       const int64_t head = t.kv_head * p_.group + r % p_.group;
       const float l = s.l[r];
-      const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
+      const VecF factor = VecF::broadcast(l == 0.0f ? 0.0f : float(io.v_scale) / l);  // NaN l stays NaN
       OutT* dst = out + token * io.out_stride_token + head * io.out_stride_head;
       const float* o = s.o + r * kVO;
       for (int64_t d = 0; d < kHeadVO; d += kWidth) store_columns(VecF::load(o + d) * factor, dst, d);
@@ -816,7 +821,7 @@ class PrefillKernel {
     float* state = partial(slot);
     for (int64_t r = 0; r < t.rows; ++r) {
       const float l = s.l[r];
-      const VecF factor = VecF::broadcast(l > 0.0f ? float(io.v_scale) / l : 0.0f);
+      const VecF factor = VecF::broadcast(l == 0.0f ? 0.0f : float(io.v_scale) / l);  // NaN l stays NaN
       for (int64_t d = 0; d < kHeadVO; d += kWidth)
         store_columns(VecF::load(s.o + r * kVO + d) * factor, state + r * kHeadVO, d);
       state[p_.rows * kHeadVO + r] = segment_lse(s.m[r], l);

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kernforge/core/isa_features.h"
@@ -98,7 +99,16 @@ inline void quantize_row(const T* x, int64_t k, uint8_t* q, float* scale, int32_
     const float absmax = reduce_max(amax);
     const VecF inverse = VecF::broadcast(absmax > 0.0f ? 127.0f / absmax : 0.0f);
     for (int j = 0; j < kActivationBlock; j += kWidth) rint(VecF::load(block + j) * inverse).store(rounded + j);
-    scale[b] = absmax / 127.0f;
+    // NaN (or Inf: inf * 0 is NaN, as is inf * (127 / inf)) makes the block's scale NaN, and so the
+    // row's output, as x @ W is in torch; its code is 0 (converting NaN to an int is undefined).
+    bool finite = true;
+    for (int j = 0; j < kActivationBlock; ++j) {
+      if (rounded[j] != rounded[j]) {
+        finite = false;
+        rounded[j] = 0.0f;
+      }
+    }
+    scale[b] = finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
     for (int half = 0; half < kActivationBlock / kSumBlock; ++half) {
       int32_t sum = 0;
       for (int j = 0; j < kSumBlock; ++j) {

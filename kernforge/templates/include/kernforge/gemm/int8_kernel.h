@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernforge/core/isa_features.h"
 #include "kernforge/core/parallel.h"
@@ -104,7 +105,9 @@ struct DefaultTile {
 // --------------------------------------------------------------------------- activation quantization
 
 // sgl-kernel's quantize_row_int8: scale = max(amax, 1e-7) / 127, q = round(x * (127 / amax)) + 128 as
-// uint8, rounding half to even (its AVX-512 path, and torch.round). Returns the scale.
+// uint8, rounding half to even (its AVX-512 path, and torch.round). Returns the scale: NaN for a row
+// holding NaN (or Inf, whose x * (127 / amax) is NaN), so the row's output is NaN as sgl-kernel's
+// (its vectorized max propagates NaN into the scale) and torch's are; such an element's code is 128.
 template <class T>
 inline float quantize_row(uint8_t* q, const T* x, int64_t k) {
   constexpr int kWidth = VecF::kWidth;
@@ -113,12 +116,17 @@ inline float quantize_row(uint8_t* q, const T* x, int64_t k) {
   const float absmax = std::max(reduce_max(amax), kMinAbsMax);
   const VecF inv_scale = VecF::broadcast(127.0f / absmax);
   alignas(64) float rounded[kWidth];
+  bool finite = true;
   for (int64_t j = 0; j < k; j += kWidth) {
     rint(VecF::load(x + j, k - j) * inv_scale).store(rounded);
     const int64_t count = std::min<int64_t>(kWidth, k - j);
-    for (int64_t i = 0; i < count; ++i) q[j + i] = uint8_t(int32_t(rounded[i]) + kActivationZeroPoint);
+    for (int64_t i = 0; i < count; ++i) {
+      const bool number = rounded[i] == rounded[i];  // converting NaN to an int is undefined
+      finite &= number;
+      q[j + i] = uint8_t((number ? int32_t(rounded[i]) : 0) + kActivationZeroPoint);
+    }
   }
-  return absmax / 127.0f;
+  return finite ? absmax / 127.0f : std::numeric_limits<float>::quiet_NaN();
 }
 
 template <class T>
