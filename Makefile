@@ -110,7 +110,7 @@ test-sanitize-ci: SANITIZE_TESTS = $(SANITIZE_CI_TESTS)
 test-sanitize-ci: test-sanitize
 
 # The differential fuzzer (tests/fuzz, docs/development.md#fuzzing) for FUZZ_SECONDS from a new master seed
-# (`make test` gives it 150 s from seed 0); cases tried per target are appended to FUZZ_REPORT.
+# (`make test` gives it 120 s from seed 0); cases tried per target are appended to FUZZ_REPORT.
 FUZZ_SECONDS ?= 3600
 FUZZ_SEED ?= $(shell date +%s)
 FUZZ_REPORT ?= fuzz-report.jsonl

@@ -87,7 +87,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--fuzz-seconds",
         type=float,
-        default=150.0,
+        default=120.0,
         help="the differential fuzzer's budget (tests/fuzz), shared by its targets; `make fuzz`: 3600",
     )
     group.addoption(
