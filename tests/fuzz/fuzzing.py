@@ -142,6 +142,30 @@ def fuzz(target: Target, seconds: float, master: int, tier_list: list[str] | Non
     return tally
 
 
+# Thread counts a case may run its kernels on; None: torch's count. The others move where the work splits.
+THREADS = [None, None, None, 1, 3, 4]
+
+
+def threaded_target(name, draw, inputs, run, reference, tolerance=None) -> Target:
+    """A Target whose cases also draw the thread count the kernels split their work over."""
+
+    def drawn(rng: random.Random) -> dict:
+        case = draw(rng)
+        case["threads"] = rng.choice(THREADS)
+        return case
+
+    def threaded(case, tensors):
+        saved = kernforge.ops._common._threads_override
+        kernforge.set_num_threads(case["threads"])
+        try:
+            return run(case, tensors)
+        finally:
+            kernforge.set_num_threads(saved)
+
+    extra = {} if tolerance is None else {"tolerance": tolerance}
+    return Target(name, drawn, inputs, threaded, reference, **extra)
+
+
 # --------------------------------------------------------------------------- drawing helpers
 
 # Sizes that break kernels: zero, one, primes, and both sides of the power-of-two tile edges.

@@ -14,4 +14,7 @@ REGRESSIONS: list[tuple[str, int]] = [
     # q [0, 1, 1] (head_dim 1) with strides (1, 0, 0), as torch arithmetic leaves an empty tensor: run()
     # refused it as "q must be contiguous in head_dim" (kernforge/ops/attention/_wrapper.py check_q)
     ("single_prefill_with_kv_cache", 1634108189),
+    # the hour-long run (master seed 1795970248): fp32 gelu_and_mul at scale 30, 2.2e-5 off in an output of
+    # 1.5e-5 whose factors were ~100: the target's tolerance, not the kernel (targets_activation.tolerance)
+    ("gelu_and_mul", 2981928564),
 ]

@@ -25,7 +25,7 @@ import random
 
 import gguf as gguf_py
 import torch
-from fuzzing import FLOAT_DTYPES, Target, generator, size
+from fuzzing import FLOAT_DTYPES, Target, generator, size, threaded_target
 from gguf import quants as gguf_quants
 
 import kernforge
@@ -62,28 +62,6 @@ def draw_k(rng: random.Random, high: int = 1100, zero: bool = False) -> int:
     if rng.random() < 0.5:
         return rng.choice([k for k in K_EDGES if k <= high and (zero or k > 0)])
     return size(rng, high, zero=zero)
-
-
-THREADS = [None, None, None, 1, 3, 4]  # None: torch's count; the others move where the work splits
-
-
-def threaded_target(name, draw, inputs, run, reference, tolerance) -> Target:
-    """A Target whose cases also draw the thread count the kernels split their work over."""
-
-    def drawn(rng: random.Random) -> dict:
-        case = draw(rng)
-        case["threads"] = rng.choice(THREADS)
-        return case
-
-    def threaded(case, tensors):
-        saved = kernforge.ops._common._threads_override
-        kernforge.set_num_threads(case["threads"])
-        try:
-            return run(case, tensors)
-        finally:
-            kernforge.set_num_threads(saved)
-
-    return Target(name, drawn, inputs, threaded, reference, tolerance)
 
 
 def rows_of(lead: list[int]) -> int:

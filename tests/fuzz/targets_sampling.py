@@ -26,34 +26,11 @@ import math
 import random
 
 import torch
-from fuzzing import FLOAT_DTYPES, TOLERANCES, Target, generator, size
+from fuzzing import FLOAT_DTYPES, TOLERANCES, Target, generator, size, threaded_target
 
 import kernforge
 
 BIG_VOCABS = [8191, 8193, 12289, 20000]  # kChunk = 4096: rows of several chunks, split over threads
-
-
-THREADS = [None, None, None, 1, 3, 4]  # None: torch's count; the others move where the work splits
-
-
-def threaded_target(name, draw, inputs, run, reference, tolerance=None) -> Target:
-    """A Target whose cases also draw the thread count the kernels split their work over."""
-
-    def drawn(rng: random.Random) -> dict:
-        case = draw(rng)
-        case["threads"] = rng.choice(THREADS)
-        return case
-
-    def threaded(case, tensors):
-        saved = kernforge.ops._common._threads_override
-        kernforge.set_num_threads(case["threads"])
-        try:
-            return run(case, tensors)
-        finally:
-            kernforge.set_num_threads(saved)
-
-    extra = {} if tolerance is None else {"tolerance": tolerance}
-    return Target(name, drawn, inputs, threaded, reference, **extra)
 
 
 # --------------------------------------------------------------------------- float64 filters
