@@ -4,7 +4,8 @@ ragged batch (``indptr`` + ``offsets``), plain and Llama 3.1 frequencies, and fr
 Cases draw any even ``rotary_dim`` up to any ``head_dim`` (odd ones too; the tail past it must come
 back bit for bit), both pair styles, q and k head counts (k may have none), q and k as contiguous
 tensors, as slices of one packed qkv row or as heads-major buffers (token stride below the head
-stride), int32 and int64 positions up to 2^24 (fp32 angles of millions of radians), empty requests
+stride), int32 and int64 positions up to 2^24 (fp32 angles up to 2^24 radians, the kernel's
+stated range), empty requests
 in a ragged batch, and strided caches. Every byte of the buffers q and k live in is checked: in
 place only q and k change, out of place nothing does.
 
