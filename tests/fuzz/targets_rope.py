@@ -20,7 +20,7 @@ import math
 import random
 
 import torch
-from fuzzing import EDGES, FLOAT_DTYPES, TOLERANCES, Target, generator, size
+from fuzzing import EDGES, FLOAT_DTYPES, TOLERANCES, Target, generator, size, threaded_target
 
 import kernforge
 
@@ -33,29 +33,6 @@ LLAMA31 = [  # (rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_c
     (4.0, 1e4, 2.0, 8.0, 2048),
     (16.0, 1e6, 1.0, 2.0, 4096),
 ]
-
-
-THREADS = [None, None, None, 1, 3, 4]  # None: torch's count; the others move where the work splits
-
-
-def threaded_target(name, draw, inputs, run, reference, tolerance=None) -> Target:
-    """A Target whose cases also draw the thread count the kernels split their work over."""
-
-    def drawn(rng: random.Random) -> dict:
-        case = draw(rng)
-        case["threads"] = rng.choice(THREADS)
-        return case
-
-    def threaded(case, tensors):
-        saved = kernforge.ops._common._threads_override
-        kernforge.set_num_threads(case["threads"])
-        try:
-            return run(case, tensors)
-        finally:
-            kernforge.set_num_threads(saved)
-
-    extra = {} if tolerance is None else {"tolerance": tolerance}
-    return Target(name, drawn, inputs, threaded, reference, **extra)
 
 
 # --------------------------------------------------------------------------- drawing
