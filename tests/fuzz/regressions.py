@@ -17,4 +17,8 @@ REGRESSIONS: list[tuple[str, int]] = [
     # the hour-long run (master seed 1795970248): fp32 gelu_and_mul at scale 30, 2.2e-5 off in an output of
     # 1.5e-5 whose factors were ~100: the target's tolerance, not the kernel (targets_activation.tolerance)
     ("gelu_and_mul", 2981928564),
+    # CI (master seed 0): fp32 ragged prefill with q at 6 × q_scale 1.5, 2.6e-5 off where 2e-5 was allowed:
+    # fp32 logits of ~30 round by ~1e-6 each, which the out tolerance did not scale with
+    # (targets_attention.out_tolerance), not the kernel
+    ("BatchPrefillWithRaggedKVCacheWrapper", 1304190161),
 ]
