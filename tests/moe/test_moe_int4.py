@@ -325,6 +325,12 @@ def _bad_calls():
             "w1 .* does not match w1_scale",
         ),  # fmt: skip
         (
+            (x, raw1[0], p2, weights, ids),  # past a 4-bit zero point: the kernels' code - zero byte would wrap
+            {"moe_comp_method": W4A8, "w1_zero": raw1[1] + 17, "w1_scale": raw1[2]},
+            ValueError,
+            r"w1_zero must lie in \[0, 16\]",
+        ),  # fmt: skip
+        (
             (x, raw1[0], p2, weights, ids),
             {"moe_comp_method": W4A8, "w1_zero": raw1[1], "w1_scale": raw1[2]},
             ValueError,
@@ -337,7 +343,7 @@ def _bad_calls():
     ]
 
 
-@pytest.mark.parametrize("index", range(20))
+@pytest.mark.parametrize("index", range(21))
 def test_bad_input_raises_naming_the_argument_and_writes_nothing(index):
     args, kwargs, error, message = _bad_calls()[index]
     x = args[0]

@@ -408,6 +408,7 @@ def _int4_from_tensors(w, zeros, scales, name: str, gated: bool) -> PackedInt4Ex
             f"[{experts}, {-(-n // INT4_PANEL_WIDTH)}, K/4, {gemm_int4.QUAD_BYTES}] with K a multiple of G = {groups}"
         )
     gemm_int4.check_group_size(k, groups)
+    gemm_int4.check_zero_points(zeros, f"{name}_zero")
     if gated and n % 2:
         raise ValueError(f"a gated {name} [E, 2I, H] must have an even N, got N = {n}")
     w, zeros, scales = (t.contiguous() for t in (w, zeros, scales))
