@@ -20,7 +20,7 @@ VLLM_CONSTRAINTS := constraints-vllm.txt
 # transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
+.PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz fuzz-sanitize soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
@@ -94,7 +94,8 @@ SANITIZE_CI_TESTS := \
 	tests/mla/test_mla_attention.py::test_page_table_buffers_longer_than_the_batch \
 	tests/mla/test_mla_projections.py::test_every_tier \
 	tests/mla/test_mla_projections.py::test_strided_rows_int32_positions_and_bf16_cache \
-	tests/core/test_vec_conformance.py
+	tests/core/test_vec_conformance.py \
+	tests/fuzz --fuzz-seconds 240 --fuzz-seed 1
 SANITIZE_TESTS ?= $(SANITIZE_CI_TESTS) \
 	tests/ops/test_norm.py::test_fused_values \
 	tests/ops/test_activation.py::test_act_layouts \
@@ -116,6 +117,10 @@ FUZZ_SEED ?= $(shell date +%s)
 FUZZ_REPORT ?= fuzz-report.jsonl
 fuzz: $(STAMP)
 	$(PY) -m pytest -q tests/fuzz --fuzz-seconds $(FUZZ_SECONDS) --fuzz-seed $(FUZZ_SEED) --fuzz-report $(FUZZ_REPORT)
+
+# The same with the kernels under ASan and UBSan (fewer cases: -O0 kernels, and each target's first case compiles).
+fuzz-sanitize: $(STAMP)
+	$(PY) -m kernforge.sanitize -m pytest -q tests/fuzz --fuzz-seconds $(FUZZ_SECONDS) --fuzz-seed $(FUZZ_SEED) --fuzz-report $(FUZZ_REPORT)
 
 # Every benchmark routine through the driver (benchmarks/README.md, `benchmarks/run.py list`), the
 # figures appended as JSON lines to BENCH_JSONL: by default benchmarks/results/<machine kind>-<date>.jsonl,
