@@ -20,7 +20,18 @@ VLLM_CONSTRAINTS := constraints-vllm.txt
 # transformers' model imports fail (`operator torchvision::nms does not exist`). Nothing here needs them.
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz fuzz-sanitize soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm
+# SGLang's CPU path (`make sglang`, `make test-sglang`; issue 42): an environment of its own, since SGLang
+# pins transformers 5.19 and its wheel pins torch 2.14.1 and CUDA-only packages (sglang-kernel, flashinfer,
+# nvidia-*): it is installed with --no-deps beside kernforge's `sglang` extra (its CPU dependencies).
+# SGLANG_STUBS: stand-ins the environment needs, copied into its site-packages (tests/sglang/README.md).
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.kernforge-installed
+SGLANG_CONSTRAINTS := constraints-sglang.txt
+SGLANG_VERSION := 0.5.23
+SGLANG_STUBS := tests/sglang/stubs/torchvision
+
+.PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz fuzz-sanitize soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm sglang test-sglang
 PY_SOURCES := kernforge tests benchmarks examples
 CXX_HEADERS = $(shell find kernforge/templates/include tests/templates/include -name '*.h')
 
@@ -37,7 +48,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/vllm
+	$(PY) -m pytest -q tests --ignore=tests/vllm --ignore=tests/sglang
 
 # Style: ruff (lint and format) over the Python, clang-format over the C++ headers; then types: mypy
 # over kernforge/ (config and baseline: [tool.mypy] in pyproject.toml; cache in .mypy_cache). CI runs it.
@@ -55,7 +66,7 @@ format: $(STAMP)
 # Local iteration: no multi-process or long tests (-m "not slow"), kernels kept between runs in a
 # private cache (--reuse-cache). CI runs `make test`, which runs everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/vllm -m "not slow" --reuse-cache
+	$(PY) -m pytest -q tests --ignore=tests/vllm --ignore=tests/sglang -m "not slow" --reuse-cache
 
 # The kernels under AddressSanitizer and UBSan (docs/development.md#sanitizers): `python -m kernforge.sanitize`
 # sets KERNFORGE_SANITIZE=address,undefined (kernels compile at -O0 with -fsanitize into keys of their own) and
@@ -175,6 +186,21 @@ vllm: $(VLLM_STAMP)
 # The plugin's tests: in-process checks, then engines with and without the plugin (several minutes).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# SGLang 0.5.23 (no CUDA dependencies) and kernforge in .venv-sglang, at constraints-sglang.txt's pins.
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_CONSTRAINTS) $(shell find $(SGLANG_STUBS) -name '*.py')
+	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet -c $(SGLANG_CONSTRAINTS) torch==2.13.0 -e '.[sglang,test]'
+	$(SGLANG_PY) -m pip install --quiet --no-deps -c $(SGLANG_CONSTRAINTS) sglang==$(SGLANG_VERSION)
+	cp -r $(SGLANG_STUBS) "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+	@echo "SGLang $(SGLANG_VERSION) on torch 2.13.0 CPU: $(SGLANG_PY) (tests/sglang/README.md)"
+
+# The environment's tests: SGLang imports, then its CPU baseline (one_batch on a tiny random Llama).
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -q tests/sglang
 
 # vLLM's server with the plugin under SOAK_MINUTES of concurrent clients and faults (benchmarks/soak_vllm.py).
 SOAK_MINUTES ?= 10
