@@ -212,19 +212,27 @@ def kv_length(rng: random.Random, long: int = 2100) -> int:
     return rng.randint(71, long)
 
 
-def page_table(lengths, page_size: int, spare: int, share: bool, g: torch.Generator, empty_last: int = 1):
+def indptr_of(counts) -> torch.Tensor:
+    """int32 [len(counts) + 1]: 0 and the running sums of ``counts`` (an indptr over them)."""
+    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def page_table(
+    lengths, page_size: int, spare: int, share: bool, g: torch.Generator, empty_last: int = 1, own_spare: int = 0
+):
     """(indptr, indices, last_page_len, num_pages) of requests of ``lengths``: each request's pages drawn
     from a shuffled pool of used + ``spare`` pages; with ``share``, about a third of the entries name a
     random page of the pool instead (several requests, or one request twice, read one page). A request
-    without pages gets ``empty_last`` as its last_page_len (unread)."""
-    counts = [-(-n // page_size) for n in lengths]
+    without pages gets ``empty_last`` as its last_page_len (unread). ``own_spare``: pages each request
+    owns past those its length needs (MLA's table, which takes lengths, not last_page_len)."""
+    counts = [-(-n // page_size) + own_spare for n in lengths]
     used = sum(counts)
     num_pages = max(used + spare, 1)
     indices = torch.randperm(num_pages, generator=g)[:used].to(torch.int32)
     if share and used:
         repeat = torch.rand(used, generator=g) < 0.35
         indices = torch.where(repeat, torch.randint(0, num_pages, (used,), generator=g, dtype=torch.int32), indices)
-    indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    indptr = indptr_of(counts)
     last = torch.tensor([(n - 1) % page_size + 1 if n else empty_last for n in lengths], dtype=torch.int32)
     return indptr, indices, last, num_pages
 
@@ -421,15 +429,14 @@ def append_inputs(case):
     before = torch.tensor(case["seq_before"], dtype=torch.int64)
     appended = torch.tensor(case["appended"], dtype=torch.int64)
     after = (before + appended).tolist()
-    indptr, indices, _, num_pages = page_table(after, case["page_size"], case["spare"], False, g)
+    # FlashInfer's kv_last_page_len of a request without pages is 0 (get_seq_lens then gives 0).
+    indptr, indices, last, num_pages = page_table(after, case["page_size"], case["spare"], False, g, empty_last=0)
     if case["share_prefix"] and len(after) > 1:  # prefix sharing: the full pages before every append, shared
         shared = min(n // case["page_size"] for n in case["seq_before"])
         for b in range(1, len(after)):
             indices[int(indptr[b]) : int(indptr[b]) + shared] = indices[:shared]
     case = {**case, "num_pages": num_pages}
-    # FlashInfer's kv_last_page_len of a request without pages is 0 (get_seq_lens then gives 0).
-    last = torch.tensor([(n - 1) % case["page_size"] + 1 if n else 0 for n in after], dtype=torch.int32)
-    append_indptr = torch.tensor([0, *appended.cumsum(0).tolist()], dtype=torch.int32)
+    append_indptr = indptr_of(case["appended"])
     nnz = int(append_indptr[-1])
     shape = (nnz, case["heads"], case["head_dim"])
     key = torch.randn(shape, generator=g).to(case["dtype"])
@@ -657,16 +664,11 @@ def run_layers(outputs: dict, p: int, layers: list, run_layer) -> None:
     check_same(first, run_layer(layers[0]), f"plan {p}")
 
 
-def decode_layer(wrapper, case, plan, layer) -> dict:
-    q = strided_q(layer["q"], plan["io"] == "given")
-    rows, heads, dim = q.shape
-    out, lse = out_buffers(rows, heads, dim, case["out_dtype"], plan["io"] == "given")
-    scales = {name: scale_value(plan[name]) for name in ("q_scale", "k_scale", "v_scale")}
-    result = wrapper.run(q, layer["cache"], out=out, lse=lse, return_lse=plan["return_lse"], **scales)
-    if plan["return_lse"]:
-        got_out, got_lse = result
-    else:
-        got_out, got_lse = result, lse
+def run_outputs(result, out, lse, return_lse: bool) -> dict:
+    """A wrapper run()'s result as a layer's outputs, copied (the next run may reuse the buffers): out, and
+    lse where there is one (returned with ``return_lse``, else the ``lse`` buffer run() was given, which
+    it fills too). A given ``out`` must be the tensor run() returns."""
+    got_out, got_lse = result if return_lse else (result, lse)
     if out is not None and got_out is not out:
         raise FuzzFailure("run(out=...) did not return the given out")
     got = {"out": got_out.clone()}
@@ -675,11 +677,47 @@ def decode_layer(wrapper, case, plan, layer) -> dict:
     return got
 
 
+def planned_run(wrapper, plan, q, kv: tuple, head_dim_vo: int, out_dtype) -> dict:
+    """One run() of a decode or prefill plan on ``q`` and the KV arguments ``kv``, the plan's scales as
+    drawn; with io "given", q a strided view and out and lse NaN-filled views passed in."""
+    given = plan["io"] == "given"
+    q = strided_q(q, given)
+    rows, heads, _ = q.shape
+    out, lse = out_buffers(rows, heads, head_dim_vo, out_dtype, given)
+    scales = {name: scale_value(plan[name]) for name in ("q_scale", "k_scale", "v_scale")}
+    result = wrapper.run(q, *kv, out=out, lse=lse, return_lse=plan["return_lse"], **scales)
+    return run_outputs(result, out, lse, plan["return_lse"])
+
+
+def decode_layer(wrapper, case, plan, layer) -> dict:
+    return planned_run(wrapper, plan, layer["q"], (layer["cache"],), case["head_dim"], case["out_dtype"])
+
+
+def plan_reference_args(plan, head_dim_qk: int) -> dict:
+    """requests_reference's scales, window and cap for a decode or prefill plan, as run() applies them:
+    sm_scale (1/sqrt(head_dim_qk) when None) times q_scale, k_scale and v_scale as floats."""
+    sm_scale = plan["sm_scale"] if plan["sm_scale"] is not None else 1.0 / math.sqrt(head_dim_qk)
+    return {
+        "sm_scale": sm_scale * as_float(plan["q_scale"]),
+        "window_left": plan["window_left"],
+        "soft_cap": plan["soft_cap"] or 0.0,
+        "k_scale": scale_float(plan["k_scale"]),
+        "v_scale": scale_float(plan["v_scale"]),
+    }
+
+
+def add_layer_reference(outputs: dict, p: int, layer_index: int, plan, out, lse) -> None:
+    """A layer's reference under the names run_layers gives the run's outputs; lse only where run() gives
+    one (return_lse, or the lse buffer of io "given")."""
+    outputs[f"p{p}.l{layer_index}.out"] = out
+    if plan["return_lse"] or plan["io"] == "given":
+        outputs[f"p{p}.l{layer_index}.lse"] = lse
+
+
 def decode_reference(case, inputs):
     outputs = {}
     for p, (plan, tables) in enumerate(zip(case["plans"], inputs)):
-        sm_scale = plan["sm_scale"] if plan["sm_scale"] is not None else 1.0 / math.sqrt(case["head_dim"])
-        sm_scale *= as_float(plan["q_scale"])
+        settings = plan_reference_args(plan, case["head_dim"])
         for layer_index, layer in enumerate(tables["layers"]):
             q = layer["q"]
             out, lse = requests_reference(
@@ -690,15 +728,9 @@ def decode_reference(case, inputs):
                     for x in (layer["k"], layer["v"])
                 ),
                 case["head_dim"],
-                sm_scale=sm_scale,
-                window_left=plan["window_left"],
-                soft_cap=plan["soft_cap"] or 0.0,
-                k_scale=scale_float(plan["k_scale"]),
-                v_scale=scale_float(plan["v_scale"]),
+                **settings,
             )
-            outputs[f"p{p}.l{layer_index}.out"] = out
-            if plan["return_lse"] or plan["io"] == "given":
-                outputs[f"p{p}.l{layer_index}.lse"] = lse
+            add_layer_reference(outputs, p, layer_index, plan, out, lse)
     return outputs
 
 
@@ -808,17 +840,13 @@ def prefill_inputs(ragged: bool):
         plans = []
         for p, plan in enumerate(case["plans"]):
             qo_lens, kv_lens = plan["qo_lens"], plan["kv_lens"]
-            qo_indptr = torch.tensor(
-                [0, *torch.tensor(qo_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
-            )
+            qo_indptr = indptr_of(qo_lens)
             Hkv = plan["num_kv_heads"]
             Hq = Hkv * plan["group"]
             masks = mask_of(plan, g)
             tables = {"qo_indptr": qo_indptr, "masks": masks, "layers": []}
             if ragged:
-                kv_indptr = torch.tensor(
-                    [0, *torch.tensor(kv_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
-                )
+                kv_indptr = indptr_of(kv_lens)
                 tables["kv_indptr"] = kv_indptr
                 rows = int(kv_indptr[-1]) + plan["extra_rows"]
             else:
@@ -918,27 +946,15 @@ def plan_prefill(wrapper, case, plan, tables, ragged: bool) -> list[torch.Tensor
 
 
 def prefill_layer(wrapper, case, plan, layer, ragged: bool) -> dict:
-    q = strided_q(layer["q"], plan["io"] == "given")
-    rows, heads, _ = q.shape
-    out, lse = out_buffers(rows, heads, case["head_dim_vo"], case["dtype"], plan["io"] == "given")
-    scales = {name: scale_value(plan[name]) for name in ("q_scale", "k_scale", "v_scale")}
     kv = (layer["k_arg"], layer["v_arg"]) if ragged else (layer["cache"],)
-    result = wrapper.run(q, *kv, out=out, lse=lse, return_lse=plan["return_lse"], **scales)
-    got_out, got_lse = result if plan["return_lse"] else (result, lse)
-    if out is not None and got_out is not out:
-        raise FuzzFailure("run(out=...) did not return the given out")
-    got = {"out": got_out.clone()}
-    if got_lse is not None:
-        got["lse"] = got_lse.clone()
-    return got
+    return planned_run(wrapper, plan, layer["q"], kv, case["head_dim_vo"], case["dtype"])
 
 
 def prefill_reference(ragged: bool):
     def reference(case, inputs):
         outputs = {}
         for p, (plan, tables) in enumerate(zip(case["plans"], inputs)):
-            sm_scale = plan["sm_scale"] if plan["sm_scale"] is not None else 1.0 / math.sqrt(case["head_dim_qk"])
-            sm_scale *= as_float(plan["q_scale"])
+            settings = plan_reference_args(plan, case["head_dim_qk"])
             for layer_index, layer in enumerate(tables["layers"]):
                 if ragged:
                     kv_indptr = tables["kv_indptr"]
@@ -960,16 +976,10 @@ def prefill_reference(ragged: bool):
                     kv_of,
                     case["head_dim_vo"],
                     tables["masks"],
-                    sm_scale=sm_scale,
                     causal=plan["causal"],
-                    window_left=plan["window_left"],
-                    soft_cap=plan["soft_cap"] or 0.0,
-                    k_scale=scale_float(plan["k_scale"]),
-                    v_scale=scale_float(plan["v_scale"]),
+                    **settings,
                 )
-                outputs[f"p{p}.l{layer_index}.out"] = out
-                if plan["return_lse"] or plan["io"] == "given":
-                    outputs[f"p{p}.l{layer_index}.lse"] = lse
+                add_layer_reference(outputs, p, layer_index, plan, out, lse)
         return outputs
 
     return reference

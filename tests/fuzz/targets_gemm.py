@@ -97,6 +97,11 @@ def relative_tolerance(case: dict, rtol: float, extra: float = 0.0) -> tuple[flo
     return ((rtol + extra) * case["_ref_max"] + 1e-6, rtol)
 
 
+def with_bias(ref: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The float64 reference plus ``bias`` (added last, as every GEMM here adds it); ``ref`` without one."""
+    return ref if bias is None else ref + bias.double()
+
+
 def with_ref_max(case: dict, out: torch.Tensor) -> torch.Tensor:
     """Keeps max |reference| in the case for the tolerance (computed once the reference exists)."""
     case["_ref_max"] = out.abs().max().item() if out.numel() else 0.0
@@ -160,9 +165,7 @@ def bf16_run(case, tensors):
 
 def bf16_reference(case, tensors):
     x, w, bias = tensors
-    ref = x.double() @ w.double().T
-    if bias is not None:
-        ref = ref + bias.double()
+    ref = with_bias(x.double() @ w.double().T, bias)
     outputs = {"out": ref}
     if case["out"]:
         _, backing = out_buffer(case, case["n"], case["dtype"])
@@ -269,7 +272,7 @@ def int8_mm_run(case, tensors):
 
 def int8_reference(a_q, a_scale, w, w_scale, bias):
     ref = ((a_q.double() - 128) @ w.double().T) * a_scale.double().reshape(*a_q.shape[:-1], 1) * w_scale.double()
-    return ref if bias is None else ref + bias.double()
+    return with_bias(ref, bias)
 
 
 def int8_mm_reference(case, tensors):
@@ -360,10 +363,7 @@ def fp8_reference(case, tensors):
     x, w, scale, bias = tensors
     n, k, (bn, bk) = case["n"], case["k"], case["block"]
     expanded = scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    ref = x.double() @ (w.double() * expanded).T
-    if bias is not None:
-        ref = ref + bias.double()
-    return {"out": with_ref_max(case, ref)}
+    return {"out": with_ref_max(case, with_bias(x.double() @ (w.double() * expanded).T, bias))}
 
 
 FP8_SCALED_MM = threaded_target(
@@ -480,9 +480,7 @@ def int4_target(name: str) -> Target:
             a = (q.double() - 128) * q_scale.double()[..., None]
         else:
             a = x.double()
-        ref = a @ int4_dequantized(codes, zeros, scales, case["group"]).T
-        if bias is not None:
-            ref = ref + bias.double()
+        ref = with_bias(a @ int4_dequantized(codes, zeros, scales, case["group"]).T, bias)
         return {"out": with_ref_max(case, ref)}
 
     return threaded_target(
@@ -629,10 +627,7 @@ def gguf_reference(case, tensors):
     x, raws, bias = tensors
     k = case["k"]
     weight = torch.cat([llama_cpp_values(raw, t, n, k) for raw, (t, n) in zip(raws, case["parts"])])
-    ref = quantized_activations(x) @ weight.double().T
-    if bias is not None:
-        ref = ref + bias.double()
-    return {"out": with_ref_max(case, ref)}
+    return {"out": with_ref_max(case, with_bias(quantized_activations(x) @ weight.double().T, bias))}
 
 
 GGUF_LINEAR = threaded_target(

@@ -24,12 +24,17 @@ from targets_attention import (
     FP32,
     SENTINEL,
     ByName,
+    add_layer_reference,
     as_float,
     batch_size,
     bits,
     garbage_tail,
+    indptr_of,
     kv_length,
+    page_table,
+    read_slots,
     run_layers,
+    run_outputs,
     scale_arg,
     scale_float,
     scale_value,
@@ -108,22 +113,13 @@ def draw_mla(rng: random.Random) -> dict:
 
 
 def mla_table(plan, g):
-    """(qo_indptr, kv_indptr, kv_indices, num_pages): each request owns the pages its length needs plus
-    ``own_spare`` more (FlashInfer's MLA reads the first ones), from a shuffled pool with spare pages;
-    with ``share`` about a third of the entries name a random page of the pool instead."""
-    ps = plan["page_size"]
-    counts = [-(-n // ps) + plan["own_spare"] for n in plan["kv_lens"]]
-    used = sum(counts)
-    num_pages = max(used + plan["spare"], 1)
-    indices = torch.randperm(num_pages, generator=g)[:used].to(torch.int32)
-    if plan["share"] and used:
-        repeat = torch.rand(used, generator=g) < 0.35
-        indices = torch.where(repeat, torch.randint(0, num_pages, (used,), generator=g, dtype=torch.int32), indices)
-    kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-    qo_indptr = torch.tensor(
-        [0, *torch.tensor(plan["qo_lens"], dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32
+    """(qo_indptr, kv_indptr, kv_indices, num_pages): targets_attention.page_table's (a shuffled pool with
+    spare pages, shared pages with ``share``), each request owning ``own_spare`` pages past those its
+    length needs (FlashInfer's MLA reads the first ones)."""
+    kv_indptr, indices, _, num_pages = page_table(
+        plan["kv_lens"], plan["page_size"], plan["spare"], plan["share"], g, own_spare=plan["own_spare"]
     )
-    return qo_indptr, kv_indptr, indices, num_pages
+    return indptr_of(plan["qo_lens"]), kv_indptr, indices, num_pages
 
 
 def mla_inputs(case):
@@ -132,11 +128,7 @@ def mla_inputs(case):
     plans = []
     for p, plan in enumerate(case["plans"]):
         qo_indptr, kv_indptr, indices, num_pages = mla_table(plan, g)
-        read = torch.zeros(num_pages, plan["page_size"], dtype=torch.bool)
-        for b, n in enumerate(plan["kv_lens"]):
-            pages = indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
-            tokens = torch.arange(n)
-            read[pages[tokens // plan["page_size"]], tokens % plan["page_size"]] = True
+        read = read_slots(plan["kv_lens"], plan["page_size"], kv_indptr, indices, num_pages)
         total, heads = int(qo_indptr[-1]), plan["num_heads"]
         layers = []
         for layer in range(plan["layers"]):
@@ -189,13 +181,7 @@ def mla_layer(wrapper, case, plan, layer) -> dict:
         layer["q_nope"], layer["q_pe"], layer["ckv"], layer["kpe"], out=out, lse=lse, return_lse=plan["return_lse"],
         **scales,
     )  # fmt: skip
-    got_out, got_lse = result if plan["return_lse"] else (result, lse)
-    if out is not None and got_out is not out:
-        raise FuzzFailure("run(out=...) did not return the given out")
-    got = {"out": got_out.clone()}
-    if got_lse is not None:
-        got["lse"] = got_lse.clone()
-    return got
+    return run_outputs(result, out, lse, plan["return_lse"])
 
 
 def mla_reference(case, inputs):
@@ -223,9 +209,7 @@ def mla_reference(case, inputs):
             heads = plan["num_heads"]
             outs.insert(0, torch.zeros(0, heads, ckv_dim, dtype=torch.float64))  # an empty batch: no rows
             lses.insert(0, torch.zeros(0, heads, dtype=torch.float64))
-            outputs[f"p{p}.l{layer_index}.out"] = torch.cat(outs)
-            if plan["return_lse"] or plan["io"] == "given":
-                outputs[f"p{p}.l{layer_index}.lse"] = torch.cat(lses)
+            add_layer_reference(outputs, p, layer_index, plan, torch.cat(outs), torch.cat(lses))
     return outputs
 
 
@@ -263,15 +247,10 @@ def draw_mla_append(rng: random.Random) -> dict:
 
 def mla_append_inputs(case):
     g = generator(case)
-    ps = case["page_size"]
     after = [b + a for b, a in zip(case["seq_before"], case["appended"])]
-    counts = [-(-n // ps) for n in after]
-    used = sum(counts)
-    num_pages = max(used + case["spare"], 1)
-    indices = torch.randperm(num_pages, generator=g)[:used].to(torch.int32)
-    indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-    last = torch.tensor([(n - 1) % ps + 1 if n else 0 for n in after], dtype=torch.int32)
-    append_indptr = torch.tensor([0, *torch.tensor(case["appended"]).cumsum(0).tolist()], dtype=torch.int32)
+    # FlashInfer's kv_last_page_len of a request without pages is 0
+    indptr, indices, last, num_pages = page_table(after, case["page_size"], case["spare"], False, g, empty_last=0)
+    append_indptr = indptr_of(case["appended"])
     nnz = int(append_indptr[-1])
     ckv_dim, kpe_dim = case["dims"]
     new_ckv = torch.randn((nnz, ckv_dim), generator=g).to(case["dtype"])

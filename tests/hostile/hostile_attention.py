@@ -352,6 +352,29 @@ def _decode_plan_args(**changes):
     return args
 
 
+def _paged_run_cases(c: CaseList, run) -> None:
+    """The run() cases the decode and paged-prefill wrappers share: both take q, paged_kv_cache and out
+    over the one page table. Added before an op's own run() cases, so they lead their cells of
+    docs/safety.md."""
+    c.add("dtype", "run: out float32", lambda a: {"out": a["out"].float()}, Refuses(ValueError, "out"), setup=run)
+    c.add("device", "run: q on meta", lambda a: {"q": on_meta(a["q"])}, Refuses(ValueError, "q"), setup=run)
+    c.add("alias", "run: out is q", lambda a: {"out": a["q"]}, Refuses(ValueError, "out"), setup=run)
+    c.add(
+        "nan",
+        "run: NaN in every unread cache slot",
+        lambda a: {"paged_kv_cache": poisoned(a["paged_kv_cache"])},
+        all_finite(arg("out"), "not read: output unchanged"),
+        setup=run,
+    )
+    c.add(
+        "guard",
+        "run: q, paged_kv_cache, out end at a PROT_NONE page",
+        lambda a: {n: guarded(a[n]) for n in ("q", "paged_kv_cache", "out")},
+        SameAsPlain(),
+        setup=run,
+    )
+
+
 def decode_cases() -> CaseList:
     name = "BatchDecodeWithPagedKVCacheWrapper"
 
@@ -396,7 +419,8 @@ def decode_cases() -> CaseList:
     )
     # run()
     run = run_setup()
-    c.add("misuse", "run before plan", None, Refuses(PlanStateError, "plan"), setup=lambda: _unplanned_decode_run())
+    _paged_run_cases(c, run)
+    c.add("misuse", "run before plan", None, Refuses(PlanStateError, "plan"), setup=_unplanned_decode_run)
     c.add("misuse", "run after a failed plan", None, Refuses(PlanStateError, "plan"), setup=_run_after_failed_plan)
     c.add(
         "misuse",
@@ -429,7 +453,6 @@ def decode_cases() -> CaseList:
         Refuses(ValueError, "window_left"),
         setup=run,
     )
-    c.add("dtype", "run: out float32", lambda a: {"out": a["out"].float()}, Refuses(ValueError, "out"), setup=run)
     c.add(
         "dtype",
         "run: paged_kv_cache int16",
@@ -437,7 +460,6 @@ def decode_cases() -> CaseList:
         Refuses(TypeError, "paged_kv_cache"),
         setup=run,
     )
-    c.add("device", "run: q on meta", lambda a: {"q": on_meta(a["q"])}, Refuses(ValueError, "q"), setup=run)
     c.add(
         "device",
         "run: paged_kv_cache on meta",
@@ -455,7 +477,6 @@ def decode_cases() -> CaseList:
         Refuses(ValueError, "indices"),
         setup=run_setup(indices=i32(3, 0, 5)),
     )
-    c.add("alias", "run: out is q", lambda a: {"out": a["q"]}, Refuses(ValueError, "out"), setup=run)
     c.add(
         "alias",
         "run: out is in the cache",
@@ -468,13 +489,6 @@ def decode_cases() -> CaseList:
         "run: lse overlaps out",
         lambda a: {"lse": a["out"].view(-1)[:16].view(F32).view(2, 4)},
         Refuses(ValueError, "lse"),
-        setup=run,
-    )
-    c.add(
-        "nan",
-        "run: NaN in every unread cache slot",
-        lambda a: {"paged_kv_cache": poisoned(a["paged_kv_cache"])},
-        all_finite(arg("out"), "not read: output unchanged"),
         setup=run,
     )
     c.add(
@@ -498,24 +512,21 @@ def decode_cases() -> CaseList:
         nan_rows(arg("out"), [1], "request 1 NaN, request 0 unchanged"),
         setup=run,
     )
-    c.add(
-        "guard",
-        "run: q, paged_kv_cache, out end at a PROT_NONE page",
-        lambda a: {n: guarded(a[n]) for n in ("q", "paged_kv_cache", "out")},
-        SameAsPlain(),
-        setup=run,
-    )
     return c
 
 
-def _unplanned_decode_run():
-    wrapper = kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace())
+def _decode_run_call(wrapper):
+    """run() of a decode wrapper without a usable plan, on arguments that fit a plan of page_table()."""
     return Setup(
         wrapper.run,
         q=randn(2, QO_HEADS, HEAD_DIM, dtype=BF16),
         paged_kv_cache=paged_cache(),
         out=torch.zeros(2, QO_HEADS, HEAD_DIM, dtype=BF16),
     )
+
+
+def _unplanned_decode_run():
+    return _decode_run_call(kernforge.BatchDecodeWithPagedKVCacheWrapper(workspace()))
 
 
 def _run_after_failed_plan():
@@ -524,12 +535,7 @@ def _run_after_failed_plan():
         wrapper.plan(**_decode_plan_args(indptr=i32(0, 3, 2)))
     except ValueError:
         pass
-    return Setup(
-        wrapper.run,
-        q=randn(2, QO_HEADS, HEAD_DIM, dtype=BF16),
-        paged_kv_cache=paged_cache(),
-        out=torch.zeros(2, QO_HEADS, HEAD_DIM, dtype=BF16),
-    )
+    return _decode_run_call(wrapper)
 
 
 def _prefill_plan_args(**changes):
@@ -644,6 +650,7 @@ def prefill_paged_cases() -> CaseList:
         Refuses(ValueError, "paged_kv_last_page_len"),
     )
     run = run_setup()
+    _paged_run_cases(c, run)
     c.add(
         "misuse",
         "run before plan",
@@ -673,9 +680,6 @@ def prefill_paged_cases() -> CaseList:
         Refuses(ValueError, "paged_kv_indices"),
         setup=run_setup(paged_kv_indices=i32(3, 0, 5)),
     )
-    c.add("device", "run: q on meta", lambda a: {"q": on_meta(a["q"])}, Refuses(ValueError, "q"), setup=run)
-    c.add("dtype", "run: out float32", lambda a: {"out": a["out"].float()}, Refuses(ValueError, "out"), setup=run)
-    c.add("alias", "run: out is q", lambda a: {"out": a["q"]}, Refuses(ValueError, "out"), setup=run)
     c.add(
         "alias",
         "run: out is in the cache",
@@ -685,23 +689,9 @@ def prefill_paged_cases() -> CaseList:
     )
     c.add(
         "nan",
-        "run: NaN in every unread cache slot",
-        lambda a: {"paged_kv_cache": poisoned(a["paged_kv_cache"])},
-        all_finite(arg("out"), "not read: output unchanged"),
-        setup=run,
-    )
-    c.add(
-        "nan",
         "run: NaN in q token 4",
         lambda a: {"q": with_value(a["q"], (4, 3, 1), NAN)},
         nan_rows(arg("out"), [4], "token 4 NaN, others unchanged"),
-        setup=run,
-    )
-    c.add(
-        "guard",
-        "run: q, paged_kv_cache, out end at a PROT_NONE page",
-        lambda a: {n: guarded(a[n]) for n in ("q", "paged_kv_cache", "out")},
-        SameAsPlain(),
         setup=run,
     )
     return c

@@ -1,5 +1,6 @@
 """Checks for the table's :class:`~hostile_harness.Runs` cases: what NaN/Inf must do (FlashInfer's and
-torch's behaviour), and what an aliased output must compute."""
+torch's behaviour), and what an aliased output must compute (with :func:`in_place_out`, the aliasing
+cases of an op that may work in place)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from hostile_harness import Runs, same_bits
+from hostile_harness import CaseList, Runs, overlapping, same_bits
 
 Get = Callable[[Any, dict], torch.Tensor]  # (result, args) -> the output tensor to look at
 
@@ -58,6 +59,19 @@ def same_as_plain(get: Get, note: str) -> Runs:
         assert same_bits(get(res, args), get(*plain)), "the aliased call computed something else"
 
     return Runs(check, note)
+
+
+def in_place_out(
+    c: CaseList, x: str, shape: tuple[int, int], note: str = "allowed: in place, same result", what: str = ""
+) -> CaseList:
+    """The two aliasing cases of an op whose ``out`` may be its input ``x`` (its in-place form): ``out``
+    is ``x`` (``what``; by default "out is <x> (in place)") computes what a separate out does; ``out``
+    overlapping ``x`` a row later (``shape``: out's [rows, row length]) is refused naming ``out``,
+    as every overlap other than the exact alias is."""
+    c.add("alias", what or f"out is {x} (in place)", lambda a: {"out": a[x]}, same_as_plain(result(), note))
+    return c.refuse(
+        "alias", f"out overlaps {x}, a row later", lambda a: overlapping(a, x, "out", shape, shape[1]), "out"
+    )
 
 
 def all_finite(get: Get, note: str) -> Runs:

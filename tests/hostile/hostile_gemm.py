@@ -373,7 +373,9 @@ def int4_cases(name: str) -> CaseList:
         "w_scales",
     )
     c.refuse("shape", "w_zeros without w_scales", lambda a: {"w_scales": None}, "w_scales", TypeError)
-    c.refuse("index", "w_zeros 17 (past 4 bits)", lambda a: {"w_zeros": with_value(a["w_zeros"], (1, 3), 17)}, "w_zeros")
+    c.refuse(
+        "index", "w_zeros 17 (past 4 bits)", lambda a: {"w_zeros": with_value(a["w_zeros"], (1, 3), 17)}, "w_zeros"
+    )
     c.add(*_nan_row("x"))
     c.guard("x", "w", "w_zeros", "w_scales", "bias")
     return c

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hostile_checks import all_finite, arg, nan_rows, result
+from hostile_checks import all_finite, arg, in_place_out, nan_rows, result
 from hostile_harness import (
     CaseList,
     Refuses,
@@ -575,18 +575,7 @@ def fused_experts_cases() -> CaseList:
         lambda a: {"topk_ids": with_value(a["topk_ids"].long(), (2, 0), 2**32)},
         "topk_ids",
     )
-    c.add(
-        "alias",
-        "out is hidden_states (in place)",
-        lambda a: {"out": a["hidden_states"]},
-        Runs(_same_as_plain_out, "allowed: as inplace=True"),
-    )
-    c.refuse(
-        "alias",
-        "out overlaps hidden_states, a row later",
-        lambda a: overlapping(a, "hidden_states", "out", (TOKENS, HIDDEN_MOE), HIDDEN_MOE),
-        "out",
-    )
+    in_place_out(c, "hidden_states", (TOKENS, HIDDEN_MOE), "allowed: as inplace=True")
     c.add(
         "nan",
         "NaN in hidden_states token 2",
@@ -605,10 +594,6 @@ def fused_experts_cases() -> CaseList:
 
 def _check(ok):
     assert ok
-
-
-def _same_as_plain_out(res, args, plain):
-    assert same_bits(res, plain[0]), "in place computed something else"
 
 
 def shared_expert_cases() -> CaseList:
@@ -646,18 +631,7 @@ def shared_expert_cases() -> CaseList:
         lambda a: {"fused_experts_out": None},
         "fused_experts_out",
     )
-    c.add(
-        "alias",
-        "out is fused_experts_out",
-        lambda a: {"out": a["fused_experts_out"]},
-        Runs(_same_as_plain_out, "allowed: same result"),
-    )
-    c.refuse(
-        "alias",
-        "out overlaps fused_experts_out, a row later",
-        lambda a: overlapping(a, "fused_experts_out", "out", (TOKENS, HIDDEN_MOE), HIDDEN_MOE),
-        "out",
-    )
+    in_place_out(c, "fused_experts_out", (TOKENS, HIDDEN_MOE), "allowed: same result", "out is fused_experts_out")
     c.add(
         "nan",
         "NaN in fused_experts_out token 1",

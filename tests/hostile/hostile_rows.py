@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hostile_checks import arg, matches, nan_rows, result, same_as_plain
+from hostile_checks import arg, in_place_out, matches, nan_rows, result
 from hostile_harness import CaseList, Runs, Setup, i32, i64, on_meta, overlapping, randn, same_bits, with_value
 
 import kernforge
@@ -78,13 +78,7 @@ def norm_cases(name: str) -> CaseList:
     c.refuse(
         "shape", "out rows expanded (overlap)", lambda a: {"out": torch.empty(1, 48, dtype=BF16).expand(4, 48)}, "out"
     )
-    c.add(
-        "alias",
-        "out is input (in place)",
-        lambda a: {"out": a["input"]},
-        same_as_plain(result(), "allowed: in place, same result"),
-    )
-    c.refuse("alias", "out overlaps input, a row later", lambda a: overlapping(a, "input", "out", (4, 48), 48), "out")
+    in_place_out(c, "input", (4, 48))
     c.refuse("alias", "out overlaps weight", lambda a: {"weight": a["out"][0]}, "out")
     c.add(
         "nan",
@@ -164,6 +158,12 @@ def _qk(nnz=4, dtype=BF16, head_dim=64):
     return randn(nnz, 4, head_dim, dtype=dtype), randn(nnz, 2, head_dim, dtype=dtype, seed=1)
 
 
+def _rotated(in_place: bool, q: str = "q", k: str = "k"):
+    """Where a rope op leaves the rotated q and k: the in-place forms in their arguments, the others in
+    the (q, k) they return."""
+    return (arg(q), arg(k)) if in_place else (result(0), result(1))
+
+
 def pos_ids_cases(name: str) -> CaseList:
     op = getattr(kernforge, name)
     in_place = name.endswith("inplace")
@@ -193,8 +193,7 @@ def pos_ids_cases(name: str) -> CaseList:
         c.refuse(
             "alias", "q heads expanded (overlap)", lambda a: {"q": randn(4, 1, 64, dtype=BF16).expand(4, 4, 64)}, "q"
         )
-    get_q = arg("q") if in_place else result(0)
-    get_k = arg("k") if in_place else result(1)
+    get_q, get_k = _rotated(in_place)
     c.add(
         "nan",
         "NaN in q token 1",
@@ -230,8 +229,7 @@ def ragged_cases(name: str) -> CaseList:
     c.refuse("indptr", "indptr negative", lambda a: {"indptr": i32(0, -2, 5)}, "indptr")
     if in_place:
         c.refuse("alias", "k is q", lambda a: {"k": a["q"]}, "k")
-    get_q = arg("q") if in_place else result(0)
-    get_k = arg("k") if in_place else result(1)
+    get_q, get_k = _rotated(in_place)
     c.add(
         "nan",
         "NaN in k token 4",
@@ -280,8 +278,7 @@ def cos_sin_cases(name: str) -> CaseList:
     c.refuse("index", "position 2**40", lambda a: {"positions": i64(0, 2**40, 1)}, "positions")
     if in_place:
         c.refuse("alias", "key is query's first heads", lambda a: {"key": a["query"][:, :128]}, "key")
-    get_q = arg("query") if in_place else result(0)
-    get_k = arg("key") if in_place else result(1)
+    get_q, get_k = _rotated(in_place, "query", "key")
     c.add(
         "nan",
         "NaN in cos_sin_cache row 3",
@@ -400,15 +397,7 @@ def row_out_cases(name: str) -> CaseList:
     bad = {"temperature": 0.0, "top_k": 0, "top_p": -1.0}[param[0]]
     c.refuse("index", f"{param[0]} = {bad}", lambda a: {param[0]: bad}, param[0])
     c.refuse("nan", f"{param[0]} NaN", lambda a: {param[0]: torch.tensor([param[1]] * 3 + [NAN])}, param[0])
-    c.add(
-        "alias",
-        f"out is {x_name} (in place)",
-        lambda a: {"out": a[x_name]},
-        same_as_plain(result(), "allowed: in place, same result"),
-    )
-    c.refuse(
-        "alias", f"out overlaps {x_name}, a row later", lambda a: overlapping(a, x_name, "out", (4, 37), 37), "out"
-    )
+    in_place_out(c, x_name, (4, 37))
     if name == "top_k_mask_logits":  # FlashInfer keeps x >= the k-th largest: false for NaN
         c.add(
             "nan", "NaN in logits row 2", lambda a: {"logits": with_value(a["logits"], (2, 4), NAN)}, _nan_masked(2, 4)
