@@ -30,6 +30,8 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kernforge-installed
 SGLANG_CONSTRAINTS := constraints-sglang.txt
 SGLANG_VERSION := 0.5.23
 SGLANG_STUBS := tests/sglang/stubs/torchvision
+# kernforge's sgl_kernel (a distribution of its own: `pip uninstall kernforge-sgl-kernel` takes it out)
+SGLANG_SHIM := integrations/sgl_kernel_shim
 
 .PHONY: demo test test-fast test-sanitize test-sanitize-ci fuzz fuzz-sanitize soak-vllm bench bench-quick lint format test-latest pins test-transformers vllm test-vllm pins-vllm sglang test-sglang
 PY_SOURCES := kernforge tests benchmarks examples
@@ -188,11 +190,13 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 # SGLang 0.5.23 (no CUDA dependencies) and kernforge in .venv-sglang, at constraints-sglang.txt's pins.
-$(SGLANG_STAMP): pyproject.toml $(SGLANG_CONSTRAINTS) $(shell find $(SGLANG_STUBS) -name '*.py')
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_CONSTRAINTS) $(shell find $(SGLANG_STUBS) $(SGLANG_SHIM) -name '*.py' -o -name pyproject.toml)
 	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install --quiet -c $(SGLANG_CONSTRAINTS) torch==2.13.0 -e '.[sglang,test]'
 	$(SGLANG_PY) -m pip install --quiet --no-deps -c $(SGLANG_CONSTRAINTS) sglang==$(SGLANG_VERSION)
 	cp -r $(SGLANG_STUBS) "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(SGLANG_PY) -m pip install --quiet --no-deps ./$(SGLANG_SHIM)
+	rm -rf $(SGLANG_SHIM)/build $(SGLANG_SHIM)/*.egg-info
 	touch $(SGLANG_STAMP)
 
 sglang: $(SGLANG_STAMP)
