@@ -21,4 +21,8 @@ REGRESSIONS: list[tuple[str, int]] = [
     # fp32 logits of ~30 round by ~1e-6 each, which the out tolerance did not scale with
     # (targets_attention.out_tolerance), not the kernel
     ("BatchPrefillWithRaggedKVCacheWrapper", 1304190161),
+    # CI (master seed 0): fp32 Llama 3.1 RoPE at position 16043658, x / pi = 5106854.95 estimated in fp32 as
+    # 5106854.5 and rounded to 5106854: the remainder near pi, outside the polynomial's range, sin 1e-5
+    # off (kernforge/rope.h sincos now reduces the remainder once more)
+    ("apply_llama31_rope_pos_ids_inplace", 1413991568),
 ]

@@ -239,6 +239,19 @@ def test_pos_ids_far_positions(dtype, tier, assert_close_ref):
     assert_close_ref(k_rope, ref_rotate(k, cos, sin, 64, False), dtype, f"far positions tier={tier}")
 
 
+def test_every_position_of_the_last_65536_below_2_to_the_24(tier):
+    """Angles (frequency 1) of every position in [2^24 - 2^16, 2^24): where x / pi lies just past a
+    half-integer, its fp32 estimate rounds to the wrong k, which left r near +-pi (sin 1e-5 off) until
+    the remainder was reduced once more (kernforge/rope.h sincos; the fuzzer's case in CI)."""
+    pos_ids = torch.arange(2**24 - 2**16, 2**24)
+    q = torch.randn(len(pos_ids), 1, 2, generator=seeded("near pi", torch.float32))
+    angle = pos_ids.double()  # rotary_dim 2: the one frequency is 1, whatever theta
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+    q_rope, _ = kernforge.apply_rope_pos_ids(q, q.clone(), pos_ids, rotary_dim=2, interleave=True)
+    error = (q_rope.double() - ref_rotate(q.double(), cos, sin, 2, True).double()).abs().max()
+    assert error <= 1e-6 * q.abs().max(), f"tier={tier}: {error}"
+
+
 def test_defaults_match_flashinfer():
     """rotary_dim=None rotates the whole head; FlashInfer's defaults: rope_scale=1, rope_theta=1e4;
     Llama 3.1: rope_scale=8, rope_theta=5e5, low 1, high 4, old_context_len 8192."""

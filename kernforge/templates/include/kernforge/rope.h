@@ -91,17 +91,27 @@ struct Angles {
 // a 45 us bf16 decode step (64 tokens, 32 + 8 heads of 128, Zen 5); this takes about 1 us.
 // The angle is reduced by k pi, k = rint(x / pi), in three fused multiply-adds with pi split over
 // three floats: the first is exact (what it leaves fits a float), so the reduction holds for
-// angles up to 2^24 (a position of millions at frequency 1). Taylor polynomials to x^13 / x^14 on
-// [-pi/2, pi/2] (truncation below 1e-9) and (-1)^k finish it. The generic tier has no fused
+// angles up to 2^24 (a position of millions at frequency 1). x / pi as an fp32 product is off by up
+// to 0.45 there (its rounding and 1/pi's), so k can miss by one and leave r near +-pi: what is left
+// is reduced once more, by rint(r / pi), which r's size makes exact. Taylor polynomials to x^13 /
+// x^14 on [-pi/2, pi/2] (truncation below 1e-9) and (-1)^k finish it. The generic tier has no fused
 // multiply-add to make the first step exact, so it calls the libm per lane.
+inline VecF reduced_by_pi(VecF k, VecF x) {
+  VecF r = fma(k, VecF::broadcast(-3.14159274101257324219f), x);  // -float(pi): an exact step
+  r = fma(k, VecF::broadcast(8.74227765734758577310e-08f), r);    // -(pi - float(pi)), rounded
+  return fma(k, VecF::broadcast(3.43024902e-15f), r);             // -(what that rounding left)
+}
+
 inline void sincos(VecF x, VecF& sin, VecF& cos) {
 #if defined(KF_TIER_GENERIC)
   for (int i = 0; i < VecF::kWidth; ++i) ::sincosf(x.lane[i], &sin.lane[i], &cos.lane[i]);
 #else
-  const VecF k = rint(x * VecF::broadcast(0.318309886183790671538f));
-  VecF r = fma(k, VecF::broadcast(-3.14159274101257324219f), x);  // -float(pi): an exact step
-  r = fma(k, VecF::broadcast(8.74227765734758577310e-08f), r);    // -(pi - float(pi)), rounded
-  r = fma(k, VecF::broadcast(3.43024902e-15f), r);                // -(what that rounding left)
+  const VecF inv_pi = VecF::broadcast(0.318309886183790671538f);
+  VecF k = rint(x * inv_pi);
+  VecF r = reduced_by_pi(k, x);
+  const VecF again = rint(r * inv_pi);  // -1, 0 or 1
+  r = reduced_by_pi(again, r);
+  k = k + again;
   // (-1)^k: parity = k - 2 rint((k - 0.5) / 2), exact for integral k.
   const VecF half = VecF::broadcast(0.5f);
   const VecF parity = k - VecF::broadcast(2.0f) * rint((k - half) * half);
