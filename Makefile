@@ -118,7 +118,7 @@ SANITIZE_TESTS ?= $(SANITIZE_CI_TESTS) \
 	tests/moe/test_moe_int4.py::test_matches_the_dequantized_float64_reference \
 	tests/mla/test_mla_attention.py::test_matches_expanded_reference
 test-sanitize: $(STAMP)
-	$(PY) -m kernforge.sanitize -m pytest -q --cover -m "not slow" $(SANITIZE_TESTS)
+	$(PY) -m kernforge.sanitize -m pytest -q --capture=sys --cover -m "not slow" $(SANITIZE_TESTS)
 
 test-sanitize-ci: SANITIZE_TESTS = $(SANITIZE_CI_TESTS)
 test-sanitize-ci: test-sanitize
@@ -133,7 +133,7 @@ fuzz: $(STAMP)
 
 # The same with the kernels under ASan and UBSan (fewer cases: -O0 kernels, and each target's first case compiles).
 fuzz-sanitize: $(STAMP)
-	$(PY) -m kernforge.sanitize -m pytest -q tests/fuzz --fuzz-seconds $(FUZZ_SECONDS) --fuzz-seed $(FUZZ_SEED) --fuzz-report $(FUZZ_REPORT)
+	$(PY) -m kernforge.sanitize -m pytest -q --capture=sys tests/fuzz --fuzz-seconds $(FUZZ_SECONDS) --fuzz-seed $(FUZZ_SEED) --fuzz-report $(FUZZ_REPORT)
 
 # Every benchmark routine through the driver (benchmarks/README.md, `benchmarks/run.py list`), the
 # figures appended as JSON lines to BENCH_JSONL: by default benchmarks/results/<machine kind>-<date>.jsonl,

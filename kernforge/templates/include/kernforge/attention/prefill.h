@@ -516,8 +516,15 @@ class PrefillKernel {
 #endif
     if constexpr (kBlocked < kPairs) {
       for (int64_t j = 0; j < kBlockN; ++j)
-        for (int64_t p = kBlocked; p < kPairs; ++p) words[p * kBlockN + j] = rows[j] ? rows[j][p] : 0u;
+        for (int64_t p = kBlocked; p < kPairs; ++p) words[p * kBlockN + j] = rows[j] ? load_word(rows[j] + p) : 0u;
     }
+  }
+
+  // A cache row's pair word: rows start wherever the cache's strides put them (2-byte aligned for bf16).
+  static uint32_t load_word(const uint32_t* at) {
+    uint32_t word;
+    std::memcpy(&word, at, sizeof(word));
+    return word;
   }
 
 #if defined(KF_TIER_AVX512) || defined(KF_TIER_AMX)
