@@ -46,6 +46,18 @@ def asan_runtime(argv: list[str] | None = None) -> Path:
     return path.resolve()
 
 
+def cxx_runtime(argv: list[str] | None = None) -> Path | None:
+    """The compiler's C++ runtime (``libstdc++.so.6``), preloaded after ASan's: ASan resolves the
+    ``__cxa_throw`` it intercepts when it starts, and Python does not link a C++ runtime, so without it
+    the first C++ exception (torch's, caught in Python) aborts the process. None where there is none."""
+    argv = argv or compiler.compiler_argv()
+    result = subprocess.run(
+        [*argv, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, env=compiler.compiler_env()
+    )
+    path = Path(result.stdout.strip())
+    return path.resolve() if result.returncode == 0 and path.is_absolute() and path.exists() else None
+
+
 def _merge(defaults: str, current: str | None) -> str:
     return f"{defaults}:{current}" if current else defaults  # later entries win
 
@@ -56,9 +68,9 @@ def sanitizer_env(sanitize: str, env: dict[str, str] | None = None) -> dict[str,
     env["KERNFORGE_SANITIZE"] = sanitize
     mode = _mode_for(sanitize, env)
     if "address" in mode.sanitize:
-        runtime = str(asan_runtime())
+        runtimes = [str(path) for path in (asan_runtime(), cxx_runtime()) if path is not None]
         preload = env.get("LD_PRELOAD", "").replace(":", " ").split()
-        env["LD_PRELOAD"] = " ".join([runtime, *(p for p in preload if p != runtime)])
+        env["LD_PRELOAD"] = " ".join([*runtimes, *(p for p in preload if p not in runtimes)])
         env["ASAN_OPTIONS"] = _merge(ASAN_DEFAULTS, env.get("ASAN_OPTIONS"))
     if "undefined" in mode.sanitize:
         env["UBSAN_OPTIONS"] = _merge(UBSAN_DEFAULTS, env.get("UBSAN_OPTIONS"))

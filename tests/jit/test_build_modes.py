@@ -298,12 +298,24 @@ def test_launcher_environment(monkeypatch):
     env = sanitize.sanitizer_env("address,undefined")
     runtime = str(sanitize.asan_runtime())
     assert os.path.isfile(runtime) and "libasan" in runtime
-    assert env["LD_PRELOAD"].split() == [runtime, "/opt/libkeep.so"]  # the runtime first
+    cxx = sanitize.cxx_runtime()
+    assert cxx is not None and "libstdc++" in str(cxx)
+    assert env["LD_PRELOAD"].split() == [runtime, str(cxx), "/opt/libkeep.so"]  # the runtimes first
     assert env["ASAN_OPTIONS"].endswith(":detect_leaks=1") and "abort_on_error=1" in env["ASAN_OPTIONS"]
     assert "halt_on_error=1" in env["UBSAN_OPTIONS"]
     assert env["KERNFORGE_SANITIZE"] == "address,undefined"
     ubsan = sanitize.sanitizer_env("undefined")
     assert ubsan["LD_PRELOAD"] == "/opt/libkeep.so" and ubsan["ASAN_OPTIONS"] == "detect_leaks=1"
+
+
+def test_a_cpp_exception_caught_in_python_under_the_launcher():
+    # torch raises RuntimeError through a C++ throw (a view that needs a copy); under ASan's preload
+    # without the C++ runtime preloaded too, ASan's __cxa_throw interceptor found no real one and aborted
+    code = "import torch\ntry:\n    torch.zeros(2, 3).t().view(6)\nexcept RuntimeError:\n    print('caught')"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernforge.sanitize", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "caught", proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("value", ["thread", ","])
