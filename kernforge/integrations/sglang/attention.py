@@ -191,8 +191,7 @@ def _new_batch(
     extend: tuple[Tensor, Tensor] | None,
     source: tuple[Tensor, ...],
 ) -> _Batch:
-    kv_indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=kv_indptr[1:])
+    kv_indptr = _indptr(lengths)
     width = int(lengths.max()) if len(lengths) else 0
     table = req_to_token[rows, :width]
     kv_indices = table[torch.arange(width) < lengths[:, None]].to(torch.int32)  # row by row, in order
@@ -200,10 +199,17 @@ def _new_batch(
     qo_indptr = None
     if extend is not None:
         extend_lens, starts = (t.long() for t in extend)
-        qo_indptr = torch.cat([starts, (starts[-1:] + extend_lens[-1:])]).to(torch.int32)
-        if len(starts) and (int(starts[0]) != 0 or not torch.equal(qo_indptr[1:] - qo_indptr[:-1], extend_lens.int())):
+        qo_indptr = _indptr(extend_lens)
+        if not torch.equal(qo_indptr[:-1], starts.int()):
             raise ValueError("extend_start_loc must be the running sums of extend_seq_lens, starting at 0")
     return _Batch(source, kv_indptr, kv_indices, last_page_len, qo_indptr, {})
+
+
+def _indptr(counts: Tensor) -> Tensor:
+    """int32 [len(counts) + 1]: 0, then the running sums of ``counts``."""
+    indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    return indptr
 
 
 def _plan_options(kind: LayerKind) -> dict[str, Any]:
